@@ -1,0 +1,193 @@
+"""The one typed configuration tree, and the only place that reads untyped configuration.
+
+Engines hand kvoffload a flat ``{key: value}`` dict (vLLM's ``kv_connector_extra_config``). ``OffloadConfig.from_dict``
+validates all of it at once and raises one ``ConfigError`` that names every bad or unknown key and lists the
+accepted ones. Every other module receives the typed values below. docs/configuration.md lists every key.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GIB = 1 << 30
+
+
+class ConfigError(ValueError):
+    """Bad configuration: the message names every culprit."""
+
+
+class EvictionPolicy(enum.Enum):
+    LRU = "lru"
+    ARC = "arc"
+
+
+class WritePolicy(enum.Enum):
+    WRITE_THROUGH = "write_through"
+    """Every block stored to host is also written to disk."""
+    ON_EVICT = "on_evict"
+    """Only blocks evicted from host are written to disk."""
+
+
+@dataclass(frozen=True)
+class HostTierConfig:
+    capacity_bytes: int = 4 * GIB
+    policy: EvictionPolicy = EvictionPolicy.LRU
+    copy_threads: int = 2
+
+
+@dataclass(frozen=True)
+class DiskTierConfig:
+    path: Path
+    capacity_bytes: int = 64 * GIB
+    policy: EvictionPolicy = EvictionPolicy.LRU
+    io_threads: int = 4
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
+    read_deadline_s: float = 2.0
+    breaker_errors: int = 8
+    breaker_cooldown_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Everything kvoffload needs to know from its user."""
+
+    offload_block_tokens: int | None = None
+    """Tokens per offload block; a multiple of the engine's block size. None: the engine's block size."""
+    host: HostTierConfig = field(default_factory=HostTierConfig)
+    disk: DiskTierConfig | None = None
+    model_id: str | None = None
+    """Overrides the model name used in the key namespace (engines sharing a tier must agree on it)."""
+    inject_load_failures: int = 0
+    """Testing knob: the first N load jobs of each worker fail (exercises the recompute path end to end)."""
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any] | None) -> OffloadConfig:
+        """Build and validate the tree from flat keys; raise ``ConfigError`` naming every problem."""
+        return _Parser(dict(raw or {})).parse()
+
+
+def _positive_int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ValueError("must be a positive integer")
+    return v
+
+
+def _non_negative_int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError("must be a non-negative integer")
+    return v
+
+
+def _positive_float(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
+        raise ValueError("must be a positive number")
+    return float(v)
+
+
+def _gib(v: Any) -> int:
+    return int(_positive_float(v) * GIB)
+
+
+def _enum(kind: type[enum.Enum]) -> Callable[[Any], Any]:
+    def parse(v: Any) -> Any:
+        try:
+            return kind(str(v).lower())
+        except ValueError:
+            raise ValueError(f"must be one of {[e.value for e in kind]}") from None
+
+    return parse
+
+
+def _path(v: Any) -> Path:
+    if not isinstance(v, str | Path) or not str(v):
+        raise ValueError("must be a directory path")
+    return Path(v).expanduser()
+
+
+def _text(v: Any) -> str:
+    if not isinstance(v, str) or not v:
+        raise ValueError("must be a non-empty string")
+    return v
+
+
+# key -> (parser, help). The help text is the source of docs/configuration.md's table.
+KEYS: dict[str, tuple[Callable[[Any], Any], str]] = {
+    "offload_block_tokens": (_positive_int, "tokens per offload block; a multiple of the engine block size"),
+    "host_bytes": (_positive_int, "host tier capacity in bytes (default 4 GiB)"),
+    "host_gib": (_gib, "host tier capacity in GiB (a float); alternative to host_bytes"),
+    "eviction_policy": (_enum(EvictionPolicy), "lru or arc, for every tier"),
+    "copy_threads": (_positive_int, "CPU threads copying device<->host when the KV cache is on the CPU"),
+    "disk_path": (_path, "directory of the disk tier; no disk tier when absent"),
+    "disk_bytes": (_positive_int, "disk tier capacity in bytes (default 64 GiB)"),
+    "disk_gib": (_gib, "disk tier capacity in GiB; alternative to disk_bytes"),
+    "disk_io_threads": (_positive_int, "threads doing disk reads and writes"),
+    "disk_write_policy": (_enum(WritePolicy), "write_through or on_evict"),
+    "disk_read_deadline_ms": (_positive_float, "a disk read slower than this counts as a miss"),
+    "disk_breaker_errors": (_positive_int, "consecutive disk errors that switch the disk tier off"),
+    "disk_breaker_cooldown_s": (_positive_float, "how long the disk tier stays off after tripping"),
+    "model_id": (_text, "model name in the key namespace (default: the engine's model)"),
+    "inject_load_failures": (_non_negative_int, "testing: the first N load jobs fail, forcing recompute"),
+}
+
+_EXCLUSIVE = (("host_bytes", "host_gib"), ("disk_bytes", "disk_gib"))
+
+
+class _Parser:
+    def __init__(self, raw: dict[str, Any]) -> None:
+        self.raw = raw
+        self.errors: list[str] = []
+        self.values: dict[str, Any] = {}
+
+    def parse(self) -> OffloadConfig:
+        for key, value in self.raw.items():
+            if key not in KEYS:
+                self.errors.append(f"unknown key {key!r}")
+                continue
+            try:
+                self.values[key] = KEYS[key][0](value)
+            except ValueError as e:
+                self.errors.append(f"{key}={value!r}: {e}")
+        for a, b in _EXCLUSIVE:
+            if a in self.raw and b in self.raw:
+                self.errors.append(f"give {a} or {b}, not both")
+        disk_keys = sorted(k for k in self.raw if k.startswith("disk_") and k != "disk_path")
+        if disk_keys and "disk_path" not in self.raw:
+            self.errors.append(f"{', '.join(disk_keys)} given without disk_path")
+        if self.errors:
+            raise ConfigError(
+                "invalid kvoffload configuration: " + "; ".join(self.errors)
+                + ". Accepted keys: " + ", ".join(sorted(KEYS))
+            )
+        return self._build()
+
+    def _build(self) -> OffloadConfig:
+        v = self.values
+        host = HostTierConfig(
+            capacity_bytes=v.get("host_bytes", v.get("host_gib", HostTierConfig.capacity_bytes)),
+            policy=v.get("eviction_policy", EvictionPolicy.LRU),
+            copy_threads=v.get("copy_threads", HostTierConfig.copy_threads),
+        )
+        disk = None
+        if "disk_path" in v:
+            deadline_ms = v.get("disk_read_deadline_ms")
+            disk = DiskTierConfig(
+                path=v["disk_path"],
+                capacity_bytes=v.get("disk_bytes", v.get("disk_gib", DiskTierConfig.capacity_bytes)),
+                policy=host.policy,
+                io_threads=v.get("disk_io_threads", DiskTierConfig.io_threads),
+                write_policy=v.get("disk_write_policy", WritePolicy.WRITE_THROUGH),
+                read_deadline_s=deadline_ms / 1000 if deadline_ms else DiskTierConfig.read_deadline_s,
+                breaker_errors=v.get("disk_breaker_errors", DiskTierConfig.breaker_errors),
+                breaker_cooldown_s=v.get("disk_breaker_cooldown_s", DiskTierConfig.breaker_cooldown_s),
+            )
+        return OffloadConfig(
+            offload_block_tokens=v.get("offload_block_tokens"),
+            host=host,
+            disk=disk,
+            model_id=v.get("model_id"),
+            inject_load_failures=v.get("inject_load_failures", 0),
+        )

@@ -1,0 +1,1 @@
+"""What an engine calls each step: the scheduler half and the worker half."""

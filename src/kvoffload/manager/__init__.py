@@ -1,0 +1,1 @@
+"""Scheduler side: which tier holds which block. Imports no torch."""

@@ -1,0 +1,158 @@
+"""Scheduler-side residency: what each tier holds, and the interface every tier manager implements.
+
+A manager is an index, not a data store: it never touches bytes (and imports no torch). The connector's scheduler
+half asks it where blocks are, reserves room for new ones, and tells it when the worker half finished a copy.
+Lifecycle of a block: ``prepare_store`` (in flight) -> ``complete_store(success)`` (ready, or forgotten) ->
+``prepare_load`` (pinned, cannot be evicted) -> ``complete_load`` (unpinned). Eviction picks only ready, unpinned
+blocks.
+
+Managers are not thread-safe: the scheduler half calls them from one thread.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvoffload.keys import OffloadKey
+from kvoffload.specs import BlockSpec, Medium
+
+
+class IntegrityError(RuntimeError):
+    """A manager's bookkeeping broke one of its conservation laws (a bug, never an input error)."""
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """How many leading keys can be loaded now, and whether the next one will be loadable soon.
+
+    ``pending`` is True when the first key that is not a hit is being stored or promoted from a lower tier: the
+    caller should ask again later instead of recomputing it.
+    """
+
+    hits: int
+    pending: bool = False
+
+
+@dataclass(frozen=True)
+class PrepareStoreOutput:
+    """Room reserved by ``prepare_store``.
+
+    ``keys_to_store``: the keys the caller must copy (keys already held or in flight are left out), in input order.
+    ``store_spec``: where to copy them (one entry per key in ``keys_to_store``).
+    ``evicted_keys``: keys removed from the tier to make room.
+    """
+
+    keys_to_store: tuple[OffloadKey, ...]
+    store_spec: BlockSpec
+    evicted_keys: tuple[OffloadKey, ...]
+
+
+class EventKind(enum.Enum):
+    STORED = "stored"
+    REMOVED = "removed"
+
+
+@dataclass(frozen=True)
+class OffloadEvent:
+    """Keys that became loadable (``STORED``) or stopped being loadable (``REMOVED``) on ``medium``."""
+
+    kind: EventKind
+    keys: tuple[OffloadKey, ...]
+    medium: Medium
+
+
+@dataclass(frozen=True)
+class TierTransfer:
+    """A copy a tier wants run in the background (promotion from disk, write-through to disk).
+
+    The connector gives it a job id, ships it to the workers, and reports its outcome with
+    ``complete_transfer(transfer_id, success)``.
+    """
+
+    transfer_id: int
+    src: BlockSpec
+    dst: BlockSpec
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    medium: Medium
+    used_blocks: int
+    capacity_blocks: int
+
+
+class ResidencyManager(ABC):
+    """Index of one tier (or a stack of tiers behind one face)."""
+
+    @abstractmethod
+    def lookup(self, keys: Sequence[OffloadKey]) -> LookupResult:
+        """Count the leading keys that are ready to load.
+
+        Args:
+            keys: consecutive block keys of one KV-cache group, in prefix order.
+        Returns:
+            The number of leading ready keys, and whether the first non-ready one is in flight.
+        """
+
+    @abstractmethod
+    def prepare_load(self, keys: Sequence[OffloadKey]) -> BlockSpec:
+        """Pin ``keys`` for a load and say where they are.
+
+        Args:
+            keys: keys that the last ``lookup`` reported as hits.
+        Returns:
+            The source spec, one entry per key, in order (``group_sizes`` is ``(len(keys),)``; callers regroup).
+        Raises:
+            KeyError: a key is not ready (a caller bug).
+        """
+
+    @abstractmethod
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """Mark ``keys`` as recently used (the eviction policy's input). Unknown keys are ignored."""
+
+    @abstractmethod
+    def complete_load(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
+        """Unpin ``keys`` after a load. On failure the keys are dropped from the tier once nothing pins them."""
+
+    @abstractmethod
+    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
+        """Reserve room for the keys not yet held, evicting ready, unpinned blocks if needed.
+
+        Returns:
+            The reservation, or None when there is not enough room; then nothing was changed.
+        """
+
+    @abstractmethod
+    def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
+        """Make stored keys loadable, or forget them (and free their room) when the store failed."""
+
+    @abstractmethod
+    def take_events(self) -> list[OffloadEvent]:
+        """Events since the last call, oldest first."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Forget every ready, unpinned block (pinned and in-flight blocks stay until completed)."""
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Check the manager's conservation laws.
+
+        Raises:
+            IntegrityError: the bookkeeping is inconsistent.
+        """
+
+    def take_transfers(self) -> list[TierTransfer]:
+        """Background copies this tier wants run (none for a single tier)."""
+        return []
+
+    def complete_transfer(self, transfer_id: int, success: bool) -> None:
+        """Outcome of a copy handed out by ``take_transfers``."""
+        raise KeyError(f"unknown tier transfer {transfer_id}")
+
+    @abstractmethod
+    def usage(self) -> list[TierUsage]:
+        """Blocks held per tier (ready, pinned or in flight) and capacity, for metrics; top tier first."""

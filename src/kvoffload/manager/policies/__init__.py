@@ -1,0 +1,1 @@
+"""Eviction policies behind one small interface (see ``base.py``)."""

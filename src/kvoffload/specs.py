@@ -1,0 +1,95 @@
+"""What a transfer job moves: a list of blocks on one medium.
+
+Specs are small, picklable values; they cross from the scheduler half to the worker half inside
+``ConnectorMetadata``. A job copies ``src`` to ``dst``; the two specs name the same blocks in the same order.
+
+Block order and groups: a spec lists the blocks of KV-cache group 0 first, then group 1, and so on;
+``group_sizes[g]`` says how many entries belong to group ``g``. On the device, one entry is one engine block; on the
+host and on disk one entry is one offload block, which holds ``factor`` consecutive engine blocks (sub-blocks).
+A load may begin inside an offload block whose first sub-blocks the engine already holds: ``skip_sub_blocks`` says
+how many leading sub-blocks of each group's first entry are not copied.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NewType
+
+from kvoffload.keys import OffloadKey
+
+JobId = NewType("JobId", int)
+
+
+class Medium(enum.Enum):
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+
+
+def _check_groups(name: str, entries: int, group_sizes: tuple[int, ...]) -> None:
+    if any(n < 0 for n in group_sizes) or sum(group_sizes) != entries:
+        raise ValueError(f"{name}: group_sizes {group_sizes} do not add up to {entries} blocks")
+
+
+@dataclass(frozen=True)
+class DeviceBlocks:
+    """Engine blocks in the device KV cache (one entry per engine block)."""
+
+    block_ids: tuple[int, ...]
+    group_sizes: tuple[int, ...]
+
+    medium = Medium.DEVICE
+
+    def __post_init__(self) -> None:
+        _check_groups("DeviceBlocks", len(self.block_ids), self.group_sizes)
+
+
+@dataclass(frozen=True)
+class HostBlocks:
+    """Slots of the host tier's pool (one entry per offload block)."""
+
+    slots: tuple[int, ...]
+    group_sizes: tuple[int, ...]
+    skip_sub_blocks: int = 0
+
+    medium = Medium.HOST
+
+    def __post_init__(self) -> None:
+        _check_groups("HostBlocks", len(self.slots), self.group_sizes)
+        if self.skip_sub_blocks < 0:
+            raise ValueError(f"HostBlocks: skip_sub_blocks {self.skip_sub_blocks} is negative")
+
+
+@dataclass(frozen=True)
+class DiskBlocks:
+    """Files of the disk tier, named by key (one entry per offload block)."""
+
+    keys: tuple[OffloadKey, ...]
+    group_sizes: tuple[int, ...]
+
+    medium = Medium.DISK
+
+    def __post_init__(self) -> None:
+        _check_groups("DiskBlocks", len(self.keys), self.group_sizes)
+
+
+BlockSpec = DeviceBlocks | HostBlocks | DiskBlocks
+
+
+@dataclass(frozen=True)
+class TransferJob:
+    """Copy ``src`` to ``dst``. Job ids increase monotonically within one scheduler."""
+
+    job_id: JobId
+    src: BlockSpec
+    dst: BlockSpec
+
+    @property
+    def transfer_type(self) -> tuple[Medium, Medium]:
+        return (self.src.medium, self.dst.medium)
+
+
+def transfer_name(transfer_type: tuple[Medium, Medium]) -> str:
+    """``"device_to_host"`` and friends: the label used in stats and metrics."""
+    return f"{transfer_type[0].value}_to_{transfer_type[1].value}"

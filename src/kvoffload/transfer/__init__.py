@@ -1,0 +1,1 @@
+"""Worker side: moving bytes between media. Decides nothing."""
