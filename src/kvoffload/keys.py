@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NewType
 
 FORMAT_VERSION = 1
@@ -51,6 +51,13 @@ class Namespace:
         fields = (self.model, self.dtype, self.layout, str(self.rank), str(self.world_size),
                   str(self.format_version))
         return _digest(b"kvoffload-namespace", *(f.encode() for f in fields))
+
+    def chain_root(self) -> bytes:
+        """Root of every key chain: the same on every rank, since one scheduler keys the blocks of all ranks.
+
+        Per-rank bytes (a rank's files on a shared disk) are told apart by ``fingerprint()``, which covers the rank.
+        """
+        return replace(self, rank=0).fingerprint()
 
 
 def _digest(*parts: bytes) -> bytes:
