@@ -1,0 +1,262 @@
+"""The scheduler half: decides what to load and store each engine step. Never touches tensors.
+
+Per step the engine asks it, for each new request, how many prefix tokens kvoffload can supply
+(``get_num_new_matched_tokens``), tells it which device blocks it allocated (``update_state_after_alloc``: this
+creates a load job), then asks for the step's ``ConnectorMetadata`` (``build_connector_meta``: stores for every block
+that becomes full this step, background tier jobs, fences). Workers report finished jobs back
+(``update_connector_output``); a job is done once every worker reported it, and failed if any worker failed it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from kvoffload.config import OffloadConfig
+from kvoffload.connector.metadata import ConnectorMetadata, LoadJob, WorkerMetadata
+from kvoffload.connector.requests import (
+    EngineRequest,
+    PlannedLoad,
+    RequestState,
+    ScheduledRequest,
+    StepSchedule,
+)
+from kvoffload.connector.stats import SchedulerStats
+from kvoffload.connector.tiers import build_manager, offload_factor
+from kvoffload.keys import Namespace, OffloadKey
+from kvoffload.layout import KVCacheLayout
+from kvoffload.manager.base import OffloadEvent, ResidencyManager, TierTransfer, TierUsage
+from kvoffload.specs import BlockSpec, DeviceBlocks, HostBlocks, JobId, TransferJob
+
+logger = logging.getLogger(__name__)
+
+
+class JobKind(Enum):
+    LOAD = "load"
+    STORE = "store"
+    TIER = "tier"
+
+
+@dataclass
+class _PendingJob:
+    kind: JobKind
+    req_id: str | None
+    keys: tuple[OffloadKey, ...] = ()
+    transfer_id: int = -1
+    ok: int = 0
+    failed: int = 0
+
+
+class ConnectorScheduler:
+    def __init__(self, config: OffloadConfig, layout: KVCacheLayout, engine_block_size: int,
+                 namespace: Namespace, manager: ResidencyManager | None = None) -> None:
+        self.factor = offload_factor(config, engine_block_size)
+        self.engine_block_size = engine_block_size
+        self.offload_tokens = self.factor * engine_block_size
+        self.num_groups = len(layout.groups)
+        self.world_size = namespace.world_size
+        self.manager = manager or build_manager(config, layout, self.factor, namespace)
+        self._root = namespace.chain_root()
+        self._requests: dict[str, RequestState] = {}
+        self._jobs: dict[JobId, _PendingJob] = {}
+        self._job_ids = itertools.count()
+        self._new_loads: list[LoadJob] = []
+        self._to_flush: set[JobId] = set()
+        self._stats = SchedulerStats()
+
+    # ---- load path -------------------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: EngineRequest, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        """Tokens kvoffload can load beyond the ``num_computed_tokens`` the engine already holds.
+
+        Returns ``(tokens, True)`` for a hit (whole offload blocks; the load is asynchronous), ``(0, False)`` for a
+        miss, and ``(None, False)`` when the next block is still being stored or promoted: ask again next step.
+        """
+        state = self._state(request)
+        state.planned_load = None
+        num_tokens = len(request.all_token_ids)
+        state.query_tokens = max(0, num_tokens - num_computed_tokens)
+        # The engine must compute at least the last prompt token itself, to sample from its logits.
+        end = (num_tokens - 1) // self.offload_tokens
+        first = num_computed_tokens // self.offload_tokens
+        if first >= end:
+            return 0, False
+        hits, pending = end - first, False
+        for group in range(self.num_groups):
+            result = self.manager.lookup(state.keys(first, first + hits, group))
+            if result.hits < hits:
+                # The group with the shortest run decides, and whether its next block is on its way.
+                hits, pending = result.hits, result.pending
+        if pending:
+            return None, False
+        hit_tokens = (first + hits) * self.offload_tokens - num_computed_tokens
+        if hits == 0 or hit_tokens <= 0:
+            return 0, False
+        state.planned_load = PlannedLoad(first, first + hits)
+        return hit_tokens, True
+
+    def update_state_after_alloc(self, request: EngineRequest, block_ids: Sequence[Sequence[int]],
+                                 num_external_tokens: int) -> None:
+        """The engine allocated ``block_ids`` (all of the request's blocks, per group): start the planned load."""
+        state = self._state(request)
+        state.block_ids = [list(ids) for ids in block_ids]
+        plan, state.planned_load = state.planned_load, None
+        self._stats.requests += 1
+        self._stats.query_tokens += state.query_tokens
+        if num_external_tokens == 0 or plan is None:
+            return
+        computed = plan.end * self.offload_tokens - num_external_tokens
+        skip = computed // self.engine_block_size - plan.first * self.factor
+        keys = [state.keys(plan.first, plan.end, g) for g in range(self.num_groups)]
+        flat_keys = tuple(k for group_keys in keys for k in group_keys)
+        src = self.manager.prepare_load(flat_keys)
+        self.manager.touch(flat_keys)
+        n = plan.end - plan.first
+        first_engine_block = computed // self.engine_block_size
+        last_engine_block = plan.end * self.factor
+        device_ids = tuple(b for ids in state.block_ids for b in ids[first_engine_block:last_engine_block])
+        per_group = last_engine_block - first_engine_block
+        dst = DeviceBlocks(device_ids, (per_group,) * self.num_groups)
+        job = self._new_job(JobKind.LOAD, request.request_id, flat_keys)
+        src = _regroup(src, (n,) * self.num_groups)
+        if skip:
+            if not isinstance(src, HostBlocks):
+                raise TypeError(f"loads come from host slots, not {type(src).__name__}")
+            src = dataclasses.replace(src, skip_sub_blocks=skip)
+        self._new_loads.append(LoadJob(request.request_id, TransferJob(job, src, dst)))
+        state.jobs.add(job)
+        self._stats.hit_tokens += num_external_tokens
+
+    # ---- each step -------------------------------------------------------------------------------------------
+
+    def build_connector_meta(self, step: StepSchedule) -> ConnectorMetadata:
+        for req_id in step.preempted_req_ids:
+            self._fence(req_id)
+            if (state := self._requests.get(req_id)) is not None:
+                state.block_ids = []
+                state.scheduled = False
+        store_jobs = [job for s in step.scheduled if (job := self._schedule_stores(s)) is not None]
+        tier_jobs = [self._tier_job(t) for t in self.manager.take_transfers()]
+        loads, self._new_loads = self._new_loads, []
+        flush, self._to_flush = self._to_flush, set()
+        return ConnectorMetadata(tuple(loads), tuple(store_jobs), tuple(tier_jobs), frozenset(flush))
+
+    def _schedule_stores(self, scheduled: ScheduledRequest) -> TransferJob | None:
+        state = self._requests.get(scheduled.req_id)
+        if state is None:
+            logger.debug("scheduled request %s was never looked up; not storing it", scheduled.req_id)
+            return None
+        if not state.scheduled or scheduled.resumed:
+            state.block_ids = [list(ids) for ids in scheduled.new_block_ids]
+            state.scheduled = True
+        else:
+            for ids, new in zip(state.block_ids, scheduled.new_block_ids, strict=True):
+                ids.extend(new)
+        first, end = state.next_store_block, state.full_blocks(scheduled.num_computed_tokens)
+        if end <= first:
+            return None
+        state.next_store_block = end
+        return self._store_job(state, first, end)
+
+    def _store_job(self, state: RequestState, first: int, end: int) -> TransferJob | None:
+        wanted = [(g, i, k) for g in range(self.num_groups)
+                  for i, k in enumerate(state.keys(first, end, g), start=first)]
+        out = self.manager.prepare_store([k for _, _, k in wanted])
+        if out is None or not out.keys_to_store:
+            return None
+        chosen = set(out.keys_to_store)
+        picked = [(g, i) for g, i, k in wanted if k in chosen]
+        group_sizes = tuple(sum(1 for g, _ in picked if g == group) for group in range(self.num_groups))
+        f = self.factor
+        device_ids = tuple(b for g, i in picked for b in state.block_ids[g][i * f:(i + 1) * f])
+        src = DeviceBlocks(device_ids, tuple(n * f for n in group_sizes))
+        job = self._new_job(JobKind.STORE, state.request.request_id, out.keys_to_store)
+        state.jobs.add(job)
+        return TransferJob(job, src, _regroup(out.store_spec, group_sizes))
+
+    def _tier_job(self, transfer: TierTransfer) -> TransferJob:
+        job = self._new_job(JobKind.TIER, None, (), transfer.transfer_id)
+        return TransferJob(job, transfer.src, transfer.dst)
+
+    def update_connector_output(self, report: WorkerMetadata) -> None:
+        """Count worker reports; finish a job once every worker has reported it."""
+        for job_ids, ok in ((report.completed, True), (report.failed, False)):
+            for job_id, count in job_ids.items():
+                job = self._jobs.get(job_id)
+                if job is None:
+                    logger.warning("report for unknown job %d ignored", job_id)
+                    continue
+                if ok:
+                    job.ok += count
+                else:
+                    job.failed += count
+                if job.ok + job.failed >= self.world_size:
+                    self._finish(job_id, job)
+
+    def _finish(self, job_id: JobId, job: _PendingJob) -> None:
+        del self._jobs[job_id]
+        success = job.failed == 0
+        if job.req_id is not None and (state := self._requests.get(job.req_id)) is not None:
+            state.jobs.discard(job_id)
+        if job.kind is JobKind.LOAD:
+            self.manager.complete_load(job.keys, success)
+            if not success:
+                self._stats.failed_load_tokens += len(job.keys) // self.num_groups * self.offload_tokens
+        elif job.kind is JobKind.STORE:
+            self.manager.complete_store(job.keys, success)
+        else:
+            self.manager.complete_transfer(job.transfer_id, success)
+
+    # ---- request end, resets, observability -------------------------------------------------------------------
+
+    def request_finished(self, req_id: str) -> None:
+        """The request is done (finished or aborted): its blocks may be reused once its pending jobs are flushed."""
+        self._fence(req_id)
+        self._requests.pop(req_id, None)
+
+    def _fence(self, req_id: str) -> None:
+        state = self._requests.get(req_id)
+        if state is not None:
+            self._to_flush |= state.jobs
+            state.jobs = set()
+
+    def take_events(self) -> list[OffloadEvent]:
+        return self.manager.take_events()
+
+    def reset(self) -> bool:
+        self.manager.reset()
+        return True
+
+    def take_stats(self) -> SchedulerStats:
+        stats, self._stats = self._stats, SchedulerStats()
+        return stats
+
+    def usage(self) -> list[TierUsage]:
+        return self.manager.usage()
+
+    @property
+    def num_pending_jobs(self) -> int:
+        return len(self._jobs)
+
+    def _state(self, request: EngineRequest) -> RequestState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = RequestState(request, self._root, self.offload_tokens, self.num_groups)
+            self._requests[request.request_id] = state
+        return state
+
+    def _new_job(self, kind: JobKind, req_id: str | None, keys: tuple[OffloadKey, ...],
+                 transfer_id: int = -1) -> JobId:
+        job_id = JobId(next(self._job_ids))
+        self._jobs[job_id] = _PendingJob(kind, req_id, tuple(keys), transfer_id)
+        return job_id
+
+
+def _regroup(spec: BlockSpec, group_sizes: tuple[int, ...]) -> BlockSpec:
+    """A manager returns one flat group; the job needs the per-group split of the same entries."""
+    return dataclasses.replace(spec, group_sizes=group_sizes)

@@ -1,0 +1,77 @@
+"""Counters the connector halves keep for users: transfer bytes and time per direction, hit and miss tokens.
+
+Both kinds are reset on read (``take``) and add up across workers and steps (``aggregate``), so an engine can
+ship them each step and a metrics exporter can sum them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvoffload.specs import transfer_name
+from kvoffload.transfer.base import TransferResult
+
+
+@dataclass
+class TransferCounters:
+    jobs: int = 0
+    failed_jobs: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def add(self, other: TransferCounters) -> None:
+        self.jobs += other.jobs
+        self.failed_jobs += other.failed_jobs
+        self.bytes += other.bytes
+        self.seconds += other.seconds
+
+
+@dataclass
+class TransferStats:
+    """Per transfer type (``"device_to_host"``, ``"host_to_device"``, ...)."""
+
+    by_type: dict[str, TransferCounters] = field(default_factory=dict)
+
+    def record(self, result: TransferResult) -> None:
+        c = self.by_type.setdefault(transfer_name(result.transfer_type), TransferCounters())
+        c.jobs += 1
+        c.failed_jobs += not result.success
+        c.bytes += result.bytes
+        c.seconds += result.seconds
+
+    def aggregate(self, other: TransferStats) -> TransferStats:
+        merged = TransferStats()
+        for stats in (self, other):
+            for name, c in stats.by_type.items():
+                merged.by_type.setdefault(name, TransferCounters()).add(c)
+        return merged
+
+    def is_empty(self) -> bool:
+        return not self.by_type
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        return {name: vars(c).copy() for name, c in self.by_type.items()}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, dict[str, float]]) -> TransferStats:
+        return cls({name: TransferCounters(int(c["jobs"]), int(c["failed_jobs"]), int(c["bytes"]),
+                                           float(c["seconds"])) for name, c in raw.items()})
+
+
+@dataclass
+class SchedulerStats:
+    """Prefix tokens asked for beyond the engine's own cache (``query_tokens``) and served by kvoffload."""
+
+    requests: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    failed_load_tokens: int = 0
+
+    @property
+    def miss_tokens(self) -> int:
+        return self.query_tokens - self.hit_tokens
+
+    def aggregate(self, other: SchedulerStats) -> SchedulerStats:
+        return SchedulerStats(self.requests + other.requests, self.query_tokens + other.query_tokens,
+                              self.hit_tokens + other.hit_tokens,
+                              self.failed_load_tokens + other.failed_load_tokens)

@@ -1,0 +1,149 @@
+"""The worker half: executes the scheduler half's jobs in one engine worker process (one per device / rank).
+
+Semantics of vLLM's original ``OffloadingConnectorWorker``, plus failures end to end:
+- stores are deferred: ``prepare_store_kv`` (after the forward pass) only queues them; they are submitted at the start
+  of the next step, so copying never delays sampling;
+- ``handle_preemptions`` submits the deferred stores and waits for ``jobs_to_flush`` before the engine reuses
+  device blocks those jobs read or write;
+- ``start_kv_transfers`` submits deferred stores first, then background tier jobs, then this step's loads;
+- ``get_finished`` reports requests whose loads finished; a failed load's device blocks come out of
+  ``get_block_ids_with_load_errors`` so the engine recomputes them;
+- ``build_connector_worker_meta`` reports finished job ids to the scheduler half.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from kvoffload.config import OffloadConfig
+from kvoffload.connector.metadata import ConnectorMetadata, WorkerMetadata
+from kvoffload.connector.stats import TransferStats
+from kvoffload.connector.tiers import host_num_slots, host_slot_bytes, offload_factor
+from kvoffload.keys import Namespace
+from kvoffload.layout import CanonicalKV, KVCacheLayout, canonicalize
+from kvoffload.specs import DeviceBlocks, JobId, Medium, TransferJob
+from kvoffload.transfer.base import TransferHandler
+from kvoffload.transfer.faults import FailFirstLoads
+from kvoffload.transfer.host import DeviceHostHandler
+from kvoffload.transfer.host_pool import HostPool
+from kvoffload.transfer.worker import TransferWorker
+
+logger = logging.getLogger(__name__)
+
+
+class ConnectorWorker:
+    def __init__(self, config: OffloadConfig, layout: KVCacheLayout, engine_block_size: int,
+                 namespace: Namespace) -> None:
+        self.config = config
+        self.layout = layout
+        self.namespace = namespace
+        self.factor = offload_factor(config, engine_block_size)
+        self.transfers = TransferWorker()
+        self.kv: CanonicalKV | None = None
+        self.pool: HostPool | None = None
+        self._deferred_stores: list[TransferJob] = []
+        self._loads: dict[JobId, tuple[str, DeviceBlocks]] = {}
+        self._completed: list[JobId] = []
+        self._failed: list[JobId] = []
+        self._finished_loads: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._stats = TransferStats()
+        self._fenced: ConnectorMetadata | None = None
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]) -> None:
+        """Canonicalize the engine's KV tensors, allocate the host pool and start the handlers."""
+        self.kv = canonicalize(self.layout, kv_caches)
+        on_cuda = self.kv.views[0].is_cuda
+        self.pool = HostPool(host_num_slots(self.config, self.layout, self.factor),
+                             host_slot_bytes(self.layout, self.factor), pin_memory=on_cuda)
+        handler: TransferHandler = DeviceHostHandler(self.kv, self.pool, self.factor,
+                                                     threads=self.config.host.copy_threads)
+        if self.config.inject_load_failures:
+            handler = FailFirstLoads(handler, self.config.inject_load_failures)
+        self.transfers.register(Medium.DEVICE, Medium.HOST, handler)
+        self.transfers.register(Medium.HOST, Medium.DEVICE, handler)
+        if self.config.disk is not None:
+            from kvoffload.transfer.disk import DiskHandler  # only when a disk tier is configured
+
+            disk = DiskHandler.create(self.config.disk, self.pool, self.namespace, self.layout, self.factor)
+            self.transfers.register(Medium.HOST, Medium.DISK, disk)
+            self.transfers.register(Medium.DISK, Medium.HOST, disk)
+        logger.info("kvoffload worker rank %d: %d host slots of %d bytes (%.2f GiB)", self.namespace.rank,
+                    self.pool.num_slots, self.pool.slot_bytes, self.pool.nbytes / 2**30)
+
+    def handle_preemptions(self, meta: ConnectorMetadata) -> None:
+        """Make the device blocks of finished, preempted or aborted requests safe to reuse."""
+        self._submit_deferred_stores()
+        if meta.jobs_to_flush and self._fenced is not meta:
+            self.transfers.wait(meta.jobs_to_flush)
+        self._fenced = meta
+
+    def start_kv_transfers(self, meta: ConnectorMetadata) -> None:
+        self.handle_preemptions(meta)
+        for job in meta.tier_jobs:
+            self._submit(job)
+        for load in meta.load_jobs:
+            if not isinstance(load.job.dst, DeviceBlocks):
+                raise ValueError(f"load job {load.job.job_id} does not target device blocks")
+            self._loads[load.job.job_id] = (load.req_id, load.job.dst)
+            self._submit(load.job)
+
+    def prepare_store_kv(self, meta: ConnectorMetadata) -> None:
+        self._deferred_stores.extend(meta.store_jobs)
+
+    def get_finished(self) -> set[str]:
+        self._poll()
+        done, self._finished_loads = self._finished_loads, set()
+        return done
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        self._poll()
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def build_connector_worker_meta(self) -> WorkerMetadata:
+        self._poll()
+        meta = WorkerMetadata.of(self._completed, self._failed)
+        self._completed, self._failed = [], []
+        return meta
+
+    def get_kv_connector_stats(self) -> TransferStats | None:
+        self._poll()
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, TransferStats()
+        return stats
+
+    def wait_all(self) -> None:
+        """Submit deferred stores and wait for every job in flight (tests, shutdown)."""
+        self._submit_deferred_stores()
+        self.transfers.wait(list(self.transfers.pending_job_ids))
+
+    def shutdown(self) -> None:
+        self.transfers.shutdown()
+
+    def _submit_deferred_stores(self) -> None:
+        stores, self._deferred_stores = self._deferred_stores, []
+        for job in stores:
+            self._submit(job)
+
+    def _submit(self, job: TransferJob) -> None:
+        if not self.transfers.submit(job):
+            self._record(job.job_id, success=False)
+
+    def _poll(self) -> None:
+        for result in self.transfers.get_finished():
+            self._stats.record(result)
+            self._record(result.job_id, result.success)
+
+    def _record(self, job_id: JobId, success: bool) -> None:
+        (self._completed if success else self._failed).append(job_id)
+        load = self._loads.pop(job_id, None)
+        if load is not None:
+            req_id, dst = load
+            self._finished_loads.add(req_id)
+            if not success:
+                self._load_errors.update(dst.block_ids)
