@@ -1,0 +1,137 @@
+"""Adaptive Replacement Cache (Megiddo and Modha, FAST 2003), adapted to tiers that reserve room first.
+
+Resident keys live in T1 (used once since they arrived) or T2 (used again). Evicted keys are remembered,
+without their data, in the ghost lists B1 and B2. A key that comes back while still remembered says which
+list was too short: back from B1 grows the target size ``p`` of T1 (recency pays), back from B2 shrinks it
+(frequency pays). A one-time scan therefore only churns T1 and leaves the frequently used keys in T2 alone.
+
+Differences from the paper, because a tier's manager reserves room before the data arrives: the choice of
+victims (the paper's REPLACE) happens in ``victims``, separately from the insertion of the new key, and it
+skips keys the manager refuses (pinned by a load, part of the same store) without moving them. ``remove``
+drops a key without remembering it: a key dropped because its load failed or because the tier was reset says
+nothing about the policy.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+
+from kvoffload.keys import OffloadKey
+from kvoffload.manager.base import IntegrityError
+from kvoffload.manager.policies.base import CanEvict, Policy
+
+_Keys = OrderedDict[OffloadKey, None]
+
+
+class ARCPolicy(Policy):
+    __slots__ = ("_b1", "_b2", "_capacity", "_p", "_seen_max", "_t1", "_t2")
+
+    def __init__(self, capacity: int | None = None) -> None:
+        if capacity is not None and capacity <= 0:
+            raise ValueError(f"ARCPolicy: capacity {capacity} must be positive")
+        self._capacity = capacity
+        self._seen_max = 0
+        self._p = 0.0
+        self._t1: _Keys = OrderedDict()
+        self._t2: _Keys = OrderedDict()
+        self._b1: _Keys = OrderedDict()
+        self._b2: _Keys = OrderedDict()
+
+    @property
+    def target_recent(self) -> float:
+        """The adaptive target size of T1 (``p`` in the paper)."""
+        return self._p
+
+    def insert(self, key: OffloadKey) -> None:
+        if key in self._t1 or key in self._t2:
+            self.touch(key)
+            return
+        if key in self._b1:
+            self._p = min(self._limit(), self._p + max(len(self._b2) / len(self._b1), 1.0))
+            del self._b1[key]
+            self._t2[key] = None
+        elif key in self._b2:
+            self._p = max(0.0, self._p - max(len(self._b1) / len(self._b2), 1.0))
+            del self._b2[key]
+            self._t2[key] = None
+        else:
+            self._t1[key] = None
+        self._seen_max = max(self._seen_max, len(self))
+        self._trim_history()
+
+    def touch(self, key: OffloadKey) -> None:
+        if key in self._t2:
+            self._t2.move_to_end(key)
+        elif key in self._t1:
+            del self._t1[key]
+            self._t2[key] = None
+
+    def remove(self, key: OffloadKey) -> None:
+        if key in self._t1:
+            del self._t1[key]
+        else:
+            self._t2.pop(key, None)
+
+    def victims(self, n: int, can_evict: CanEvict) -> list[OffloadKey] | None:
+        if n <= 0:
+            return []
+        recent = _candidates(self._t1, can_evict)
+        frequent = _candidates(self._t2, can_evict)
+        from_t1: list[OffloadKey] = []
+        from_t2: list[OffloadKey] = []
+        while len(from_t1) + len(from_t2) < n:
+            # The paper's REPLACE: take from T1 while it is above its target, else from T2; fall back to the
+            # other list when the preferred one has nothing evictable left.
+            prefer_t1 = len(self._t1) - len(from_t1) > self._p
+            first, second = (recent, frequent) if prefer_t1 else (frequent, recent)
+            key = next(first, None)
+            if key is not None:
+                (from_t1 if prefer_t1 else from_t2).append(key)
+                continue
+            key = next(second, None)
+            if key is None:
+                return None
+            (from_t2 if prefer_t1 else from_t1).append(key)
+        self._forget(from_t1, self._t1, self._b1)
+        self._forget(from_t2, self._t2, self._b2)
+        self._trim_history()
+        return from_t1 + from_t2
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._t1 or key in self._t2
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+    def check_integrity(self) -> None:
+        lists = (self._t1, self._t2, self._b1, self._b2)
+        sizes = [len(keys) for keys in lists]
+        if len(set().union(*lists)) != sum(sizes):
+            raise IntegrityError(f"ARC: a key is in two of T1, T2, B1, B2 (sizes {sizes})")
+        c = self._limit()
+        if len(self._t1) + len(self._b1) > max(c, len(self._t1)) or sum(sizes) > 2 * max(c, len(self)):
+            raise IntegrityError(f"ARC: history exceeds capacity {c} (T1, T2, B1, B2 sizes {sizes})")
+        if not 0.0 <= self._p <= c:
+            raise IntegrityError(f"ARC: target size of T1 {self._p} is outside [0, {c}]")
+
+    def _limit(self) -> int:
+        return self._capacity if self._capacity is not None else max(self._seen_max, 1)
+
+    @staticmethod
+    def _forget(keys: list[OffloadKey], resident: _Keys, history: _Keys) -> None:
+        for key in keys:
+            del resident[key]
+            history[key] = None
+
+    def _trim_history(self) -> None:
+        # The paper's bounds: |T1| + |B1| <= c and |T1| + |T2| + |B1| + |B2| <= 2c (oldest ghosts go first).
+        c = self._limit()
+        while self._b1 and len(self._t1) + len(self._b1) > c:
+            self._b1.popitem(last=False)
+        while len(self) + len(self._b1) + len(self._b2) > 2 * c and (self._b1 or self._b2):
+            (self._b2 or self._b1).popitem(last=False)
+
+
+def _candidates(keys: _Keys, can_evict: CanEvict) -> Iterator[OffloadKey]:
+    return (key for key in keys if can_evict(key))

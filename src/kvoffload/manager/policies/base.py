@@ -1,0 +1,103 @@
+"""The eviction-policy interface: which resident keys a tier gives up first when it needs room.
+
+A policy only orders keys; it knows nothing of slots, pins or in-flight stores. The tier manager inserts a
+key when it becomes loadable, touches it when it is used, removes it when it is dropped for another reason
+(failed load, reset), and asks for victims when a store needs room. Keys that must not go now (pinned by a
+load, part of the store being prepared) are refused through ``victims``' ``can_evict`` and keep their place
+in the order.
+
+Policies are not thread-safe (the scheduler half calls its managers from one thread).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+from kvoffload.config import EvictionPolicy
+from kvoffload.keys import OffloadKey
+
+CanEvict = Callable[[OffloadKey], bool]
+"""Says whether a resident key may be evicted right now."""
+
+
+class Policy(ABC):
+    """Orders a tier's resident keys for eviction. Every method is O(1) amortized except ``victims``."""
+
+    __slots__ = ()
+
+    @abstractmethod
+    def insert(self, key: OffloadKey) -> None:
+        """Make ``key`` resident (it just became loadable). Inserting a resident key counts as a use.
+
+        Args:
+            key: the key to track.
+        """
+
+    @abstractmethod
+    def touch(self, key: OffloadKey) -> None:
+        """Record a use of ``key``. A key that is not resident is ignored.
+
+        Args:
+            key: the key that was used (looked up and loaded).
+        """
+
+    @abstractmethod
+    def remove(self, key: OffloadKey) -> None:
+        """Stop tracking ``key`` without treating it as evicted (no history is kept for it).
+
+        Args:
+            key: the key dropped by its tier; a key that is not resident is ignored.
+        """
+
+    @abstractmethod
+    def victims(self, n: int, can_evict: CanEvict) -> list[OffloadKey] | None:
+        """Choose and remove ``n`` resident keys to evict, skipping those ``can_evict`` refuses.
+
+        Atomic: either exactly ``n`` keys are chosen and stop being resident, or nothing changes.
+        Cost: O(n + keys skipped).
+
+        Args:
+            n: how many keys to evict (0 returns an empty list).
+            can_evict: called on candidates in eviction order; False keeps a key resident, in its place.
+        Returns:
+            The evicted keys in eviction order, or None when fewer than ``n`` resident keys may be evicted.
+        """
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is resident (history such as ARC's ghost lists does not count)."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of resident keys."""
+
+    def check_integrity(self) -> None:  # noqa: B027 (optional hook: most policies have nothing to check)
+        """Check the policy's own invariants (the tier manager's ``check_integrity`` calls it).
+
+        Raises:
+            IntegrityError: the policy's bookkeeping is inconsistent.
+        """
+
+
+def make_policy(kind: EvictionPolicy, capacity: int | None = None) -> Policy:
+    """Build the policy ``kind`` names.
+
+    Args:
+        kind: which policy.
+        capacity: the most keys the tier can hold. ARC bounds its history by it; without it, ARC uses the
+            largest resident count it has seen. LRU ignores it.
+    Raises:
+        ValueError: ``capacity`` is not positive, or ``kind`` is not a known policy.
+    """
+    # Imported here: the implementations import this module for ``Policy``.
+    from kvoffload.manager.policies.arc import ARCPolicy
+    from kvoffload.manager.policies.lru import LRUPolicy
+
+    if capacity is not None and capacity <= 0:
+        raise ValueError(f"make_policy: capacity {capacity} must be positive")
+    if kind is EvictionPolicy.LRU:
+        return LRUPolicy()
+    if kind is EvictionPolicy.ARC:
+        return ARCPolicy(capacity)
+    raise ValueError(f"make_policy: unknown eviction policy {kind!r}")

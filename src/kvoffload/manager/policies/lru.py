@@ -1,0 +1,48 @@
+"""Least-recently-used eviction: one ordered dict, oldest use first."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from kvoffload.keys import OffloadKey
+from kvoffload.manager.policies.base import CanEvict, Policy
+
+
+class LRUPolicy(Policy):
+    __slots__ = ("_order",)
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[OffloadKey, None] = OrderedDict()
+
+    def insert(self, key: OffloadKey) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def touch(self, key: OffloadKey) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def remove(self, key: OffloadKey) -> None:
+        self._order.pop(key, None)
+
+    def victims(self, n: int, can_evict: CanEvict) -> list[OffloadKey] | None:
+        if n <= 0:
+            return []
+        chosen: list[OffloadKey] = []
+        for key in self._order:
+            if can_evict(key):
+                chosen.append(key)
+                if len(chosen) == n:
+                    break
+        else:
+            return None
+        order = self._order
+        for key in chosen:
+            del order[key]
+        return chosen
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    def __len__(self) -> int:
+        return len(self._order)
