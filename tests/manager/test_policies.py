@@ -1,0 +1,179 @@
+"""Eviction policies: victim order, atomicity, refused keys, ARC scan resistance and adaptation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvoffload.config import EvictionPolicy
+from kvoffload.keys import OffloadKey
+from kvoffload.manager.base import IntegrityError
+from kvoffload.manager.policies import ARCPolicy, LRUPolicy, Policy, make_policy
+
+
+def key(i: int) -> OffloadKey:
+    return OffloadKey(i.to_bytes(4, "big"))
+
+
+def keys(*ids: int) -> list[OffloadKey]:
+    return [key(i) for i in ids]
+
+
+def filled(policy: Policy, *ids: int) -> Policy:
+    for i in ids:
+        policy.insert(key(i))
+    return policy
+
+
+def anything(k: OffloadKey) -> bool:
+    return True
+
+
+BOTH = [pytest.param(LRUPolicy, id="lru"), pytest.param(lambda: ARCPolicy(8), id="arc")]
+
+
+def test_make_policy_builds_the_named_policy() -> None:
+    assert isinstance(make_policy(EvictionPolicy.LRU), LRUPolicy)
+    assert isinstance(make_policy(EvictionPolicy.ARC, 16), ARCPolicy)
+
+
+def test_make_policy_rejects_non_positive_capacity() -> None:
+    with pytest.raises(ValueError, match="capacity 0"):
+        make_policy(EvictionPolicy.ARC, 0)
+
+
+@pytest.mark.parametrize("new", BOTH)
+def test_victims_come_oldest_first_and_stop_being_resident(new) -> None:
+    policy = filled(new(), 1, 2, 3)
+    assert policy.victims(2, anything) == keys(1, 2)
+    assert len(policy) == 1
+    assert key(1) not in policy and key(3) in policy
+
+
+@pytest.mark.parametrize("new", BOTH)
+def test_victims_is_atomic_when_too_few_keys_may_go(new) -> None:
+    policy = filled(new(), 1, 2, 3)
+    assert policy.victims(3, lambda k: k != key(2)) is None
+    assert len(policy) == 3
+    assert policy.victims(3, anything) == keys(1, 2, 3)
+
+
+@pytest.mark.parametrize("new", BOTH)
+def test_refused_keys_are_skipped_and_keep_their_place(new) -> None:
+    policy = filled(new(), 1, 2, 3)
+    assert policy.victims(1, lambda k: k != key(1)) == keys(2)
+    assert policy.victims(1, anything) == keys(1)
+
+
+@pytest.mark.parametrize("new", BOTH)
+def test_zero_victims_is_an_empty_list(new) -> None:
+    assert filled(new(), 1).victims(0, anything) == []
+    assert new().victims(0, anything) == []
+
+
+@pytest.mark.parametrize("new", BOTH)
+def test_removed_and_unknown_keys(new) -> None:
+    policy = filled(new(), 1, 2)
+    policy.remove(key(1))
+    policy.remove(key(9))
+    policy.touch(key(9))
+    assert len(policy) == 1 and key(1) not in policy
+    assert policy.victims(2, anything) is None
+
+
+def test_lru_touch_moves_a_key_to_the_back() -> None:
+    policy = filled(LRUPolicy(), 1, 2, 3)
+    policy.touch(key(1))
+    assert policy.victims(3, anything) == keys(2, 3, 1)
+
+
+def test_lru_reinsert_counts_as_a_use() -> None:
+    policy = filled(LRUPolicy(), 1, 2)
+    policy.insert(key(1))
+    assert len(policy) == 2
+    assert policy.victims(1, anything) == keys(2)
+
+
+def scan(policy: Policy, capacity: int, ids: range) -> None:
+    """Insert each key once, evicting one resident key per insert when full (what a tier does)."""
+    for i in ids:
+        if len(policy) == capacity:
+            assert policy.victims(1, anything) is not None
+        policy.insert(key(i))
+
+
+def test_a_scan_flushes_lru_but_not_arcs_frequent_keys() -> None:
+    for policy in (LRUPolicy(), ARCPolicy(4)):
+        filled(policy, 1, 2)
+        policy.touch(key(1))
+        policy.touch(key(2))
+        scan(policy, 4, range(100, 120))
+        survivors = {k for k in keys(1, 2) if k in policy}
+        assert survivors == (set() if isinstance(policy, LRUPolicy) else set(keys(1, 2)))
+
+
+def test_arc_used_keys_outlive_recent_ones() -> None:
+    policy = filled(ARCPolicy(4), 1, 2, 3)
+    policy.touch(key(1))
+    assert policy.victims(3, anything) == keys(2, 3, 1)
+
+
+def test_arc_ghost_hit_in_recent_history_grows_the_recent_target() -> None:
+    policy = ARCPolicy(4)
+    scan(policy, 4, range(8))
+    assert policy.target_recent == 0
+    policy.victims(1, anything)
+    policy.insert(key(4))  # evicted earlier, still remembered in B1
+    assert policy.target_recent >= 1
+    assert key(4) in policy
+    policy.check_integrity()
+
+
+def test_arc_ghost_hit_in_frequent_history_shrinks_the_recent_target() -> None:
+    policy = filled(ARCPolicy(4), 1, 2)
+    for k in keys(1, 2):
+        policy.touch(k)
+    assert policy.victims(2, anything) == keys(1, 2)  # out of T2, into B2
+    filled(policy, 3)
+    assert policy.victims(1, anything) == keys(3)  # into B1
+    policy.insert(key(3))  # B1 hit: target up
+    grown = policy.target_recent
+    policy.insert(key(1))  # B2 hit: target down
+    assert policy.target_recent < grown
+    policy.check_integrity()
+
+
+def test_arc_remove_forgets_without_history() -> None:
+    policy = filled(ARCPolicy(4), 1)
+    policy.remove(key(1))
+    policy.insert(key(1))  # a brand-new key again: recent list, target unchanged
+    assert policy.target_recent == 0
+
+
+@pytest.mark.parametrize("capacity", [None, 3])
+def test_arc_history_stays_bounded_under_random_use(capacity: int | None) -> None:
+    rng = random.Random(7)
+    policy = ARCPolicy(capacity)
+    for _ in range(2000):
+        k = key(rng.randrange(12))
+        op = rng.random()
+        if op < 0.5 and k not in policy:
+            if len(policy) == 3:
+                policy.victims(1, lambda c: rng.random() < 0.8)  # may refuse all: then no insert
+            if len(policy) < 3:
+                policy.insert(k)
+        elif op < 0.8:
+            policy.touch(k)
+        else:
+            policy.remove(k)
+        policy.check_integrity()
+    assert len(policy) <= 3
+
+
+def test_arc_check_integrity_raises_on_a_key_in_two_lists() -> None:
+    policy = filled(ARCPolicy(4), 1, 2)
+    policy.touch(key(1))
+    policy._t1[key(1)] = None  # corrupt on purpose: key 1 is now in T1 and T2
+    with pytest.raises(IntegrityError, match="two of"):
+        policy.check_integrity()
