@@ -1,0 +1,172 @@
+"""The scheduler half on its own: jobs it builds, completions it counts, fences it raises. No tensors."""
+
+from dataclasses import dataclass, field
+
+from kvoffload.config import OffloadConfig
+from kvoffload.connector.metadata import WorkerMetadata
+from kvoffload.connector.requests import ScheduledRequest, StepSchedule
+from kvoffload.connector.scheduler import ConnectorScheduler
+from kvoffload.keys import Namespace
+from kvoffload.layout import AttentionSpec, KVCacheLayout, KVGroup
+from kvoffload.specs import DeviceBlocks, HostBlocks
+
+BLOCK = 16
+SPEC = AttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype="float16")  # 1 KiB pages
+
+
+@dataclass
+class Req:
+    request_id: str
+    all_token_ids: list[int]
+    extra_keys: tuple[str, ...] = ()
+    blocks: list[int] = field(default_factory=list)
+
+
+def make_scheduler(factor=1, groups=1, world_size=1, host_blocks=64):
+    layout = KVCacheLayout(num_blocks=128, groups=tuple(KVGroup.uniform([f"g{g}.l0"], SPEC) for g in range(groups)))
+    config = OffloadConfig.from_dict({"offload_block_tokens": factor * BLOCK,
+                                      "host_bytes": host_blocks * factor * SPEC.page_bytes})
+    return ConnectorScheduler(config, layout, BLOCK, Namespace("m", "fp16", layout.describe(),
+                                                               world_size=world_size))
+
+
+def run_prefill(sched, req, first_block=0, num_groups=1):
+    """Admit ``req`` with no hit and compute its whole prompt in one step; returns the step's metadata."""
+    n_blocks = -(-len(req.all_token_ids) // BLOCK)
+    req.blocks = list(range(first_block, first_block + n_blocks))
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    ids = [req.blocks] * num_groups
+    sched.update_state_after_alloc(req, ids, 0)
+    step = StepSchedule((ScheduledRequest(req.request_id, tuple(map(tuple, ids)), len(req.all_token_ids)),))
+    return sched.build_connector_meta(step)
+
+
+def complete(sched, meta, world_size=1, failed=()):
+    jobs = [j.job_id for j in meta.store_jobs] + [lj.job.job_id for lj in meta.load_jobs]
+    for _ in range(world_size):
+        sched.update_connector_output(WorkerMetadata.of([j for j in jobs if j not in failed],
+                                                        [j for j in jobs if j in failed]))
+
+
+def test_full_blocks_are_stored_after_the_step_that_fills_them():
+    sched = make_scheduler()
+    meta = run_prefill(sched, Req("a", list(range(70))))
+    (job,) = meta.store_jobs
+    assert isinstance(job.src, DeviceBlocks) and isinstance(job.dst, HostBlocks)
+    assert job.src.block_ids == (0, 1, 2, 3)  # 70 tokens: 4 full blocks, the 5th is partial
+    assert len(job.dst.slots) == 4
+
+
+def test_a_stored_prefix_is_a_hit_for_the_next_request_but_not_its_last_token():
+    sched = make_scheduler()
+    complete(sched, run_prefill(sched, Req("a", list(range(64)))))
+    b = Req("b", list(range(64)) + [9, 9])
+    assert sched.get_num_new_matched_tokens(b, 0) == (64, True)
+    same = Req("c", list(range(64)))
+    assert sched.get_num_new_matched_tokens(same, 0) == (48, True)  # the last token must be computed
+
+
+def test_load_job_fills_the_allocated_blocks_beyond_the_engine_prefix():
+    sched = make_scheduler()
+    complete(sched, run_prefill(sched, Req("a", list(range(64)))))
+    b = Req("b", list(range(80)))
+    assert sched.get_num_new_matched_tokens(b, 16) == (48, True)
+    sched.update_state_after_alloc(b, [[10, 11, 12, 13, 14]], 48)
+    (load,) = sched.build_connector_meta(StepSchedule(())).load_jobs
+    assert load.req_id == "b"
+    assert load.job.dst == DeviceBlocks((11, 12, 13), (3,))
+    assert isinstance(load.job.src, HostBlocks) and len(load.job.src.slots) == 3
+
+
+def test_factor_four_hit_may_begin_inside_an_offload_block():
+    sched = make_scheduler(factor=4)
+    complete(sched, run_prefill(sched, Req("a", list(range(128)))))
+    b = Req("b", list(range(129)))
+    # The engine already holds 2 of the first offload block's 4 sub-blocks.
+    assert sched.get_num_new_matched_tokens(b, 32) == (96, True)
+    sched.update_state_after_alloc(b, [list(range(20, 29))], 96)
+    (load,) = sched.build_connector_meta(StepSchedule(())).load_jobs
+    assert load.job.src.skip_sub_blocks == 2
+    assert load.job.dst.block_ids == (22, 23, 24, 25, 26, 27)
+
+
+def test_a_block_whose_store_is_in_flight_is_pending_not_a_hit():
+    sched = make_scheduler()
+    meta = run_prefill(sched, Req("a", list(range(64))))
+    assert sched.get_num_new_matched_tokens(Req("b", list(range(65))), 0) == (None, False)
+    complete(sched, meta)
+    assert sched.get_num_new_matched_tokens(Req("c", list(range(65))), 0) == (64, True)
+
+
+def test_a_job_completes_only_when_every_worker_reported_it():
+    sched = make_scheduler(world_size=2)
+    meta = run_prefill(sched, Req("a", list(range(64))))
+    complete(sched, meta, world_size=1)
+    assert sched.num_pending_jobs == 1
+    complete(sched, meta, world_size=1)
+    assert sched.num_pending_jobs == 0
+    assert sched.get_num_new_matched_tokens(Req("b", list(range(65))), 0) == (64, True)
+
+
+def test_a_store_failed_on_any_worker_is_never_indexed():
+    sched = make_scheduler(world_size=2)
+    meta = run_prefill(sched, Req("a", list(range(64))))
+    job = meta.store_jobs[0].job_id
+    sched.update_connector_output(WorkerMetadata.of([job], []))
+    sched.update_connector_output(WorkerMetadata.of([], [job]))
+    assert sched.get_num_new_matched_tokens(Req("b", list(range(65))), 0) == (0, False)
+    sched.manager.check_integrity()
+
+
+def test_a_failed_load_drops_its_keys():
+    sched = make_scheduler()
+    complete(sched, run_prefill(sched, Req("a", list(range(64)))))
+    b = Req("b", list(range(65)))
+    assert sched.get_num_new_matched_tokens(b, 0) == (64, True)
+    sched.update_state_after_alloc(b, [list(range(10, 15))], 64)
+    meta = sched.build_connector_meta(StepSchedule(()))
+    complete(sched, meta, failed={meta.load_jobs[0].job.job_id})
+    assert sched.get_num_new_matched_tokens(Req("c", list(range(65))), 0) == (0, False)
+    assert sched.take_stats().failed_load_tokens == 64
+
+
+def test_finishing_a_request_fences_its_stores_in_flight():
+    sched = make_scheduler()
+    meta = run_prefill(sched, Req("a", list(range(64))))
+    sched.request_finished("a")
+    fence = sched.build_connector_meta(StepSchedule(()))
+    assert fence.jobs_to_flush == {meta.store_jobs[0].job_id}
+    assert sched.build_connector_meta(StepSchedule(())).jobs_to_flush == frozenset()
+
+
+def test_preemption_fences_and_resumed_blocks_replace_old_ones():
+    sched = make_scheduler()
+    a = Req("a", list(range(40)))
+    meta = run_prefill(sched, a)
+    fence = sched.build_connector_meta(StepSchedule((), frozenset({"a"})))
+    assert fence.jobs_to_flush == {meta.store_jobs[0].job_id}
+    a.all_token_ids.extend(range(40, 64))
+    resumed = ScheduledRequest("a", ((50, 51, 52, 53),), 64, resumed=True)
+    (job,) = sched.build_connector_meta(StepSchedule((resumed,))).store_jobs
+    assert job.src.block_ids == (52, 53)  # blocks 0-1 were stored before the preemption
+
+
+def test_groups_get_their_own_keys_and_device_blocks():
+    sched = make_scheduler(groups=2)
+    meta = run_prefill(sched, Req("a", list(range(32))), num_groups=2)
+    (job,) = meta.store_jobs
+    assert job.src.group_sizes == (2, 2)
+    assert job.dst.group_sizes == (2, 2)
+    assert len(set(job.dst.slots)) == 4
+
+
+def test_stats_count_query_and_hit_tokens():
+    sched = make_scheduler()
+    complete(sched, run_prefill(sched, Req("a", list(range(64)))))
+    b = Req("b", list(range(100)))
+    hit, _ = sched.get_num_new_matched_tokens(b, 0)
+    sched.update_state_after_alloc(b, [list(range(10, 17))], hit)
+    stats = sched.take_stats()
+    assert (stats.requests, stats.query_tokens, stats.hit_tokens) == (2, 164, 64)
+    assert stats.miss_tokens == 100
+    assert sched.take_stats().requests == 0

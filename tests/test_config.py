@@ -1,0 +1,48 @@
+from pathlib import Path
+
+import pytest
+
+from kvoffload.config import GIB, ConfigError, EvictionPolicy, OffloadConfig, WritePolicy
+
+
+def test_defaults():
+    config = OffloadConfig.from_dict({})
+    assert config.host.capacity_bytes == 4 * GIB
+    assert config.host.policy is EvictionPolicy.LRU
+    assert config.disk is None
+    assert config.offload_block_tokens is None
+
+
+def test_full_configuration_is_typed():
+    config = OffloadConfig.from_dict({
+        "host_gib": 0.5, "offload_block_tokens": 64, "eviction_policy": "ARC", "disk_path": "/tmp/kv",
+        "disk_bytes": 1 << 30, "disk_write_policy": "on_evict", "disk_read_deadline_ms": 250,
+    })
+    assert config.host.capacity_bytes == GIB // 2
+    assert config.host.policy is EvictionPolicy.ARC
+    assert config.disk is not None
+    assert config.disk.path == Path("/tmp/kv")
+    assert config.disk.write_policy is WritePolicy.ON_EVICT
+    assert config.disk.read_deadline_s == 0.25
+    assert config.disk.policy is EvictionPolicy.ARC
+
+
+def test_one_error_names_every_bad_key_and_lists_accepted_keys():
+    with pytest.raises(ConfigError) as err:
+        OffloadConfig.from_dict({"host_bytes": -1, "eviction_policy": "fifo", "colour": "red"})
+    message = str(err.value)
+    for culprit in ("host_bytes=-1", "eviction_policy='fifo'", "unknown key 'colour'", "Accepted keys:",
+                    "offload_block_tokens"):
+        assert culprit in message
+
+
+def test_exclusive_and_dependent_keys():
+    with pytest.raises(ConfigError, match="host_bytes or host_gib"):
+        OffloadConfig.from_dict({"host_bytes": 1, "host_gib": 1})
+    with pytest.raises(ConfigError, match="without disk_path"):
+        OffloadConfig.from_dict({"disk_gib": 1})
+
+
+def test_booleans_are_not_integers():
+    with pytest.raises(ConfigError, match="offload_block_tokens"):
+        OffloadConfig.from_dict({"offload_block_tokens": True})
