@@ -1,0 +1,223 @@
+"""The disk tier's on-disk format: where a block's file lives, its fixed binary header, and the start-up scan.
+
+Shared by both halves: the worker's ``DiskHandler`` writes and reads files in this format, the scheduler's
+``DiskTierManager`` rebuilds its index from file names with ``scan_directory`` (no payload is read). This
+module imports no torch and does no block I/O; docs/disk-format.md is its prose twin: change them together.
+
+A file is ``HEADER`` (64 bytes, little-endian) followed by the raw payload bytes::
+
+    offset size field
+         0    8 magic              b"KVOFFBLK"
+         8    2 format version     1
+        10    2 header size        64
+        12    4 checksum algorithm 1 = zlib.crc32
+        16   16 namespace fingerprint (Namespace.fingerprint(): covers model, layout, rank, world size)
+        32   16 key                (OffloadKey, the same on every rank)
+        48    8 payload length
+        56    4 payload checksum
+        60    4 header checksum    (crc32 of bytes 0..59)
+
+Paths: ``<disk_path>/<chain root hex[:16]>/rank<r>/<key hex[:2]>/<key hex>.kvb``. A file is written under
+a temporary name in the same directory (``<key hex>.<pid>-<n>.tmp``) and renamed into place, so a final name
+never points at a half-written block.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import time
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from kvoffload.keys import KEY_BYTES, Namespace, OffloadKey
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"KVOFFBLK"
+DISK_FORMAT_VERSION = 1
+CHECKSUM_CRC32 = 1
+_HEADER = struct.Struct("<8sHHI16s16sQI")
+HEADER_BYTES = _HEADER.size + 4
+BLOCK_SUFFIX = ".kvb"
+TMP_SUFFIX = ".tmp"
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+STALE_TMP_S = 600.0
+"""A temporary file this old is left over from a crash even if its writer's pid is alive again (pid reuse)."""
+
+_KEY_HEX = KEY_BYTES * 2
+
+
+class CorruptBlockError(ValueError):
+    """A block file's bytes do not match its header (checksum, length, namespace or key)."""
+
+
+class GroupedLayout(Protocol):
+    """What the disk tier needs of a KV-cache layout (``layout.KVCacheLayout`` is one; no torch here)."""
+
+    @property
+    def groups(self) -> Sequence[Any]: ...
+
+    def group_block_bytes(self, group: int) -> int: ...
+
+
+def entry_bytes_of(layout: GroupedLayout, factor: int) -> tuple[int, ...]:
+    """Payload bytes of one offload block (``factor`` engine blocks) of each KV-cache group."""
+    if factor <= 0:
+        raise ValueError(f"offload factor {factor} must be positive")
+    return tuple(factor * layout.group_block_bytes(g) for g in range(len(layout.groups)))
+
+
+def world_directory(disk_path: Path, namespace: Namespace) -> Path:
+    """The directory of every rank of this world (named by the chain root, the same on all ranks)."""
+    return disk_path / namespace.chain_root().hex()[:16]
+
+
+def rank_directory(disk_path: Path, namespace: Namespace) -> Path:
+    """The directory holding ``namespace.rank``'s files; the scheduler's index covers rank 0's."""
+    return world_directory(disk_path, namespace) / f"rank{namespace.rank}"
+
+
+def rank_directories(disk_path: Path, namespace: Namespace) -> list[Path]:
+    """Every rank's directory of this world (files of an evicted key are removed from all of them)."""
+    return [rank_directory(disk_path, replace(namespace, rank=r)) for r in range(namespace.world_size)]
+
+
+def block_path(rank_dir: Path, key: OffloadKey) -> str:
+    """Final file name of ``key`` in ``rank_dir`` (a str: this runs per block)."""
+    name = key.hex()
+    return os.path.join(rank_dir, name[:2], name + BLOCK_SUFFIX)
+
+
+def file_bytes(payload_bytes: int) -> int:
+    """Size on disk of a block with ``payload_bytes`` of payload."""
+    return HEADER_BYTES + payload_bytes
+
+
+def checksum(payload: memoryview | bytes) -> int:
+    # crc32 releases the GIL on large buffers, so I/O threads checksum in parallel; bench disk measures it.
+    return zlib.crc32(payload)
+
+
+def encode_header(fingerprint: bytes, key: OffloadKey, payload_bytes: int, payload_checksum: int) -> bytes:
+    """The 64 header bytes of a block file."""
+    body = _HEADER.pack(MAGIC, DISK_FORMAT_VERSION, HEADER_BYTES, CHECKSUM_CRC32, fingerprint, key,
+                        payload_bytes, payload_checksum)
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def decode_header(raw: bytes | memoryview, fingerprint: bytes, key: OffloadKey, payload_bytes: int) -> int:
+    """Check a header against what the reader expects and return the payload checksum it records.
+
+    Raises:
+        CorruptBlockError: the header is damaged, from another format version or namespace, for another
+            key, or records another payload length.
+    """
+    if len(raw) != HEADER_BYTES:
+        raise CorruptBlockError(f"header is {len(raw)} bytes, expected {HEADER_BYTES}")
+    body = bytes(raw[:_HEADER.size])
+    if struct.unpack("<I", raw[_HEADER.size:])[0] != zlib.crc32(body):
+        raise CorruptBlockError("header checksum mismatch")
+    magic, version, size, algorithm, file_fp, file_key, length, payload_crc = _HEADER.unpack(body)
+    known = (MAGIC, DISK_FORMAT_VERSION, HEADER_BYTES, CHECKSUM_CRC32)
+    if (magic, version, size, algorithm) != known:
+        raise CorruptBlockError(f"unknown format (magic {magic!r}, version {version}, algorithm {algorithm})")
+    if file_fp != fingerprint:
+        raise CorruptBlockError("block belongs to another namespace")
+    if file_key != key:
+        raise CorruptBlockError(f"file holds key {file_key.hex()}, expected {key.hex()}")
+    if length != payload_bytes:
+        raise CorruptBlockError(f"payload is {length} bytes, expected {payload_bytes}")
+    payload_checksum: int = payload_crc
+    return payload_checksum
+
+
+def make_directories(rank_dir: Path) -> None:
+    """Create ``rank_dir`` and its 256 fan-out directories, private to the user (0700).
+
+    Raises:
+        OSError: the directory cannot be created.
+    """
+    rank_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    for i in range(256):
+        (rank_dir / f"{i:02x}").mkdir(mode=DIR_MODE, exist_ok=True)
+
+
+@dataclass(frozen=True)
+class ScanResult:
+    """What a start-up scan found: final block keys (in directory order) and temporary files it removed."""
+
+    keys: tuple[OffloadKey, ...]
+    removed_tmp: int
+    seconds: float
+
+
+def scan_directory(rank_dir: Path) -> ScanResult:
+    """List the blocks in ``rank_dir`` from file names alone, removing temporary files left by a crash.
+
+    Names that are neither a block nor a temporary file are left alone. Payloads are checked on load.
+    """
+    start = time.perf_counter()
+    keys: list[OffloadKey] = []
+    removed = 0
+    for entry in _entries(rank_dir):
+        name = entry.name
+        if name.endswith(BLOCK_SUFFIX) and len(name) == _KEY_HEX + len(BLOCK_SUFFIX):
+            try:
+                keys.append(OffloadKey(bytes.fromhex(name[:_KEY_HEX])))
+            except ValueError:
+                continue
+        elif name.endswith(TMP_SUFFIX) and _is_stale_tmp(entry):
+            removed += _remove(entry.path)
+    if removed:
+        logger.info("disk tier: removed %d temporary files left by a crash in %s", removed, rank_dir)
+    return ScanResult(tuple(keys), removed, time.perf_counter() - start)
+
+
+def _entries(rank_dir: Path) -> Iterator[os.DirEntry[str]]:
+    for i in range(256):
+        try:
+            with os.scandir(rank_dir / f"{i:02x}") as it:
+                yield from it
+        except FileNotFoundError:
+            continue
+
+
+def _is_stale_tmp(entry: os.DirEntry[str]) -> bool:
+    """A temporary file is stale when its writer (pid in its name, on this machine) is dead, or it is old.
+
+    Another live engine sharing the directory may be writing it: leave those alone.
+    """
+    try:
+        pid = int(entry.name.split(".")[1].split("-")[0])
+    except (IndexError, ValueError):
+        return True
+    if pid != os.getpid() and not _pid_alive(pid):
+        return True
+    try:
+        return time.time() - entry.stat().st_mtime > STALE_TMP_S
+    except FileNotFoundError:
+        return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove(path: str) -> int:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return 0
+    return 1

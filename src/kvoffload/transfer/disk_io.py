@@ -1,0 +1,123 @@
+"""Writing and reading one block file, through a small file-operations seam.
+
+The ``DiskHandler`` calls ``write_block`` / ``read_block`` from its I/O threads. Every system call goes
+through a ``FileOps`` object so tests can inject the operating system's failures (EIO, ENOSPC, slow reads)
+without mocking any kvoffload logic. Both functions raise ``OSError`` or ``CorruptBlockError``; the handler
+turns them into failed results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+
+from kvoffload.keys import OffloadKey
+from kvoffload.transfer.disk_format import (
+    BLOCK_SUFFIX,
+    FILE_MODE,
+    HEADER_BYTES,
+    TMP_SUFFIX,
+    CorruptBlockError,
+    checksum,
+    decode_header,
+    encode_header,
+)
+
+_tmp_counter = itertools.count()
+
+
+class FileOps:
+    """The system calls of the disk tier. Subclass to inject failures; the default calls the OS.
+
+    Thread-safety: called from several I/O threads at once; implementations must be thread-safe.
+    """
+
+    def write_new(self, path: str, buffers: list[memoryview | bytes]) -> None:
+        """Create ``path`` (which must not exist), private to the user, and write ``buffers`` to it."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+        try:
+            total = sum(len(b) for b in buffers)
+            written = os.writev(fd, buffers)
+            if written != total:  # Rare short write: finish it with plain writes.
+                _write_rest(fd, buffers, written)
+        finally:
+            os.close(fd)
+
+    def read_into(self, path: str, buffers: list[memoryview]) -> int:
+        """Fill ``buffers`` from the start of ``path``; return the bytes read (fewer at end of file)."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            total = os.readv(fd, buffers)
+            want = sum(len(b) for b in buffers)
+            while total < want:
+                more = os.preadv(fd, _tail(buffers, total), total)
+                if more == 0:
+                    break
+                total += more
+            return total
+        finally:
+            os.close(fd)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.rename(src, dst)
+
+    def unlink(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _tail(buffers: list[memoryview], skip: int) -> list[memoryview]:
+    """The parts of ``buffers`` after the first ``skip`` bytes."""
+    out: list[memoryview] = []
+    for b in buffers:
+        if skip >= len(b):
+            skip -= len(b)
+            continue
+        out.append(b[skip:])
+        skip = 0
+    return out
+
+
+def _write_rest(fd: int, buffers: list[memoryview | bytes], written: int) -> None:
+    for part in _tail([memoryview(b) for b in buffers], written):
+        view = part
+        while len(view):
+            view = view[os.write(fd, view):]
+
+
+def write_block(ops: FileOps, path: str, fingerprint: bytes, key: OffloadKey, payload: memoryview) -> None:
+    """Write one block: header and payload to a temporary name, then rename into place (atomic on POSIX).
+
+    Raises:
+        OSError: the write or rename failed; the temporary file is removed.
+    """
+    tmp = f"{path[:-len(BLOCK_SUFFIX)]}.{os.getpid()}-{next(_tmp_counter)}{TMP_SUFFIX}"
+    header = encode_header(fingerprint, key, len(payload), checksum(payload))
+    try:
+        ops.write_new(tmp, [header, payload])
+        ops.rename(tmp, path)
+    except BaseException:
+        ops.unlink(tmp)
+        raise
+
+
+def read_block(ops: FileOps, path: str, fingerprint: bytes, key: OffloadKey, out: memoryview) -> None:
+    """Read one block's payload into ``out`` (exactly its length) and verify it.
+
+    ``out`` may hold garbage afterwards when this raises.
+
+    Raises:
+        FileNotFoundError: no such block.
+        OSError: the read failed.
+        CorruptBlockError: the file is truncated, too long, damaged, or belongs to another namespace or key.
+    """
+    header = memoryview(bytearray(HEADER_BYTES))
+    extra = memoryview(bytearray(1))  # A byte past the payload proves the file is too long.
+    got = ops.read_into(path, [header, out, extra])
+    if got != HEADER_BYTES + len(out):
+        raise CorruptBlockError(f"{path}: file is {'longer' if got > HEADER_BYTES + len(out) else 'shorter'} "
+                                f"than a {len(out)}-byte block")
+    expected = decode_header(header, fingerprint, key, len(out))
+    if checksum(out) != expected:
+        raise CorruptBlockError(f"{path}: payload checksum mismatch")
