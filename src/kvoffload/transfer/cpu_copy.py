@@ -1,0 +1,125 @@
+"""CPU copier: runs the copy plans of device<->host jobs when the KV cache itself is in host memory.
+
+Jobs go through one ordered queue, so they finish in submission order (which covers the interface's rule
+that two jobs touching the same destination finish in order). One dispatcher thread takes the next job, cuts
+its plan into byte-balanced pieces and copies them on ``threads`` threads at once (itself plus helpers),
+then reports it.
+
+Why raw ``memmove``: each copy is a ``ctypes.memmove`` between addresses computed from the tensors' data
+pointers. Measured on a 2-core box, a torch ``copy_`` per 64 KiB block costs ~3 us of dispatch and reaches
+0.2-0.5x memcpy, ``index_select`` 0.4-0.8x; ``ctypes.memmove`` costs well under a microsecond and releases
+the GIL while it copies, so pieces on two threads really run in parallel. Safety rests on ``validate_job``
+(every block id and slot is in range before a plan exists) and on this object holding the tensors whose
+memory it addresses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Collection
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from kvoffload.specs import JobId, Medium
+from kvoffload.transfer.base import TransferResult
+from kvoffload.transfer.copy_plan import STORE, CopyPlan
+
+logger = logging.getLogger(__name__)
+
+# Below this many bytes per piece, handing work to another thread costs more than it saves.
+MIN_PIECE_BYTES = 1 << 20
+
+BeforeCopy = Callable[[JobId], None]
+_Queued = tuple[JobId, tuple[Medium, Medium], CopyPlan]
+
+
+class CpuCopier:
+    """Background copies between CPU KV views and a CPU host pool; results come out in submission order."""
+
+    def __init__(self, views: tuple[torch.Tensor, ...], pool: torch.Tensor, threads: int,
+                 before_copy: BeforeCopy) -> None:
+        self._views = views  # held so the addresses below stay valid
+        self._pool = pool
+        self._view_base = np.asarray([v.data_ptr() for v in views], dtype=np.int64)
+        self._pool_base = pool.data_ptr()
+        self._threads = threads
+        self._before_copy = before_copy
+        self._helpers = ThreadPoolExecutor(threads - 1, "kvoffload-copy") if threads > 1 else None
+        self._queue: queue.SimpleQueue[_Queued | None] = queue.SimpleQueue()
+        self._done = threading.Condition()
+        self._pending: set[JobId] = set()
+        self._results: list[TransferResult] = []
+        self._dispatcher = threading.Thread(target=self._dispatch_loop, name="kvoffload-copy-dispatch",
+                                            daemon=True)
+        self._dispatcher.start()
+
+    def start(self, job_id: JobId, transfer_type: tuple[Medium, Medium], plan: CopyPlan) -> None:
+        with self._done:
+            self._pending.add(job_id)
+        self._queue.put((job_id, transfer_type, plan))
+
+    def poll(self) -> list[TransferResult]:
+        with self._done:
+            results, self._results = self._results, []
+        return results
+
+    def wait(self, job_ids: Collection[JobId]) -> None:
+        with self._done:
+            self._done.wait_for(lambda: self._pending.isdisjoint(job_ids))
+
+    def shutdown(self) -> None:
+        """Finish every queued job, then stop the threads."""
+        self._queue.put(None)
+        self._dispatcher.join()
+        if self._helpers is not None:
+            self._helpers.shutdown()
+
+    def _dispatch_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            job_id, transfer_type, plan = item
+            start = time.perf_counter()
+            try:
+                self._before_copy(job_id)
+                self._run(plan, transfer_type == STORE)
+                success = True
+            except Exception:
+                logger.exception("device<->host job %d failed", job_id)
+                success = False
+            seconds = time.perf_counter() - start
+            result = TransferResult(job_id, success, plan.nbytes if success else 0, seconds, transfer_type)
+            with self._done:
+                self._pending.discard(job_id)
+                self._results.append(result)
+                self._done.notify_all()
+
+    def _run(self, plan: CopyPlan, store: bool) -> None:
+        parts = min(self._threads, max(1, plan.nbytes // MIN_PIECE_BYTES))
+        pieces = plan.split(parts) if parts > 1 else [plan]
+        futures: list[Future[None]] = []
+        if self._helpers is not None:
+            futures = [self._helpers.submit(self._copy, piece, store) for piece in pieces[1:]]
+        errors: list[BaseException] = []
+        try:
+            self._copy(pieces[0], store)
+        except Exception as e:
+            errors.append(e)
+        # All pieces must be over before the job is reported, even when one failed: all write its destination.
+        for f in futures:
+            if (error := f.exception()) is not None:
+                errors.append(error)
+        if errors:
+            raise errors[0]
+
+    def _copy(self, plan: CopyPlan, store: bool) -> None:
+        view_addr = (plan.view_offset + self._view_base[plan.view]).tolist()
+        pool_addr = (plan.pool_offset + self._pool_base).tolist()
+        dst, src = (pool_addr, view_addr) if store else (view_addr, pool_addr)
+        memmove = ctypes.memmove
+        for d, s, n in zip(dst, src, plan.size.tolist(), strict=True):
+            memmove(d, s, n)

@@ -1,0 +1,102 @@
+"""Device<->host transfers: the handler the worker's router uses for (DEVICE, HOST) and (HOST, DEVICE) jobs.
+
+A store copies engine blocks into host-pool slots, a load copies slots back into engine blocks (see
+``transfer/copy_plan.py`` for the exact mapping, offload factor and ``skip_sub_blocks`` included). This module
+checks jobs and keeps the handler contract; the copies run in ``cpu_copy.CpuCopier`` (KV cache in host memory:
+background threads) or ``cuda_copy.CudaCopier`` (KV cache on a GPU: a copy stream and events).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+
+import torch
+
+from kvoffload.layout import CanonicalKV
+from kvoffload.specs import JobId, TransferJob
+from kvoffload.transfer.base import TransferHandler, TransferResult
+from kvoffload.transfer.copy_plan import PlanLayout, build_plan, validate_job
+from kvoffload.transfer.cpu_copy import CpuCopier
+from kvoffload.transfer.cuda_copy import CudaCopier
+from kvoffload.transfer.host_pool import HostPool
+
+logger = logging.getLogger(__name__)
+
+
+class DeviceHostHandler(TransferHandler):
+    """Copies blocks between the canonical KV views and a ``HostPool``, in both directions.
+
+    Args:
+        kv: the engine's KV cache, canonicalized; all views on one device (CPU or CUDA).
+        pool: the host tier's slots; ``slot_bytes`` must hold ``factor`` blocks of the largest group.
+        factor: engine blocks per offload block.
+        threads: copy threads when the KV cache is on the CPU (ignored on CUDA).
+
+    Raises:
+        ValueError: a view that is not a 2-D int8 tensor with contiguous rows, views on different devices,
+            refs wider than their view's page, a pool too small for the factor, a non-positive factor or
+            threads count.
+
+    Jobs finish in submission order (one queue on CPU, one stream on CUDA).
+    """
+
+    def __init__(self, kv: CanonicalKV, pool: HostPool, factor: int, threads: int = 2) -> None:
+        if factor < 1:
+            raise ValueError(f"DeviceHostHandler: factor must be >= 1, got {factor}")
+        if threads < 1:
+            raise ValueError(f"DeviceHostHandler: threads must be >= 1, got {threads}")
+        _check_views(kv)
+        if pool.slot_bytes < factor * kv.max_block_bytes:
+            raise ValueError(f"DeviceHostHandler: pool slot_bytes {pool.slot_bytes} < factor {factor} x "
+                             f"max_block_bytes {kv.max_block_bytes}")
+        self._layout = PlanLayout.of(kv, pool.num_slots, int(pool.buffer.stride(0)), factor)
+        self._copier: CpuCopier | CudaCopier
+        if kv.views[0].is_cuda:
+            self._copier = CudaCopier(kv.views, pool.buffer, self._before_copy)
+        else:
+            self._copier = CpuCopier(kv.views, pool.buffer, threads, self._before_copy)
+        self._closed = False
+
+    def submit(self, job: TransferJob) -> bool:
+        if self._closed:
+            return False
+        validate_job(self._layout, job)
+        self._copier.start(job.job_id, job.transfer_type, build_plan(self._layout, job))
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        return self._copier.poll()
+
+    def wait(self, job_ids: Collection[JobId]) -> None:
+        self._copier.wait(frozenset(job_ids))
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._copier.shutdown()
+
+    def _before_copy(self, job_id: JobId) -> None:
+        """Called in the copy path just before a job's copies; an exception here fails the job like any copy
+        error would. A seam for fault injection in tests (``kvoffload.testing.conformance``)."""
+
+
+def _check_views(kv: CanonicalKV) -> None:
+    if not kv.views:
+        raise ValueError("DeviceHostHandler: the KV cache has no views")
+    device = kv.views[0].device
+    for i, v in enumerate(kv.views):
+        if v.dtype != torch.int8 or v.dim() != 2 or v.stride(1) != 1 or v.stride(0) < v.shape[1]:
+            raise ValueError(f"DeviceHostHandler: view {i} must be a 2-D int8 tensor with contiguous rows, "
+                             f"got {v.dtype} shape {tuple(v.shape)} strides {v.stride()}")
+        if v.device != device:
+            raise ValueError(f"DeviceHostHandler: view {i} is on {v.device}, view 0 on {device}")
+        if v.shape[0] < kv.num_blocks:
+            raise ValueError(f"DeviceHostHandler: view {i} has {v.shape[0]} rows, fewer than num_blocks "
+                             f"{kv.num_blocks}")
+    for g, refs in enumerate(kv.group_refs):
+        for r in refs:
+            if not 0 <= r.view < len(kv.views) or not 0 < r.nbytes <= kv.views[r.view].shape[1]:
+                raise ValueError(f"DeviceHostHandler: group {g} ref {r} does not fit view {r.view}")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"DeviceHostHandler: views on {device}; only cpu and cuda are supported")
