@@ -1,0 +1,215 @@
+"""Conversions from vLLM 0.32's objects to the connector halves' small engine-neutral values.
+
+Place in the data flow: ``KVOffloadConnector`` (connector.py) receives vLLM objects on every hook and passes
+what they say, through these functions, to ``ConnectorScheduler`` / ``ConnectorWorker``:
+
+- ``KVCacheConfig``   -> ``KVCacheLayout``   (both halves, at start-up; sizes the host tier and names the
+  namespace)
+- ``Request``         -> ``EngineRequest``   (``VllmRequest``: token ids and the extra keys that change the
+  KV)
+- ``KVCacheBlocks``   -> block ids per KV-cache group
+- ``SchedulerOutput`` -> ``StepSchedule``    (which requests ran this step, their new blocks, computed tokens)
+- ``OffloadEvent``    -> vLLM ``BlockStored`` / ``BlockRemoved`` KV events
+
+Nothing here keeps state; every function is a pure translation.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.v1 import kv_cache_interface as vkv
+
+from kvoffload.connector.requests import ScheduledRequest, StepSchedule
+from kvoffload.keys import Namespace
+from kvoffload.layout import AttentionSpec, KVBuffer, KVCacheLayout, KVGroup, LayerSpec, StateSpec
+from kvoffload.manager.base import EventKind, OffloadEvent
+from kvoffload.specs import Medium
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+
+class UnsupportedKVCacheError(ValueError):
+    """vLLM's KV cache uses a page format or placement that kvoffload cannot copy block by block."""
+
+
+# ---- KVCacheConfig -> KVCacheLayout ------------------------------------------------------------------------
+
+
+def layer_spec(name: str, spec: vkv.KVCacheSpec) -> LayerSpec:
+    """Our description of one layer's page, from vLLM's spec for it."""
+    if isinstance(spec, vkv.MambaSpec):
+        return StateSpec(spec.shapes, spec.dtypes, spec.page_size_padded)
+    if isinstance(spec, vkv.AttentionSpec) and not isinstance(spec, vkv.MLAAttentionSpec):
+        ours = AttentionSpec(spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype,
+                             spec.page_size_padded)
+        # Packed or quantized pages (head_size_v != head_size, fp8 scales, compressed states) have other
+        # sizes.
+        if ours.page_bytes == spec.real_page_size_bytes:
+            return ours
+    raise UnsupportedKVCacheError(f"layer {name!r}: kvoffload cannot copy pages of {type(spec).__name__}")
+
+
+def _group(group: vkv.KVCacheGroupSpec) -> KVGroup:
+    spec = group.kv_cache_spec
+    if isinstance(spec, vkv.UniformTypeKVCacheSpecs):
+        specs = {name: layer_spec(name, spec.kv_cache_specs[name]) for name in group.layer_names}
+    else:
+        specs = {name: layer_spec(name, spec) for name in group.layer_names}
+    return KVGroup(tuple(group.layer_names), specs)
+
+
+def kv_cache_layout(kv_cache_config: vkv.KVCacheConfig, layout_name: str | None) -> KVCacheLayout:
+    """Describe vLLM's KV cache without tensors.
+
+    vLLM 0.32 places every layer in one backing allocation: layer ``l`` of a ``KVCacheTensor`` has block ``b``
+    at ``offset + l * layer_stride + b * block_stride``, and cache groups overlay each other from byte 0.
+    Layers whose pages start at the same address share memory (one ``KVBuffer``); a block-outermost placement
+    (``layer_stride < block_stride``) is a cross-layer buffer.
+
+    Raises:
+        UnsupportedKVCacheError: a page format or placement kvoffload cannot copy (MLA, packed pages, pages
+        that
+            are not contiguous per block, several groups in one block-outermost allocation).
+    """
+    groups = tuple(_group(g) for g in kv_cache_config.kv_cache_groups if g.layer_names)
+    tensors = kv_cache_config.kv_cache_tensors
+    block_outer = [t for t in tensors if len(t.layers) > 1 and t.layer_stride < t.block_stride]
+    backend = layout_name or ""
+    if block_outer:
+        if len(groups) != 1 or len(tensors) != 1:
+            raise UnsupportedKVCacheError(
+                f"block-outermost KV cache layout {backend!r} with {len(groups)} groups "
+                f"and {len(tensors)} tensors"
+            )
+        return KVCacheLayout(kv_cache_config.num_blocks, groups, cross_layer=True, backend=backend)
+    by_start: dict[int, list[str]] = defaultdict(list)
+    strides: dict[int, int] = {}
+    for t in tensors:
+        for i, name in enumerate(t.layers):
+            start = t.offset + i * t.layer_stride
+            by_start[start].append(name)
+            strides[start] = t.block_stride
+    buffers = tuple(KVBuffer(kv_cache_config.num_blocks * strides[s], tuple(names))
+                    for s, names in sorted(by_start.items()))
+    return KVCacheLayout(kv_cache_config.num_blocks, groups, buffers, backend=backend)
+
+
+def engine_block_size(kv_cache_config: vkv.KVCacheConfig, default: int) -> int:
+    """The one block size of every KV-cache group (the scheduler's ``block_size``).
+
+    Raises:
+        UnsupportedKVCacheError: groups with different block sizes.
+    """
+    sizes = {g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups if g.layer_names}
+    if len(sizes) > 1:
+        raise UnsupportedKVCacheError(f"KV-cache groups with different block sizes {sorted(sizes)}")
+    return sizes.pop() if sizes else default
+
+
+def namespace(vllm_config: VllmConfig, layout: KVCacheLayout, model_id: str | None, rank: int) -> Namespace:
+    """The key namespace: model, dtypes, page layout and this process's rank among all workers."""
+    model_config = vllm_config.model_config
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    dtype = f"{model_config.dtype}/{cache_dtype}"
+    return Namespace(model=model_id or model_config.model, dtype=dtype, layout=layout.describe(), rank=rank,
+                     world_size=vllm_config.parallel_config.world_size)
+
+
+# ---- requests and blocks -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VllmRequest:
+    """A vLLM ``Request`` as the scheduler half's ``EngineRequest``.
+
+    ``extra_keys``: everything besides token ids that changes the KV of a prefix: the LoRA adapter, the cache
+    salt and multimodal inputs. They apply to the whole request (vLLM applies multimodal keys only to the
+    blocks that hold the input; ours are stricter, which costs hits but never correctness).
+    """
+
+    request: Request
+
+    @property
+    def request_id(self) -> str:
+        return str(self.request.request_id)
+
+    @property
+    def all_token_ids(self) -> Sequence[int]:
+        tokens: Sequence[int] = self.request.all_token_ids
+        return tokens
+
+    @property
+    def extra_keys(self) -> Sequence[str]:
+        keys: list[str] = []
+        lora = self.request.lora_request
+        if lora is not None:
+            keys.append(f"lora:{lora.lora_name}")
+        if self.request.cache_salt:
+            keys.append(f"salt:{self.request.cache_salt}")
+        keys.extend(f"mm:{f.identifier}" for f in self.request.mm_features or ())
+        return keys
+
+
+def is_offloadable(request: Request) -> bool:
+    """False for prompts given as embeddings: their token ids do not determine the KV."""
+    return getattr(request, "prompt_embeds", None) is None
+
+
+def block_ids_per_group(block_ids: Sequence[Sequence[int]] | None,
+                        num_groups: int) -> tuple[tuple[int, ...], ...]:
+    """vLLM's ``tuple[list[int], ...]`` (or None: no new blocks) as tuples, one per group."""
+    if block_ids is None:
+        return ((),) * num_groups
+    return tuple(tuple(ids) for ids in block_ids)
+
+
+def step_schedule(out: SchedulerOutput, num_groups: int) -> StepSchedule:
+    """This step's scheduled requests: blocks they gained and the tokens whose KV is computed after the step.
+
+    Speculative tokens are left out of the computed count: the engine may reject them.
+    """
+    def computed(req_id: str, before: int) -> int:
+        spec = len(out.scheduled_spec_decode_tokens.get(req_id, ()))
+        return before + out.num_scheduled_tokens.get(req_id, 0) - spec
+
+    scheduled = [ScheduledRequest(new.req_id, block_ids_per_group(new.block_ids, num_groups),
+                                  computed(new.req_id, new.num_computed_tokens))
+                 for new in out.scheduled_new_reqs]
+    cached = out.scheduled_cached_reqs
+    for i, req_id in enumerate(cached.req_ids):
+        scheduled.append(ScheduledRequest(req_id, block_ids_per_group(cached.new_block_ids[i], num_groups),
+                                          computed(req_id, cached.num_computed_tokens[i]),
+                                          resumed=req_id in cached.resumed_req_ids))
+    return StepSchedule(tuple(scheduled), frozenset(out.preempted_req_ids or ()))
+
+
+# ---- KV events ---------------------------------------------------------------------------------------------
+
+_MEDIUM = {Medium.HOST: MEDIUM_CPU, Medium.DISK: MEDIUM_STORAGE, Medium.DEVICE: "GPU"}
+
+
+def kv_events(events: Iterable[OffloadEvent], block_tokens: int) -> list[KVCacheEvent]:
+    """Our tier events as vLLM KV events.
+
+    vLLM's events carry block hashes; ours are the 16-byte offload keys (content hash chained from the
+    namespace root, group index folded in), stable across processes and machines. ``token_ids`` and
+    ``parent_block_hash`` are left empty: tiers index keys, not tokens.
+    """
+    out: list[KVCacheEvent] = []
+    for event in events:
+        hashes: list[Any] = [bytes(k) for k in event.keys]
+        medium = _MEDIUM[event.medium]
+        if event.kind is EventKind.STORED:
+            out.append(BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
+                                   block_size=block_tokens, lora_id=None, medium=medium, lora_name=None))
+        else:
+            out.append(BlockRemoved(block_hashes=hashes, medium=medium))
+    return out

@@ -1,0 +1,191 @@
+"""``KVOffloadConnector``: kvoffload as a vLLM 0.32 KV connector.
+
+vLLM builds one instance per role: the scheduler role (``SchedulerSide``, in the process that runs vLLM's
+scheduler) and the worker role (``WorkerSide``, in every worker process). This class only parses the
+configuration, describes the KV cache, and forwards each vLLM hook to the side that owns it; the two sides
+talk only through the metadata vLLM carries between them (``KVOffloadMetadata`` down,
+``KVOffloadWorkerMetadata`` up).
+
+Configuration: ``kv_connector_extra_config`` goes to ``OffloadConfig.from_dict`` and nowhere else; a bad key
+stops start-up with one ``ConfigError`` naming every culprit, as does an ``offload_block_tokens`` that is not
+a multiple of vLLM's block size. Hybrid models (several KV-cache groups) are supported (``SupportsHMA``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from kvoffload.config import OffloadConfig
+from kvoffload.connector.tiers import offload_factor
+from kvoffload.integrations.vllm import adapters
+from kvoffload.integrations.vllm.messages import KVOffloadMetadata, KVOffloadWorkerMetadata
+from kvoffload.integrations.vllm.metrics import KVOffloadPromMetrics, KVOffloadStats
+from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
+from kvoffload.integrations.vllm.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.attention.backends.abstract import AttentionMetadata
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = OffloadConfig.from_dict(self._kv_transfer_config.kv_connector_extra_config)
+        layout_name = kv_cache_config.kv_cache_layout or vllm_config.cache_config.kv_cache_layout
+        layout = adapters.kv_cache_layout(kv_cache_config, layout_name)
+        block_size = adapters.engine_block_size(kv_cache_config, vllm_config.cache_config.block_size)
+        offload_factor(config, block_size)  # raises ConfigError now, not at the first request
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            events = vllm_config.kv_events_config
+            publish = bool(events is not None and events.enable_kv_cache_events)
+            ns = adapters.namespace(vllm_config, layout, config.model_id, 0)
+            self._scheduler = SchedulerSide(config, layout, block_size, ns, publish)
+        else:
+            rank = _worker_rank()
+            self._worker = WorkerSide(config, layout, block_size,
+                                      adapters.namespace(vllm_config, layout, config.model_id, rank))
+        logger.info("kvoffload %s role: %d KV-cache group(s), block size %d, offload block %d tokens",
+                    role.name.lower(), len(layout.groups), block_size,
+                    (config.offload_block_tokens or block_size))
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a store dropped by a preemption is a future miss, never wrong output.
+        return False
+
+    # ---- worker role ---------------------------------------------------------------------------------------
+
+    @property
+    def worker(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("worker-side hook called on the scheduler-role KVOffloadConnector")
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self.worker.handle_preemptions(_meta(kv_connector_metadata))
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self.worker.start_load_kv(_meta(self._get_connector_metadata()))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are whole-request and asynchronous: vLLM schedules a request only once its load finished."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        """Stores copy whole blocks at the start of the next step, not per layer."""
+
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save(_meta(self._get_connector_metadata()))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return None, results.finished_recving
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self.worker.transfer_results()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVOffloadWorkerMetadata | None:
+        return self._worker.worker_meta() if self._worker is not None else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ---- scheduler role ------------------------------------------------------------------------------------
+
+    @property
+    def scheduler(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("scheduler-side hook called on the worker-role KVOffloadConnector")
+        return self._scheduler
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self.scheduler.request_finished(request)
+        return False, None
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        self.scheduler.request_finished(request)
+        return False, None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self.scheduler.take_events()
+
+    def reset_cache(self) -> bool | None:
+        return self.scheduler.reset()
+
+    # ---- both roles: stats and metrics ---------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVOffloadStats | None:
+        if self._worker is not None:
+            return self._worker.stats()
+        return self.scheduler.stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVOffloadStats:
+        return KVOffloadStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[Any, Any], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVOffloadPromMetrics:
+        return KVOffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _meta(meta: KVConnectorMetadata) -> Any:
+    if not isinstance(meta, KVOffloadMetadata):
+        raise TypeError(f"KVOffloadConnector got {type(meta).__name__}, not KVOffloadMetadata")
+    return meta.meta
+
+
+def _worker_rank() -> int:
+    """This worker's rank among all of the engine's workers (0 when vLLM runs without a process group)."""
+    from vllm.distributed.parallel_state import get_world_group
+
+    try:
+        return int(get_world_group().rank_in_group)
+    except AssertionError:
+        return 0

@@ -1,0 +1,140 @@
+"""kvoffload's figures in vLLM's connector stats and Prometheus hooks.
+
+Data flow: each worker's ``TransferStats`` (bytes, seconds, jobs per direction) and the scheduler half's
+``SchedulerStats`` (hit and miss tokens) plus the host tier's bytes in use become one ``KVOffloadStats``
+payload. vLLM sums worker payloads (``aggregate``), adds the scheduler's, ships the plain dict to its stat
+loggers, logs ``reduce()`` periodically and hands the dict to ``KVOffloadPromMetrics.observe``, which feeds
+the counters that a vLLM server shows on ``/metrics``:
+
+    vllm:kvoffload_transfer_bytes_total{direction}     bytes copied (device_to_host, host_to_device, ...)
+    vllm:kvoffload_transfer_seconds_total{direction}   time spent copying
+    vllm:kvoffload_transfer_jobs_total{direction}      copy jobs finished (failed_jobs_total: those that
+    failed) vllm:kvoffload_hit_tokens_total                    prompt tokens loaded from kvoffload
+    vllm:kvoffload_miss_tokens_total                   prompt tokens looked up but not found
+    vllm:kvoffload_failed_load_tokens_total            tokens whose load failed (recomputed)
+    vllm:kvoffload_host_used_bytes                     host tier bytes in use (gauge)
+
+Names start with ``vllm:`` so that vLLM's own metric clean-up (between engines in one process) covers them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+
+from kvoffload.connector.stats import SchedulerStats, TransferStats
+
+TRANSFERS = "transfers"
+LOOKUPS = "lookups"
+HOST_USED_BYTES = "host_used_bytes"
+_LOOKUP_FIELDS = ("requests", "query_tokens", "hit_tokens", "failed_load_tokens")
+
+
+@dataclass
+class KVOffloadStats(KVConnectorStats):
+    """``data`` = {"transfers": {direction: counters}, "lookups": {field: int}, "host_used_bytes": int}.
+
+    Counters add up across workers and steps; ``host_used_bytes`` is a gauge, the latest value wins.
+    """
+
+    @classmethod
+    def of(cls, transfers: TransferStats | None = None, lookups: SchedulerStats | None = None,
+           host_used_bytes: int | None = None) -> KVOffloadStats:
+        data: dict[str, Any] = {}
+        if transfers is not None and not transfers.is_empty():
+            data[TRANSFERS] = transfers.as_dict()
+        if lookups is not None and lookups.requests:
+            data[LOOKUPS] = {name: getattr(lookups, name) for name in _LOOKUP_FIELDS}
+        if host_used_bytes is not None:
+            data[HOST_USED_BYTES] = host_used_bytes
+        return cls(data=data)
+
+    @property
+    def transfers(self) -> TransferStats:
+        return TransferStats.from_dict(self.data.get(TRANSFERS, {}))
+
+    @property
+    def lookups(self) -> SchedulerStats:
+        raw = self.data.get(LOOKUPS, {})
+        return SchedulerStats(*(int(raw.get(name, 0)) for name in _LOOKUP_FIELDS))
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVOffloadStats:
+        theirs = other if isinstance(other, KVOffloadStats) else KVOffloadStats(data=dict(other.data))
+        gauge = theirs.data.get(HOST_USED_BYTES, self.data.get(HOST_USED_BYTES))
+        return KVOffloadStats.of(self.transfers.aggregate(theirs.transfers),
+                                 self.lookups.aggregate(theirs.lookups), gauge)
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {}
+        for name, c in self.transfers.by_type.items():
+            out[f"{name}_bytes"] = c.bytes
+            out[f"{name}_GBps"] = round(c.bytes / c.seconds / 1e9, 3) if c.seconds > 0 else 0.0
+            out[f"{name}_failed_jobs"] = c.failed_jobs
+        lookups = self.lookups
+        if lookups.requests:
+            out["hit_tokens"] = lookups.hit_tokens
+            out["miss_tokens"] = lookups.miss_tokens
+            rate = lookups.hit_tokens / lookups.query_tokens if lookups.query_tokens else 0.0
+            out["hit_rate"] = round(rate, 3)
+        if HOST_USED_BYTES in self.data:
+            out[HOST_USED_BYTES] = self.data[HOST_USED_BYTES]
+        return out
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+_TRANSFER_COUNTERS = {
+    "bytes": ("vllm:kvoffload_transfer_bytes", "Bytes copied by kvoffload, per direction."),
+    "seconds": ("vllm:kvoffload_transfer_seconds", "Seconds kvoffload spent copying, per direction."),
+    "jobs": ("vllm:kvoffload_transfer_jobs", "kvoffload copy jobs finished, per direction."),
+    "failed_jobs": ("vllm:kvoffload_transfer_failed_jobs", "kvoffload copy jobs that failed, per direction."),
+}
+_TOKEN_COUNTERS = {
+    "hit_tokens": ("vllm:kvoffload_hit_tokens", "Prompt tokens loaded from kvoffload instead of computed."),
+    "miss_tokens": ("vllm:kvoffload_miss_tokens", "Prompt tokens looked up in kvoffload and not found."),
+    "failed_load_tokens": ("vllm:kvoffload_failed_load_tokens", "Tokens whose kvoffload load failed."),
+}
+
+
+class KVOffloadPromMetrics(KVConnectorPromMetrics):
+    """Registers kvoffload's Prometheus metrics and records each stats payload into them."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._transfer: dict[str, Any] = {
+            field: self._counter_cls(name=name, documentation=doc, labelnames=[*labelnames, "direction"])
+            for field, (name, doc) in _TRANSFER_COUNTERS.items()}
+        self._tokens: dict[str, Any] = {
+            field: self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            for field, (name, doc) in _TOKEN_COUNTERS.items()}
+        self._host_used: Any = self._gauge_cls(  # type: ignore[call-arg]
+            name="vllm:kvoffload_host_used_bytes", documentation="Bytes of the kvoffload host tier in use.",
+            multiprocess_mode="mostrecent", labelnames=labelnames)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        stats = KVOffloadStats(data=transfer_stats_data)
+        for direction, counters in stats.transfers.by_type.items():
+            for field, metric in self._transfer.items():
+                value = getattr(counters, field)
+                if value:
+                    metric.labels(*labels, direction).inc(value)
+        lookups = stats.lookups
+        for field, metric in self._tokens.items():
+            value = getattr(lookups, field)
+            if value > 0:
+                metric.labels(*labels).inc(value)
+        if HOST_USED_BYTES in stats.data:
+            self._host_used.labels(*labels).set(stats.data[HOST_USED_BYTES])

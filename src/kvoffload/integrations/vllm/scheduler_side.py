@@ -1,0 +1,90 @@
+"""The connector's scheduler role: vLLM's scheduler hooks, translated for ``ConnectorScheduler``.
+
+Lives where vLLM's scheduler lives (the engine-core process in multi-process mode, the caller's process with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``). It never touches tensors. Each step vLLM calls, in order:
+``get_num_new_matched_tokens`` and ``update_state_after_alloc`` per admitted request, ``build_connector_meta``
+once, then, with the workers' output, ``update_connector_output``, ``get_kv_connector_stats`` and
+``take_events``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from vllm.distributed.kv_events import KVCacheEvent
+from vllm.v1.outputs import KVConnectorOutput
+
+from kvoffload.config import OffloadConfig
+from kvoffload.connector.scheduler import ConnectorScheduler
+from kvoffload.connector.tiers import host_slot_bytes
+from kvoffload.integrations.vllm import adapters
+from kvoffload.integrations.vllm.messages import KVOffloadMetadata, KVOffloadWorkerMetadata
+from kvoffload.integrations.vllm.metrics import KVOffloadStats
+from kvoffload.keys import Namespace
+from kvoffload.layout import KVCacheLayout
+from kvoffload.specs import Medium
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerSide:
+    def __init__(self, config: OffloadConfig, layout: KVCacheLayout, block_size: int, namespace: Namespace,
+                 publish_events: bool) -> None:
+        self.core = ConnectorScheduler(config, layout, block_size, namespace)
+        self.num_groups = len(layout.groups)
+        self.block_tokens = self.core.offload_tokens
+        self.slot_bytes = host_slot_bytes(layout, self.core.factor)
+        self.publish_events = publish_events
+        self._reported_host_bytes: int | None = None
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not adapters.is_offloadable(request):
+            return 0, False
+        return self.core.get_num_new_matched_tokens(adapters.VllmRequest(request), num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        if not adapters.is_offloadable(request):
+            return
+        block_ids = adapters.block_ids_per_group(blocks.get_block_ids(), self.num_groups)
+        self.core.update_state_after_alloc(adapters.VllmRequest(request), block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVOffloadMetadata:
+        return KVOffloadMetadata(self.core.build_connector_meta(
+            adapters.step_schedule(scheduler_output, self.num_groups)))
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        report = output.kv_connector_worker_meta
+        if isinstance(report, KVOffloadWorkerMetadata):
+            self.core.update_connector_output(report.report)
+
+    def request_finished(self, request: Request) -> None:
+        self.core.request_finished(str(request.request_id))
+
+    def take_events(self) -> list[KVCacheEvent]:
+        # Always drain the tiers' events, or they would pile up when vLLM does not publish KV events.
+        events = self.core.take_events()
+        if not self.publish_events:
+            return []
+        return adapters.kv_events(events, self.block_tokens)
+
+    def reset(self) -> bool:
+        return self.core.reset()
+
+    def host_used_bytes(self) -> int:
+        return sum(u.used_blocks for u in self.core.usage() if u.medium is Medium.HOST) * self.slot_bytes
+
+    def stats(self) -> KVOffloadStats | None:
+        """Hit and miss tokens since the last call, and the host tier's bytes in use when they changed."""
+        used = self.host_used_bytes()
+        gauge = used if used != self._reported_host_bytes else None
+        self._reported_host_bytes = used
+        stats = KVOffloadStats.of(lookups=self.core.take_stats(), host_used_bytes=gauge)
+        return None if stats.is_empty() else stats

@@ -1,0 +1,83 @@
+"""The connector's worker role: vLLM's model-runner hooks, translated for ``ConnectorWorker``.
+
+Lives in each vLLM worker process (one per rank). Per engine step vLLM calls ``handle_preemptions`` (before
+blocks are reused), binds the step's metadata, runs the forward pass, ``start_load_kv`` (before the forward
+when it has synchronous loads, else after), ``wait_for_save``, then collects ``get_transfer_results``,
+``get_block_ids_with_load_errors``, ``get_kv_connector_stats`` and ``build_connector_worker_meta`` into the
+step's ``KVConnectorOutput``.
+
+Failed loads: with one KV-cache group the failed device blocks go to vLLM (``invalid_block_ids``), which
+recomputes from the first bad block. With several groups block ids are not unique across groups and vLLM
+refuses block-level errors, so the requests whose loads failed go out as ``failed_recving`` and are recomputed
+whole.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from kvoffload.config import OffloadConfig
+from kvoffload.connector.metadata import ConnectorMetadata
+from kvoffload.connector.worker import ConnectorWorker
+from kvoffload.integrations.vllm.messages import KVOffloadWorkerMetadata
+from kvoffload.integrations.vllm.metrics import KVOffloadStats
+from kvoffload.keys import Namespace
+from kvoffload.layout import KVCacheLayout
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    def __init__(self, config: OffloadConfig, layout: KVCacheLayout, block_size: int,
+                 namespace: Namespace) -> None:
+        self.core = ConnectorWorker(config, layout, block_size, namespace)
+        self.single_group = len(layout.groups) == 1
+        self._load_blocks: dict[str, set[int]] = {}
+        self._load_errors: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        self.core.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, meta: ConnectorMetadata) -> None:
+        self.core.handle_preemptions(meta)
+
+    def start_load_kv(self, meta: ConnectorMetadata) -> None:
+        if not self.single_group:
+            for load in meta.load_jobs:
+                self._load_blocks.setdefault(load.req_id, set()).update(load.job.dst.block_ids)  # type: ignore[union-attr]
+        self.core.start_kv_transfers(meta)
+
+    def wait_for_save(self, meta: ConnectorMetadata) -> None:
+        self.core.prepare_store_kv(meta)
+
+    def transfer_results(self) -> KVConnectorTransferResults:
+        """Requests whose loads finished; failures as block ids (one group) or request ids (several)."""
+        finished = self.core.get_finished()
+        # Read after get_finished: every failure of a request reported finished here is in this set.
+        errors = self.core.get_block_ids_with_load_errors()
+        if self.single_group:
+            self._load_errors |= errors
+            return KVConnectorTransferResults(finished_recving=finished)
+        failed = {req for req, blocks in self._load_blocks.items() if blocks & errors}
+        for req in finished:
+            self._load_blocks.pop(req, None)
+        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def stats(self) -> KVOffloadStats | None:
+        transfers = self.core.get_kv_connector_stats()
+        return None if transfers is None else KVOffloadStats.of(transfers=transfers)
+
+    def worker_meta(self) -> KVOffloadWorkerMetadata | None:
+        report = self.core.build_connector_worker_meta()
+        return None if report.is_empty else KVOffloadWorkerMetadata(report)
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
