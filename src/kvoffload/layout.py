@@ -1,14 +1,49 @@
 """KV cache layout: a description of an engine's KV tensors, and ``canonicalize()``.
 
-(Work in progress: the description types and ``canonicalize()`` land next; ``CanonicalKV`` is the contract that
-transfer handlers rely on and stays as it is.)
+Place in the data flow: the scheduler half builds a ``KVCacheLayout`` from the engine's KV-cache config
+(no tensors) to size the tiers (``group_block_bytes``) and name the key namespace (``describe``). The worker
+half calls ``canonicalize(layout, kv_caches)`` once, when the engine registers its KV tensors; transfer
+handlers only ever see the resulting ``CanonicalKV``.
+
+    KVCacheLayout(num_blocks, groups, buffers=(), kv_outermost=False, cross_layer=False, backend="")
+      groups[g]   KVGroup(layer_names, specs)        layers sharing one block table; specs may differ
+        specs[n]  AttentionSpec | StateSpec          one engine block of layer n (unpadded bytes)
+      buffers[i]  KVBuffer(size_bytes, layer_names)  one backing allocation and the layers living in it
+
+Buffers default to one per layer. Layers listed in one buffer share memory: block ``b`` of each starts at
+the same address (vLLM gives attention layer 3 of group 0 and Mamba layer 3 of group 1 one tensor, both
+pages padded to one size); two layers of one group never share memory. With ``cross_layer`` a buffer instead
+holds its layers side by side in every block (row ``b`` = layer 0's page, layer 1's page, ...), all of one
+group; by default each group then gets one such buffer.
+
+``kv_caches[layer]`` as ``canonicalize`` accepts it:
+
+- ``AttentionSpec``: a tensor ``[num_blocks, ...]`` whose other dims tile the page densely, in any order
+  (vLLM CPU: ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``). With ``kv_outermost``:
+  ``[2, num_blocks, ...]``, dim 0 being K and V; a K/V dim that lies physically inside each block (a
+  permuted view of block-first memory) counts as block-first.
+- ``StateSpec``: a list of tensors ``[num_blocks, *shapes[i]]`` of ``dtypes[i]``: strided views into one
+  page per block, packed in order from the first tensor's address (Mamba's ``[conv_state, ssm_state]``).
+- cross-layer: each layer's view of the shared tensor ``t`` (``{name_i: t[:, i]}`` for a
+  ``[num_blocks, num_layers, ...]`` tensor).
+
+Canonical form: one int8 view ``(num_blocks, block stride in bytes)`` per buffer that a grouped layer uses
+(two, K then V, for a K/V-outermost buffer), aliasing the engine memory. Group ``g``'s refs: for each layer
+of ``g`` in order, one ref per view of its buffer with the layer's unpadded bytes (half a page for K or V);
+a cross-layer buffer gives one ref for all its layers. Padding is never copied. Every mismatch between the
+layout and the tensors raises ``ValueError`` naming the layer or buffer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
+
+LAYOUT_TEXT_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -23,10 +58,11 @@ class BlockRef:
 class CanonicalKV:
     """The engine's KV cache as handlers see it.
 
-    ``views``: int8 tensors shaped ``(num_blocks, page_bytes)``, one per distinct backing buffer (or per K/V half);
-    row ``b`` holds engine block ``b``. Views alias the engine's memory; writing a view writes the cache.
-    ``group_refs[g]``: the ordered refs that make up one block of KV-cache group ``g``. A block of group ``g`` is
-    copied as the concatenation of ``views[r.view][block_id, :r.nbytes]`` for ``r`` in ``group_refs[g]``.
+    ``views``: int8 tensors shaped ``(num_blocks, page_bytes)``, one per distinct backing buffer (or per K/V
+    half); row ``b`` holds engine block ``b``. Views alias the engine's memory; writing a view writes the
+    cache.
+    ``group_refs[g]``: the ordered refs that make up one block of KV-cache group ``g``. A block of group ``g``
+    is copied as the concatenation of ``views[r.view][block_id, :r.nbytes]`` for ``r`` in ``group_refs[g]``.
     """
 
     views: tuple[torch.Tensor, ...]
@@ -46,3 +82,434 @@ class CanonicalKV:
         groups = ";".join(",".join(f"{r.view}:{r.nbytes}" for r in refs) for refs in self.group_refs)
         pages = ",".join(str(v.shape[1]) for v in self.views)
         return f"pages={pages}|groups={groups}"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The description: no tensors, so the scheduler half can build it.
+
+
+def as_dtype(value: torch.dtype | str) -> torch.dtype:
+    """``torch.bfloat16``, ``"bfloat16"`` or ``"torch.bfloat16"`` -> ``torch.bfloat16``; else ValueError."""
+    if isinstance(value, torch.dtype):
+        return value
+    found = getattr(torch, value.removeprefix("torch."), None) if isinstance(value, str) else None
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"{value!r} is not a torch dtype")
+    return found
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _positive(owner: str, **values: int) -> None:
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{owner}.{name} must be a positive integer, got {v!r}")
+
+
+def _check_padding(owner: str, padded: int | None, page_bytes: int) -> None:
+    if padded is None:
+        return
+    if isinstance(padded, bool) or not isinstance(padded, int) or padded < page_bytes:
+        raise ValueError(f"{owner}.page_size_padded {padded!r} is not an int >= its {page_bytes} bytes")
+
+
+@dataclass(frozen=True, init=False)
+class AttentionSpec:
+    """An attention layer's block: K and V of ``block_size`` tokens; ``page_size_padded`` in bytes."""
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    page_size_padded: int | None = None
+
+    def __init__(self, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype | str,
+                 page_size_padded: int | None = None) -> None:
+        _positive("AttentionSpec", block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size)
+        values = (block_size, num_kv_heads, head_size, as_dtype(dtype), page_size_padded)
+        for name, value in zip(self.__dataclass_fields__, values, strict=True):
+            object.__setattr__(self, name, value)
+        _check_padding("AttentionSpec", page_size_padded, self.page_bytes)
+
+    @property
+    def page_bytes(self) -> int:
+        """Unpadded bytes of one block: K and V."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
+
+    @property
+    def padded_page_bytes(self) -> int:
+        return self.page_size_padded if self.page_size_padded is not None else self.page_bytes
+
+    def describe(self) -> str:
+        return f"attn({self.block_size},{self.num_kv_heads},{self.head_size},{_dtype_name(self.dtype)})"
+
+
+@dataclass(frozen=True, init=False)
+class StateSpec:
+    """A Mamba-style layer's block: several typed state tensors packed, in order, into one page."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    page_size_padded: int | None = None
+
+    def __init__(self, shapes: Iterable[Iterable[int]], dtypes: Iterable[torch.dtype | str],
+                 page_size_padded: int | None = None) -> None:
+        shapes_t = tuple(tuple(s) for s in shapes)
+        dtypes_t = tuple(as_dtype(d) for d in dtypes)
+        if not shapes_t or len(shapes_t) != len(dtypes_t):
+            raise ValueError(f"StateSpec needs one dtype per state shape, got {shapes_t} and {dtypes_t}")
+        for i, shape in enumerate(shapes_t):
+            _positive("StateSpec", **{f"shapes[{i}][{d}]": n for d, n in enumerate(shape)})
+        object.__setattr__(self, "shapes", shapes_t)
+        object.__setattr__(self, "dtypes", dtypes_t)
+        object.__setattr__(self, "page_size_padded", page_size_padded)
+        _check_padding("StateSpec", page_size_padded, self.page_bytes)
+
+    def state_bytes(self, i: int) -> int:
+        """Bytes of state ``i`` in one block."""
+        return math.prod(self.shapes[i]) * self.dtypes[i].itemsize
+
+    @property
+    def page_bytes(self) -> int:
+        return sum(self.state_bytes(i) for i in range(len(self.shapes)))
+
+    @property
+    def padded_page_bytes(self) -> int:
+        return self.page_size_padded if self.page_size_padded is not None else self.page_bytes
+
+    def describe(self) -> str:
+        pairs = zip(self.shapes, self.dtypes, strict=True)
+        states = (f"{'x'.join(map(str, s))}:{_dtype_name(d)}" for s, d in pairs)
+        return f"state({','.join(states)})"
+
+
+LayerSpec = AttentionSpec | StateSpec
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One KV-cache group: its layers in copy order, and each layer's spec (may differ within a group)."""
+
+    layer_names: tuple[str, ...]
+    specs: Mapping[str, LayerSpec] = field(hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_names", tuple(self.layer_names))
+        object.__setattr__(self, "specs", dict(self.specs))
+        if not self.layer_names or len(set(self.layer_names)) != len(self.layer_names):
+            raise ValueError(f"KVGroup layer names must be non-empty and distinct, got {self.layer_names}")
+        if set(self.specs) != set(self.layer_names):
+            odd = sorted(set(self.specs) ^ set(self.layer_names))
+            raise ValueError(f"KVGroup: layers {odd} are in only one of layer_names and specs")
+
+    @classmethod
+    def uniform(cls, layer_names: Iterable[str], spec: LayerSpec) -> KVGroup:
+        """A group whose layers all have ``spec``."""
+        names = tuple(layer_names)
+        return cls(names, dict.fromkeys(names, spec))
+
+    @property
+    def block_bytes(self) -> int:
+        """Unpadded bytes of one block of this group, all layers."""
+        return sum(spec.page_bytes for spec in self.specs.values())
+
+
+@dataclass(frozen=True)
+class KVBuffer:
+    """A backing allocation of ``size_bytes`` and the layers that live in it (vLLM's ``KVCacheTensor``)."""
+
+    size_bytes: int
+    layer_names: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_names", tuple(self.layer_names))
+        if isinstance(self.size_bytes, bool) or not isinstance(self.size_bytes, int) or self.size_bytes < 0:
+            raise ValueError(f"KVBuffer {self.layer_names}: size_bytes must be a non-negative integer")
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """An engine's whole KV cache, described without tensors (see the module docstring).
+
+    ``buffers`` defaults to one buffer per layer (with ``cross_layer``: one per group). ``backend`` names the
+    page format (e.g. the attention backend): it decides the byte order inside a page, so ``describe()``
+    includes it.
+    """
+
+    num_blocks: int
+    groups: tuple[KVGroup, ...]
+    buffers: tuple[KVBuffer, ...] = ()
+    kv_outermost: bool = False
+    cross_layer: bool = False
+    backend: str = ""
+
+    def __post_init__(self) -> None:
+        _positive("KVCacheLayout", num_blocks=self.num_blocks)
+        object.__setattr__(self, "groups", tuple(self.groups))
+        if not self.groups:
+            raise ValueError("KVCacheLayout needs at least one KV-cache group")
+        if self.kv_outermost and self.cross_layer:
+            raise ValueError("KVCacheLayout: kv_outermost and cross_layer cannot be combined")
+        object.__setattr__(self, "buffers", tuple(self.buffers) or self._default_buffers())
+        _check_layout(self)
+
+    def _default_buffers(self) -> tuple[KVBuffer, ...]:
+        if self.cross_layer:
+            return tuple(KVBuffer(self.num_blocks * g.block_bytes, g.layer_names) for g in self.groups)
+        return tuple(KVBuffer(self.num_blocks * spec.padded_page_bytes, (name,))
+                     for g in self.groups for name, spec in g.specs.items())
+
+    @property
+    def layer_specs(self) -> dict[str, LayerSpec]:
+        """Every grouped layer's spec."""
+        return {name: spec for g in self.groups for name, spec in g.specs.items()}
+
+    def group_block_bytes(self, group: int) -> int:
+        """Bytes copied per engine block of ``group`` (no padding); equals ``CanonicalKV``'s figure."""
+        return self.groups[group].block_bytes
+
+    def describe(self) -> str:
+        """Stable text of everything that decides a block's bytes, for the key namespace.
+
+        Leaves out what does not change them: ``num_blocks``, buffer sizes, padding, layer names.
+        """
+        groups = ";".join(_run_lengths(g.specs[n].describe() for n in g.layer_names) for g in self.groups)
+        return (f"layout-v{LAYOUT_TEXT_VERSION}|backend={self.backend}|kv_outermost={int(self.kv_outermost)}"
+                f"|cross_layer={int(self.cross_layer)}|groups={groups}")
+
+
+def _run_lengths(texts: Iterable[str]) -> str:
+    return ",".join(f"{text}*{len(list(run))}" for text, run in itertools.groupby(texts))
+
+
+def _check_layout(layout: KVCacheLayout) -> None:
+    owner: dict[str, int] = {}
+    for g, group in enumerate(layout.groups):
+        for name in group.layer_names:
+            if name in owner:
+                raise ValueError(f"layer {name!r} is in groups {owner[name]} and {g}")
+            owner[name] = g
+    placed: dict[str, int] = {}
+    for i, buf in enumerate(layout.buffers):
+        for name in buf.layer_names:
+            if name in placed:
+                raise ValueError(f"layer {name!r} is listed in buffers {placed[name]} and {i}")
+            placed[name] = i
+        _check_buffer(layout, i, buf, owner)
+    unplaced = [name for name in owner if name not in placed]
+    if unplaced:
+        raise ValueError(f"layers {unplaced} are in no KVBuffer")
+
+
+def _check_buffer(layout: KVCacheLayout, i: int, buf: KVBuffer, owner: Mapping[str, int]) -> None:
+    grouped = [n for n in buf.layer_names if n in owner]
+    specs = layout.layer_specs
+    label = f"buffer {i} {buf.layer_names}"
+    if layout.cross_layer:
+        if len(grouped) != len(buf.layer_names) or len({owner[n] for n in grouped}) > 1:
+            raise ValueError(f"cross-layer {label}: its layers must all be of one group")
+        order = [n for n in layout.groups[owner[grouped[0]]].layer_names if n in grouped] if grouped else []
+        if order != grouped:
+            raise ValueError(f"cross-layer {label}: its layers must follow their group's order")
+        need = sum(specs[n].page_bytes for n in grouped)
+    else:
+        groups = [owner[n] for n in grouped]
+        if len(set(groups)) != len(groups):
+            raise ValueError(f"{label}: two layers of one group cannot share memory")
+        need = max((specs[n].page_bytes for n in grouped), default=0)
+    if buf.size_bytes < layout.num_blocks * need:
+        raise ValueError(f"{label}: {buf.size_bytes} bytes cannot hold {layout.num_blocks} blocks of {need}")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# canonicalize(): engine tensors -> CanonicalKV
+
+KVCaches = Mapping[str, torch.Tensor | Sequence[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class _Strip:
+    """Memory holding one page (or page part) per block: block ``b`` at ``address + b * stride``."""
+
+    layer: str
+    tensor: torch.Tensor
+    """Any tensor on the strip's storage: gives its device and storage."""
+    address: int
+    stride: int
+    nbytes: int
+    """Bytes of a block that hold data (the rest of the stride is padding)."""
+
+
+def canonicalize(layout: KVCacheLayout, kv_caches: KVCaches) -> CanonicalKV:
+    """Turn the engine's ``{layer: tensor or list of tensors}`` into aliasing int8 views and group refs.
+
+    Raises:
+        ValueError: a tensor disagrees with ``layout`` (names, block count, dtype, page size, strides, memory
+            sharing); the message names the layer or buffer.
+    """
+    _check_names(layout, kv_caches)
+    specs = layout.layer_specs
+    strips = {name: _layer_strips(layout, name, spec, kv_caches[name]) for name, spec in specs.items()}
+    views: list[torch.Tensor] = []
+    view_ids: dict[str, tuple[int, ...]] = {}
+    spans: list[tuple[str, _Strip, int]] = []
+    for i, buf in enumerate(layout.buffers):
+        names = [n for n in buf.layer_names if n in specs]
+        if not names:
+            continue  # a slot that no grouped layer uses: nothing to copy
+        if layout.cross_layer:
+            merged = [_cross_layer_strip(i, names, strips)]
+        else:
+            merged = _shared_strips(i, names, strips)
+        view_ids.update(dict.fromkeys(names, tuple(range(len(views), len(views) + len(merged)))))
+        for strip in merged:
+            views.append(_int8_view(strip, layout.num_blocks))
+            spans.append((f"buffer {i} {tuple(names)}", strip, views[-1].shape[1]))
+    _check_disjoint(spans, layout.num_blocks)
+    refs = tuple(_group_refs(layout, g, view_ids, strips) for g in range(len(layout.groups)))
+    return CanonicalKV(tuple(views), refs, layout.num_blocks)
+
+
+def _check_names(layout: KVCacheLayout, kv_caches: KVCaches) -> None:
+    known = set(layout.layer_specs) | {n for buf in layout.buffers for n in buf.layer_names}
+    unknown = sorted(set(kv_caches) - known)
+    if unknown:
+        raise ValueError(f"kv_caches has layers {unknown} that the layout does not know")
+    missing = [n for n in layout.layer_specs if n not in kv_caches]
+    if missing:
+        raise ValueError(f"kv_caches lacks layers {missing} of the layout")
+
+
+def _layer_strips(layout: KVCacheLayout, name: str, spec: LayerSpec, value: object) -> list[_Strip]:
+    if isinstance(spec, StateSpec):
+        return [_state_strip(layout.num_blocks, name, spec, value)]
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"layer {name!r}: an attention layer needs one tensor, got {type(value).__name__}")
+    _check_dtype(name, value, spec.dtype)
+    if not layout.kv_outermost:
+        return [_strip(name, value, 0, layout.num_blocks, spec.page_bytes)]
+    if value.dim() < 2 or value.shape[0] != 2:
+        raise ValueError(f"layer {name!r}: kv_outermost wants [2, num_blocks, ...], got {list(value.shape)}")
+    if _dense_bytes(value, 1) is not None:
+        return [_strip(name, value, 1, layout.num_blocks, spec.page_bytes)]  # K/V dim inside each block
+    return [_strip(name, value[kv], 0, layout.num_blocks, spec.page_bytes // 2) for kv in (0, 1)]
+
+
+def _check_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    if tensor.dtype != dtype:
+        raise ValueError(f"layer {name!r}: tensor dtype {tensor.dtype} differs from the spec's {dtype}")
+
+
+def _dense_bytes(tensor: torch.Tensor, block_dim: int) -> int | None:
+    """Bytes of one block if the dims other than ``block_dim`` tile a gap-free region from its start."""
+    dims = sorted((tensor.stride(d), tensor.shape[d]) for d in range(tensor.dim())
+                  if d != block_dim and tensor.shape[d] != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return None
+        expected *= size
+    return expected * tensor.element_size()
+
+
+def _strip(name: str, tensor: torch.Tensor, block_dim: int, num_blocks: int, page_bytes: int) -> _Strip:
+    if tensor.dim() <= block_dim or tensor.shape[block_dim] != num_blocks:
+        raise ValueError(f"layer {name!r}: shape {list(tensor.shape)} does not have {num_blocks} blocks "
+                         f"in dim {block_dim}")
+    dense = _dense_bytes(tensor, block_dim)
+    if dense is None:
+        raise ValueError(f"layer {name!r}: a block's page is not one gap-free region "
+                         f"(shape {list(tensor.shape)}, stride {list(tensor.stride())})")
+    if dense != page_bytes:
+        raise ValueError(f"layer {name!r}: a block holds {dense} bytes but the spec says {page_bytes}")
+    stride = tensor.stride(block_dim) * tensor.element_size()
+    if stride < page_bytes:
+        raise ValueError(f"layer {name!r}: block stride {stride} is smaller than the page of {page_bytes}")
+    return _Strip(name, tensor, tensor.data_ptr(), stride, page_bytes)
+
+
+def _state_strip(num_blocks: int, name: str, spec: StateSpec, value: object) -> _Strip:
+    """The page of a state layer starts at its first tensor; the others follow it, packed, in order."""
+    if isinstance(value, torch.Tensor) or not isinstance(value, Sequence) or len(value) != len(spec.shapes):
+        raise ValueError(f"layer {name!r}: a state layer needs a list of {len(spec.shapes)} tensors")
+    parts: list[_Strip] = []
+    for i, tensor in enumerate(value):
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape[1:]) != spec.shapes[i]:
+            raise ValueError(f"layer {name!r}: state {i} is not a [num_blocks, {spec.shapes[i]}] tensor")
+        _check_dtype(f"{name}[{i}]", tensor, spec.dtypes[i])
+        parts.append(_strip(f"{name}[{i}]", tensor, 0, num_blocks, spec.state_bytes(i)))
+    first, offset = parts[0], 0
+    for i, part in enumerate(parts):
+        if part.stride != first.stride:
+            raise ValueError(f"layer {name!r}: state {i} has block stride {part.stride}, not {first.stride}")
+        if part.address - first.address != offset:
+            raise ValueError(f"layer {name!r}: state {i} does not start where state {i - 1} ends")
+        offset += part.nbytes
+    if first.stride < offset:
+        raise ValueError(f"layer {name!r}: block stride {first.stride} is smaller than the page of {offset}")
+    return _Strip(name, first.tensor, first.address, first.stride, offset)
+
+
+def _same_memory(a: _Strip, b: _Strip) -> bool:
+    return a.tensor.device == b.tensor.device and a.address == b.address and a.stride == b.stride
+
+
+def _shared_strips(i: int, names: list[str], strips: Mapping[str, list[_Strip]]) -> list[_Strip]:
+    """Layers sharing buffer ``i`` must see the same memory; the largest page stands for all of them."""
+    first = strips[names[0]]
+    for name in names[1:]:
+        own = strips[name]
+        if len(own) != len(first) or not all(map(_same_memory, own, first)):
+            raise ValueError(f"buffer {i}: layers {names[0]!r} and {name!r} share it but disagree on "
+                             "address, block stride or K/V split")
+    return [max((strips[n][k] for n in names), key=lambda s: s.nbytes) for k in range(len(first))]
+
+
+def _cross_layer_strip(i: int, names: list[str], strips: Mapping[str, list[_Strip]]) -> _Strip:
+    """Layers of cross-layer buffer ``i`` sit side by side in each block, in order, with no gaps."""
+    first = strips[names[0]][0]
+    offset = 0
+    for name in names:
+        (own,) = strips[name]
+        if own.tensor.device != first.tensor.device or own.stride != first.stride:
+            raise ValueError(f"cross-layer buffer {i}: layer {name!r} has another device or block stride")
+        if own.address - first.address != offset:
+            raise ValueError(f"cross-layer buffer {i}: layer {name!r} does not start where the last one ends")
+        offset += own.nbytes
+    if first.stride < offset:
+        raise ValueError(f"cross-layer buffer {i}: block stride {first.stride} is less than {offset} bytes")
+    return _Strip(names[0], first.tensor, first.address, first.stride, offset)
+
+
+def _int8_view(strip: _Strip, num_blocks: int) -> torch.Tensor:
+    """Rows of ``stride`` bytes (only the used bytes if the storage ends sooner), aliasing the engine's."""
+    storage = strip.tensor.untyped_storage()
+    offset = strip.address - storage.data_ptr()
+    last_row = offset + (num_blocks - 1) * strip.stride
+    width = strip.stride if last_row + strip.stride <= storage.nbytes() else strip.nbytes
+    if offset < 0 or last_row + width > storage.nbytes():
+        raise ValueError(f"layer {strip.layer!r}: {num_blocks} blocks of {strip.stride} overrun its storage")
+    flat = torch.empty(0, dtype=torch.int8, device=strip.tensor.device).set_(storage)
+    return flat.as_strided((num_blocks, width), (strip.stride, 1), offset)
+
+
+def _check_disjoint(spans: list[tuple[str, _Strip, int]], num_blocks: int) -> None:
+    """Views of different buffers must not overlap: that would be shared memory the layout did not declare."""
+    ranges = sorted((str(s.tensor.device), s.address, s.address + (num_blocks - 1) * s.stride + width, label)
+                    for label, s, width in spans)
+    for (dev_a, _, end_a, label_a), (dev_b, start_b, _, label_b) in itertools.pairwise(ranges):
+        if dev_a == dev_b and start_b < end_a:
+            raise ValueError(f"{label_a} and {label_b} overlap in memory but are not declared as one buffer")
+
+
+def _group_refs(layout: KVCacheLayout, g: int, view_ids: Mapping[str, tuple[int, ...]],
+                strips: Mapping[str, list[_Strip]]) -> tuple[BlockRef, ...]:
+    names = layout.groups[g].layer_names
+    if layout.cross_layer:  # one ref per buffer, covering all of its layers (all of them in this group)
+        views = list(dict.fromkeys(view_ids[n][0] for n in names))
+        return tuple(BlockRef(v, sum(strips[n][0].nbytes for n in names if view_ids[n][0] == v))
+                     for v in views)
+    return tuple(BlockRef(view, strip.nbytes) for n in names
+                 for view, strip in zip(view_ids[n], strips[n], strict=True))
