@@ -97,9 +97,9 @@ class TieredManager(ResidencyManager):
         found = self.host.lookup(keys)
         if found.pending or found.hits == len(keys):
             return found
-        rest = keys[found.hits:]
-        on_disk = self.disk.lookup(rest)
-        if on_disk.hits and self._promote(rest[:on_disk.hits]):
+        on_disk = self.disk.lookup(keys[found.hits:])
+        # The host hits go along so that the promotion's evictions cannot take them (they are held).
+        if on_disk.hits and self._promote(keys[:found.hits + on_disk.hits]):
             return LookupResult(found.hits, pending=True)
         return LookupResult(found.hits)
 
@@ -122,6 +122,8 @@ class TieredManager(ResidencyManager):
         return self.host.prepare_store(keys)
 
     def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
+        # Earlier host events first, so that only this store's STORED event says what to write.
+        self._events += self.host.take_events()
         self.host.complete_store(keys, success)
         stored: list[OffloadKey] = []
         for event in self.host.take_events():
@@ -175,7 +177,10 @@ class TieredManager(ResidencyManager):
         return self.host.usage() + self.disk.usage()
 
     def _promote(self, keys: Sequence[OffloadKey]) -> bool:
-        """Queue a DISK -> HOST copy of ``keys`` (all ready on disk); False when the host has no room."""
+        """Queue a DISK -> HOST copy of the keys of ``keys`` not on the host (those are ready on disk).
+
+        False when the host has no room for them.
+        """
         out = self.host.prepare_store(keys)
         if out is None or not out.keys_to_store:
             return False

@@ -1,0 +1,202 @@
+"""TieredManager: host + disk behind one face (promotion, write-through, on-evict, failures, events)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvoffload.config import DiskTierConfig, WritePolicy
+from kvoffload.keys import Namespace, OffloadKey, offload_key
+from kvoffload.manager.base import EventKind, LookupResult, TierTransfer
+from kvoffload.manager.host import HostTierManager
+from kvoffload.manager.tiered import TieredManager
+from kvoffload.specs import DiskBlocks, HostBlocks, Medium
+from kvoffload.transfer.disk_format import file_bytes
+
+NS = Namespace(model="m", dtype="bf16", layout="pages=64")
+
+
+@dataclass(frozen=True)
+class Layout:
+    groups: tuple[str, ...] = ("attn",)
+
+    def group_block_bytes(self, group: int) -> int:
+        return 256
+
+
+def keys(n: int, salt: int = 0) -> list[OffloadKey]:
+    return [offload_key(bytes([salt, i]) * 8, 0) for i in range(n)]  # type: ignore[arg-type]
+
+
+def make(tmp_path: Path, host_slots: int = 4, disk_blocks: int = 16,
+         policy: WritePolicy = WritePolicy.WRITE_THROUGH) -> TieredManager:
+    config = DiskTierConfig(path=tmp_path, capacity_bytes=disk_blocks * file_bytes(2 * 256),
+                            write_policy=policy)
+    return TieredManager.create(config, HostTierManager(host_slots), NS, Layout(), factor=2)
+
+
+def store(m: TieredManager, ks: list[OffloadKey], success: bool = True) -> None:
+    out = m.prepare_store(ks)
+    assert out is not None
+    m.complete_store(out.keys_to_store, success)
+
+
+def finish_all(m: TieredManager, success: bool = True) -> list[TierTransfer]:
+    """Run every queued tier transfer to completion, as the connector would (until none is left)."""
+    done: list[TierTransfer] = []
+    while transfers := m.take_transfers():
+        for t in transfers:
+            m.complete_transfer(t.transfer_id, success)
+        done += transfers
+    return done
+
+
+def test_write_through_writes_each_stored_block_and_pins_its_host_slot_meanwhile(tmp_path: Path) -> None:
+    m = make(tmp_path, host_slots=2)
+    ks = keys(2)
+    store(m, ks)
+    (write,) = m.take_transfers()
+    assert write.src == HostBlocks((0, 1), (2,)) and write.dst == DiskBlocks(tuple(ks), (2,))
+    assert m.prepare_store(keys(1, salt=1)) is None  # both host slots are pinned by the write
+    m.complete_transfer(write.transfer_id, True)
+    assert m.disk.lookup(ks).hits == 2
+    assert m.prepare_store(keys(1, salt=1)) is not None  # unpinned: evictable again
+    m.check_integrity()
+
+
+def test_block_evicted_from_host_is_promoted_from_disk_while_lookup_says_pending(tmp_path: Path) -> None:
+    m = make(tmp_path, host_slots=2)
+    old = keys(2)
+    store(m, old)
+    finish_all(m)
+    store(m, keys(2, salt=1))  # evicts ``old`` from the host
+    finish_all(m)
+    assert m.host.lookup(old).hits == 0
+    result = m.lookup(old)
+    assert (result.hits, result.pending) == (0, True)
+    (promotion,) = m.take_transfers()
+    assert promotion.src == DiskBlocks(tuple(old), (2,)) and isinstance(promotion.dst, HostBlocks)
+    assert m.lookup(old).pending and m.take_transfers() == []  # in flight: no second promotion
+    m.complete_transfer(promotion.transfer_id, True)
+    assert m.lookup(old).hits == 2
+    assert m.prepare_load(old) == promotion.dst
+    m.check_integrity()
+
+
+def test_lookup_counts_host_hits_before_the_disk_run(tmp_path: Path) -> None:
+    m = make(tmp_path, host_slots=3)
+    ks = keys(3)
+    store(m, ks)
+    finish_all(m)
+    store(m, keys(2, salt=1))  # a prefix's last blocks are evicted first: ks[0] stays on the host
+    finish_all(m)
+    assert m.lookup(ks) == LookupResult(1, pending=True)  # ks[1:] is being promoted
+    (promotion,) = m.take_transfers()
+    assert promotion.src == DiskBlocks(tuple(ks[1:]), (2,))
+
+
+def test_failed_promotion_is_a_miss_and_forgets_the_disk_block(tmp_path: Path) -> None:
+    m = make(tmp_path, host_slots=1)
+    (old,) = keys(1)
+    store(m, [old])
+    finish_all(m)
+    store(m, keys(1, salt=1))
+    finish_all(m)
+    assert m.lookup([old]).pending
+    finish_all(m, success=False)  # e.g. the file was corrupt: the worker removed it
+    assert m.lookup([old]) == m.lookup([old]) and m.lookup([old]).hits == 0
+    assert not m.lookup([old]).pending
+    assert m.disk.lookup([old]).hits == 0
+    m.check_integrity()
+
+
+def test_failed_write_through_leaves_the_block_on_host_only(tmp_path: Path) -> None:
+    m = make(tmp_path)
+    ks = keys(2)
+    store(m, ks)
+    finish_all(m, success=False)
+    assert m.host.lookup(ks).hits == 2 and m.disk.lookup(ks).hits == 0
+    m.check_integrity()
+
+
+def test_events_name_the_medium_of_each_tier(tmp_path: Path) -> None:
+    m = make(tmp_path)
+    ks = keys(1)
+    store(m, ks)
+    finish_all(m)
+    events = m.take_events()
+    assert [(e.kind, e.medium) for e in events] == [(EventKind.STORED, Medium.HOST),
+                                                    (EventKind.STORED, Medium.DISK)]
+
+
+def test_usage_lists_host_then_disk(tmp_path: Path) -> None:
+    m = make(tmp_path, host_slots=4, disk_blocks=16)
+    store(m, keys(3))
+    finish_all(m)
+    assert [(u.medium, u.used_blocks, u.capacity_blocks) for u in m.usage()] == [
+        (Medium.HOST, 3, 4), (Medium.DISK, 3, 16)]
+
+
+def test_on_evict_writes_only_blocks_crowding_the_host_and_evicts_only_written_ones(tmp_path: Path) -> None:
+    m = make(tmp_path, host_slots=4, policy=WritePolicy.ON_EVICT)  # low water 1: 3 dirty blocks allowed
+    first = keys(3)
+    store(m, first)
+    assert m.take_transfers() == []  # all fit: nothing written yet
+    store(m, keys(1, salt=1))
+    (write,) = m.take_transfers()
+    assert write.dst == DiskBlocks((first[0],), (1,))  # the least recently used dirty block
+    m.complete_transfer(write.transfer_id, True)
+    store(m, keys(1, salt=2))  # needs room: the only evictable host block is the one on disk
+    assert m.host.lookup([first[0]]).hits == 0 and m.disk.lookup([first[0]]).hits == 1
+    assert m.host.lookup(first[1:]).hits == 2
+    m.check_integrity()
+
+
+def test_on_evict_refuses_a_low_water_mark_outside_the_host(tmp_path: Path) -> None:
+    config = DiskTierConfig(path=tmp_path, write_policy=WritePolicy.ON_EVICT)
+    with pytest.raises(ValueError, match="low_water"):
+        TieredManager(HostTierManager(4), make(tmp_path).disk, config.write_policy, low_water=4)
+
+
+def test_reset_forgets_both_tiers(tmp_path: Path) -> None:
+    m = make(tmp_path)
+    ks = keys(2)
+    store(m, ks)
+    finish_all(m)
+    m.reset()
+    assert m.lookup(ks).hits == 0 and not m.lookup(ks).pending
+    m.check_integrity()
+
+
+def test_unknown_transfer_id_is_a_key_error(tmp_path: Path) -> None:
+    with pytest.raises(KeyError):
+        make(tmp_path).complete_transfer(12345, True)
+
+
+@pytest.mark.parametrize("policy", list(WritePolicy))
+def test_random_workload_keeps_both_tiers_consistent(tmp_path: Path, policy: WritePolicy) -> None:
+    rng = random.Random(7)
+    m = make(tmp_path, host_slots=6, disk_blocks=12, policy=policy)
+    pending: list[TierTransfer] = []
+    for _ in range(400):
+        ks = keys(rng.randint(1, 4), salt=rng.randrange(12))
+        found = m.lookup(ks)
+        if found.hits:
+            m.touch(ks[:found.hits])
+            m.prepare_load(ks[:found.hits])
+            m.complete_load(ks[:found.hits], success=rng.random() > 0.1)
+        out = m.prepare_store(ks)
+        if out is not None:
+            m.complete_store(out.keys_to_store, success=rng.random() > 0.1)
+        pending += m.take_transfers()
+        rng.shuffle(pending)
+        while pending and rng.random() < 0.6:
+            m.complete_transfer(pending.pop().transfer_id, rng.random() > 0.1)
+        m.check_integrity()
+    for t in pending:
+        m.complete_transfer(t.transfer_id, True)
+    finish_all(m)
+    m.check_integrity()
