@@ -229,11 +229,14 @@ class HostTierManager(ResidencyManager):
         """Evict ``n`` ready, unpinned keys not in ``protected``; None (no change) when there are too few."""
         if n <= 0:
             return []
-        pins = self._pins
+        ready, free, pins = self._ready, self._free, self._pins
+        # Pinned keys are the ready ones in ``pins`` (the doomed ones are pinned too): a full tier of pinned
+        # blocks says no in O(1) instead of walking the whole policy.
+        if n > len(ready) - (len(pins) - len(self._doomed)):
+            return None
         victims = self._policy.victims(n, lambda key: key not in pins and key not in protected)
         if victims is None:
             return None
-        ready, free = self._ready, self._free
         for key in victims:
             free.append(ready.pop(key))
         self._emit(EventKind.REMOVED, victims)

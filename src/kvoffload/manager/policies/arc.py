@@ -44,21 +44,23 @@ class ARCPolicy(Policy):
         return self._p
 
     def insert(self, key: OffloadKey) -> None:
-        if key in self._t1 or key in self._t2:
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        if key in t1 or key in t2:
             self.touch(key)
-            return
-        if key in self._b1:
-            self._p = min(self._limit(), self._p + max(len(self._b2) / len(self._b1), 1.0))
-            del self._b1[key]
-            self._t2[key] = None
-        elif key in self._b2:
-            self._p = max(0.0, self._p - max(len(self._b1) / len(self._b2), 1.0))
-            del self._b2[key]
-            self._t2[key] = None
+        elif key in b1:
+            self._p = min(self._limit(), self._p + max(len(b2) / len(b1), 1.0))
+            del b1[key]
+            t2[key] = None
+        elif key in b2:
+            self._p = max(0.0, self._p - max(len(b1) / len(b2), 1.0))
+            del b2[key]
+            t2[key] = None
         else:
-            self._t1[key] = None
-        self._seen_max = max(self._seen_max, len(self))
-        self._trim_history()
+            # Only a new key grows T1 + B1 and the total: only it can push the history past its bounds.
+            t1[key] = None
+            if self._capacity is None:
+                self._seen_max = max(self._seen_max, len(t1) + len(t2))
+            self._trim_history()
 
     def touch(self, key: OffloadKey) -> None:
         if key in self._t2:
@@ -127,10 +129,11 @@ class ARCPolicy(Policy):
     def _trim_history(self) -> None:
         # The paper's bounds: |T1| + |B1| <= c and |T1| + |T2| + |B1| + |B2| <= 2c (oldest ghosts go first).
         c = self._limit()
-        while self._b1 and len(self._t1) + len(self._b1) > c:
-            self._b1.popitem(last=False)
-        while len(self) + len(self._b1) + len(self._b2) > 2 * c and (self._b1 or self._b2):
-            (self._b2 or self._b1).popitem(last=False)
+        t1, b1, b2 = self._t1, self._b1, self._b2
+        for _ in range(min(len(b1), len(t1) + len(b1) - c)):
+            b1.popitem(last=False)
+        for _ in range(min(len(b1) + len(b2), len(t1) + len(self._t2) + len(b1) + len(b2) - 2 * c)):
+            (b2 or b1).popitem(last=False)
 
 
 def _candidates(keys: _Keys, can_evict: CanEvict) -> Iterator[OffloadKey]:

@@ -15,8 +15,11 @@ class LRUPolicy(Policy):
         self._order: OrderedDict[OffloadKey, None] = OrderedDict()
 
     def insert(self, key: OffloadKey) -> None:
-        self._order[key] = None
-        self._order.move_to_end(key)
+        order = self._order
+        if key in order:
+            order.move_to_end(key)
+        else:
+            order[key] = None
 
     def touch(self, key: OffloadKey) -> None:
         if key in self._order:
@@ -29,10 +32,12 @@ class LRUPolicy(Policy):
         if n <= 0:
             return []
         chosen: list[OffloadKey] = []
+        wanted = n
         for key in self._order:
             if can_evict(key):
                 chosen.append(key)
-                if len(chosen) == n:
+                wanted -= 1
+                if not wanted:
                     break
         else:
             return None
