@@ -60,7 +60,7 @@ def test_full_blocks_are_stored_after_the_step_that_fills_them():
 def test_a_stored_prefix_is_a_hit_for_the_next_request_but_not_its_last_token():
     sched = make_scheduler()
     complete(sched, run_prefill(sched, Req("a", list(range(64)))))
-    b = Req("b", list(range(64)) + [9, 9])
+    b = Req("b", [*list(range(64)), 9, 9])
     assert sched.get_num_new_matched_tokens(b, 0) == (64, True)
     same = Req("c", list(range(64)))
     assert sched.get_num_new_matched_tokens(same, 0) == (48, True)  # the last token must be computed

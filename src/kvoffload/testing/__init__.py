@@ -1,0 +1,9 @@
+"""Tools for testing kvoffload and third-party tiers: a simulated engine and conformance suites.
+
+- ``sim``: a small engine (device block pool with prefix caching, requests that arrive, run, finish, get
+  preempted or aborted) that drives both connector halves step by step the way vLLM does, writing deterministic
+  per-token KV bytes so every loaded block can be checked bit for bit.
+- ``layouts``: ready-made KV cache layouts (attention, padded, shared buffer, multi-group, Mamba-style).
+- ``conformance``: checks any ``TransferHandler`` must pass.
+- ``simulate``: the ``kvoffload simulate`` workload.
+"""

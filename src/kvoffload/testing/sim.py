@@ -1,0 +1,390 @@
+"""A small simulated engine that drives both connector halves step by step, the way vLLM does.
+
+Each step: schedule (decode running requests, admit waiting ones through the device prefix cache and then
+kvoffload, preempt the newest request when blocks run out) -> ``build_connector_meta`` -> on every worker:
+``handle_preemptions``, ``start_kv_transfers``, the forward pass, ``prepare_store_kv``, ``get_finished`` ->
+``update_connector_output`` -> finished loads, finished requests.
+
+The forward pass writes deterministic bytes: an engine block's page is a pseudo-random function of the tokens up
+to its end (its chained hash). So every block in the device cache can be checked bit for bit against what a real
+computation would hold (``check_device_blocks``), whether it was computed or loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvoffload.config import OffloadConfig
+from kvoffload.connector.metadata import WorkerMetadata
+from kvoffload.connector.requests import ScheduledRequest, StepSchedule
+from kvoffload.connector.scheduler import ConnectorScheduler
+from kvoffload.connector.worker import ConnectorWorker
+from kvoffload.keys import BlockHash, Namespace, hash_block
+from kvoffload.layout import CanonicalKV, KVCacheLayout
+from kvoffload.testing.block_pool import BlockPool
+
+KVCaches = Mapping[str, torch.Tensor | Sequence[torch.Tensor]]
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    LOADING = "loading"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class SimRequest:
+    request_id: str
+    all_token_ids: list[int]
+    max_new_tokens: int
+    extra_keys: tuple[str, ...] = ()
+    status: Status = Status.WAITING
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    block_ids: list[list[int]] = field(default_factory=list)
+    sent_blocks: list[int] = field(default_factory=list)
+    pending_load_tokens: int = 0
+    loaded_tokens: int = 0
+    device_hit_tokens: int = 0
+    preemptions: int = 0
+    first_token_step: int | None = None
+    hashes: list[BlockHash] = field(default_factory=list)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+
+@dataclass(frozen=True)
+class StepReport:
+    step: int
+    scheduled_tokens: int
+    finished: tuple[str, ...]
+
+
+class SimEngine:
+    """Engine block pool + both connector halves (one scheduler, ``num_workers`` workers with their own KV)."""
+
+    def __init__(self, layout: KVCacheLayout, make_kv_caches: Callable[[], KVCaches], config: OffloadConfig,
+                 block_size: int = 16, num_workers: int = 1, max_batch_tokens: int = 8192,
+                 vocab_size: int = 1000) -> None:
+        self.layout = layout
+        self.block_size = block_size
+        self.num_groups = len(layout.groups)
+        self.vocab_size = vocab_size
+        self.max_batch_tokens = max_batch_tokens
+        ns = Namespace(model="sim", dtype="int8", layout=layout.describe(), world_size=num_workers)
+        self.scheduler = ConnectorScheduler(config, layout, block_size, ns)
+        self.workers = [ConnectorWorker(config, layout, block_size, dataclasses.replace(ns, rank=r))
+                        for r in range(num_workers)]
+        for worker in self.workers:
+            worker.register_kv_caches(make_kv_caches())
+        self.kvs: list[CanonicalKV] = [w.kv for w in self.workers if w.kv is not None]
+        self.pool = BlockPool(layout.num_blocks)
+        self.requests: dict[str, SimRequest] = {}
+        self.waiting: list[SimRequest] = []
+        self.running: list[SimRequest] = []
+        self.step_count = 0
+        self._finished_loads: dict[str, int] = {}
+        self._load_errors: set[int] = set()
+        self._work: list[tuple[SimRequest, int, int]] = []
+        self.computed_tokens = 0
+        self.verified_blocks = 0
+        self.corrupt_blocks: list[tuple[str, int]] = []
+        """(request id, engine block index) of loaded blocks whose bytes were wrong; must stay empty."""
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+
+    def add_request(self, req_id: str, prompt: Sequence[int], max_new_tokens: int = 1,
+                    extra_keys: Iterable[str] = ()) -> SimRequest:
+        if req_id in self.requests:
+            raise ValueError(f"request {req_id!r} already exists")
+        req = SimRequest(req_id, list(prompt), max_new_tokens, tuple(extra_keys), num_prompt_tokens=len(prompt))
+        self.requests[req_id] = req
+        self.waiting.append(req)
+        return req
+
+    def abort(self, req_id: str) -> None:
+        req = self.requests[req_id]
+        if req.status is Status.FINISHED:
+            return
+        for queue in (self.waiting, self.running):
+            if req in queue:
+                queue.remove(req)
+        self._release(req, valid=req.status is not Status.LOADING)
+        req.status = Status.FINISHED
+        self.scheduler.request_finished(req_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._loading())
+
+    def run(self, max_steps: int = 10_000, on_step: Callable[[SimEngine], None] | None = None) -> None:
+        """Step until every request finished and every job completed."""
+        for _ in range(max_steps):
+            if not self.has_work and self.scheduler.num_pending_jobs == 0:
+                return
+            self.step()
+            if on_step is not None:
+                on_step(self)
+        raise RuntimeError(f"simulation did not finish in {max_steps} steps")
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.drop_cache()
+        self.scheduler.reset()
+
+    # ---- one engine step --------------------------------------------------------------------------------------
+
+    def step(self) -> StepReport:
+        self.step_count += 1
+        self._work = []
+        scheduled, preempted = self._schedule()
+        meta = self.scheduler.build_connector_meta(StepSchedule(tuple(scheduled), frozenset(preempted)))
+        report = WorkerMetadata()
+        for rank, worker in enumerate(self.workers):
+            worker.handle_preemptions(meta)
+            worker.start_kv_transfers(meta)
+            self._forward(self.kvs[rank])
+            worker.prepare_store_kv(meta)
+            for req_id in worker.get_finished():
+                self._finished_loads[req_id] = self._finished_loads.get(req_id, 0) + 1
+            self._load_errors |= worker.get_block_ids_with_load_errors()
+            report = report.aggregate(worker.build_connector_worker_meta())
+        self.scheduler.update_connector_output(report)
+        self._sample()
+        self._complete_loads()
+        finished = self._finish_requests()
+        return StepReport(self.step_count, sum(end - start for _, start, end in self._work), tuple(finished))
+
+    def _schedule(self) -> tuple[list[ScheduledRequest], list[str]]:
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        budget = self.max_batch_tokens
+        for req in list(self.running):
+            if req not in self.running:
+                continue  # preempted to make room for an older request
+            while not self._grow(req, req.num_computed_tokens + 1):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                scheduled.append(self._scheduled(req, req.num_computed_tokens + 1))
+                budget -= 1
+        for req in list(self.waiting):
+            if self.running and len(req.all_token_ids) - req.num_computed_tokens > budget:
+                break
+            admitted = self._admit(req)
+            if admitted is None:
+                break
+            if isinstance(admitted, ScheduledRequest):
+                budget -= self._work[-1][2] - self._work[-1][1]
+                scheduled.append(admitted)
+        return scheduled, preempted
+
+    def _admit(self, req: SimRequest) -> ScheduledRequest | bool | None:
+        """Admit a waiting request: a ScheduledRequest, False (not computing this step), None (out of blocks)."""
+        external, load_async = 0, False
+        if not req.block_ids:  # a new or preempted request: look up the device prefix cache, then kvoffload
+            hits = self._device_hits(req)
+            computed = len(hits[0]) * self.block_size
+            matched, load_async = self.scheduler.get_num_new_matched_tokens(req, computed)
+            if matched is None:
+                return False
+            for blocks in hits:
+                for block in blocks:
+                    self.pool.share(block)
+            req.block_ids, req.sent_blocks = hits, [0] * self.num_groups
+            req.num_computed_tokens = req.device_hit_tokens = computed
+            external = matched
+        target = req.num_computed_tokens + external if load_async else len(req.all_token_ids)
+        if not self._grow(req, target):
+            self._release(req, valid=True)
+            req.num_computed_tokens = 0
+            return None
+        self.scheduler.update_state_after_alloc(req, req.block_ids, external)
+        self.waiting.remove(req)
+        if load_async:
+            req.status, req.pending_load_tokens = Status.LOADING, external
+            return False
+        req.status = Status.RUNNING
+        self.running.append(req)
+        return self._scheduled(req, target)
+
+    def _device_hits(self, req: SimRequest) -> list[list[int]]:
+        limit = (len(req.all_token_ids) - 1) // self.block_size
+        hashes = self._hashes(req, limit)
+        hits: list[list[int]] = [[] for _ in range(self.num_groups)]
+        for i in range(limit):
+            blocks = [self.pool.lookup((g, hashes[i])) for g in range(self.num_groups)]
+            if None in blocks:
+                break
+            for g in range(self.num_groups):
+                hits[g].append(blocks[g])  # type: ignore[arg-type]
+        return hits
+
+    def _grow(self, req: SimRequest, num_tokens: int) -> bool:
+        """Make room for ``num_tokens`` tokens in every group; False (nothing changed) when out of blocks."""
+        if not req.block_ids:
+            req.block_ids, req.sent_blocks = [[] for _ in range(self.num_groups)], [0] * self.num_groups
+        need = -(-num_tokens // self.block_size) - len(req.block_ids[0])
+        if need <= 0:
+            return True
+        blocks = self.pool.allocate(need * self.num_groups)
+        if blocks is None:
+            return False
+        for g in range(self.num_groups):
+            req.block_ids[g].extend(blocks[g * need:(g + 1) * need])
+        return True
+
+    def _scheduled(self, req: SimRequest, computed_after: int) -> ScheduledRequest:
+        new = tuple(tuple(ids[sent:]) for ids, sent in zip(req.block_ids, req.sent_blocks, strict=True))
+        resumed = req.preemptions > 0 and req.sent_blocks[0] == 0
+        req.sent_blocks = [len(ids) for ids in req.block_ids]
+        self._work.append((req, req.num_computed_tokens, computed_after))
+        req.num_computed_tokens = computed_after
+        return ScheduledRequest(req.request_id, new, computed_after, resumed)
+
+    def _preempt(self, req: SimRequest) -> None:
+        self.running.remove(req)
+        self._release(req, valid=True)
+        req.status, req.num_computed_tokens = Status.WAITING, 0
+        req.preemptions += 1
+        self.waiting.insert(0, req)
+
+    def _release(self, req: SimRequest, valid: bool) -> None:
+        for ids in req.block_ids:
+            (self.pool.free if valid else self.pool.free_uncached)(list(reversed(ids)))
+        req.block_ids, req.sent_blocks = [], []
+
+    # ---- forward pass, sampling, completions ------------------------------------------------------------------
+
+    def _forward(self, kv: CanonicalKV) -> None:
+        for req, start, end in self._work:
+            for i in range(start // self.block_size, (end - 1) // self.block_size + 1):
+                filled = min(end, (i + 1) * self.block_size)
+                for g in range(self.num_groups):
+                    write_block(kv, g, req.block_ids[g][i], self._page_seed(req, i, filled))
+
+    def _sample(self) -> None:
+        for req, start, end in self._work:
+            self.computed_tokens += end - start
+            hashes = self._hashes(req, end // self.block_size)
+            for g in range(self.num_groups):
+                for i, h in enumerate(hashes):
+                    self.pool.cache(req.block_ids[g][i], (g, h))
+            if end == len(req.all_token_ids):
+                req.all_token_ids.append(next_token(req.all_token_ids, self.vocab_size))
+                if req.first_token_step is None:
+                    req.first_token_step = self.step_count
+
+    def _complete_loads(self) -> None:
+        for req_id, count in list(self._finished_loads.items()):
+            if count < len(self.workers):
+                continue
+            del self._finished_loads[req_id]
+            req = self.requests.get(req_id)
+            if req is None or req.status is not Status.LOADING:
+                continue  # aborted while loading
+            first = req.num_computed_tokens // self.block_size
+            last = (req.num_computed_tokens + req.pending_load_tokens) // self.block_size
+            ok = first
+            while ok < last and not any(req.block_ids[g][ok] in self._load_errors for g in range(self.num_groups)):
+                ok += 1
+            for g in range(self.num_groups):
+                self._load_errors.difference_update(req.block_ids[g][first:last])
+            self._verify_loaded(req, first, ok)
+            req.loaded_tokens += (ok - first) * self.block_size
+            req.num_computed_tokens = ok * self.block_size
+            req.status, req.pending_load_tokens = Status.WAITING, 0
+            self.waiting.insert(0, req)
+
+    def _verify_loaded(self, req: SimRequest, first: int, end: int) -> None:
+        """Check every loaded block, on every worker, against the bytes its tokens must produce."""
+        hashes = self._hashes(req, end)
+        for i in range(first, end):
+            good = all(block_matches(kv, g, req.block_ids[g][i], hashes[i])
+                       for kv in self.kvs for g in range(self.num_groups))
+            self.verified_blocks += 1
+            if not good:
+                self.corrupt_blocks.append((req.request_id, i))
+
+    def _finish_requests(self) -> list[str]:
+        done = [r for r in self.running if r.num_new_tokens >= r.max_new_tokens]
+        for req in done:
+            self.running.remove(req)
+            self._release(req, valid=True)
+            req.status = Status.FINISHED
+            self.scheduler.request_finished(req.request_id)
+        return [r.request_id for r in done]
+
+    def _loading(self) -> list[SimRequest]:
+        return [r for r in self.requests.values() if r.status is Status.LOADING]
+
+    # ---- expected bytes ---------------------------------------------------------------------------------------
+
+    def _hashes(self, req: SimRequest, num_blocks: int) -> list[BlockHash]:
+        bs = self.block_size
+        while len(req.hashes) < num_blocks:
+            i = len(req.hashes)
+            parent = req.hashes[-1] if req.hashes else b"sim-engine"
+            req.hashes.append(hash_block(parent, req.all_token_ids[i * bs:(i + 1) * bs], req.extra_keys))
+        return req.hashes[:num_blocks]
+
+    def _page_seed(self, req: SimRequest, block: int, filled: int) -> bytes:
+        if filled == (block + 1) * self.block_size:
+            return self._hashes(req, block + 1)[block]
+        parent = self._hashes(req, block)[-1] if block else b"sim-engine"
+        return hash_block(parent, req.all_token_ids[block * self.block_size:filled], req.extra_keys)
+
+    def check_device_blocks(self, req: SimRequest) -> list[tuple[int, int, int]]:
+        """(rank, group, block index) of every computed full block whose device bytes are not what they must be."""
+        bad = []
+        full = req.num_computed_tokens // self.block_size if req.status is Status.RUNNING else 0
+        for rank, kv in enumerate(self.kvs):
+            for g in range(self.num_groups):
+                for i in range(full):
+                    if not block_matches(kv, g, req.block_ids[g][i], self._hashes(req, i + 1)[i]):
+                        bad.append((rank, g, i))
+        return bad
+
+    def check_all(self) -> None:
+        """Raise if any running request's device bytes are wrong or a tier's bookkeeping is broken."""
+        for req in self.running:
+            bad = self.check_device_blocks(req)
+            if bad:
+                raise AssertionError(f"request {req.request_id}: wrong device bytes at {bad[:5]}")
+        self.scheduler.manager.check_integrity()
+
+
+def next_token(tokens: Sequence[int], vocab_size: int) -> int:
+    """The simulated model's greedy choice: a deterministic function of the recent context."""
+    return int.from_bytes(hash_block(b"sim-sample", tokens[-8:])[:4], "little") % vocab_size
+
+
+def page_bytes(kv: CanonicalKV, group: int, seed: bytes) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(int.from_bytes(seed[:8], "little") >> 1 ^ group)
+    return torch.randint(-128, 128, (kv.group_block_bytes(group),), dtype=torch.int8, generator=gen)
+
+
+def write_block(kv: CanonicalKV, group: int, block: int, seed: bytes) -> None:
+    data, offset = page_bytes(kv, group, seed), 0
+    for ref in kv.group_refs[group]:
+        kv.views[ref.view][block, :ref.nbytes].copy_(data[offset:offset + ref.nbytes])
+        offset += ref.nbytes
+
+
+def block_matches(kv: CanonicalKV, group: int, block: int, seed: bytes) -> bool:
+    data, offset = page_bytes(kv, group, seed), 0
+    for ref in kv.group_refs[group]:
+        if not torch.equal(kv.views[ref.view][block, :ref.nbytes], data[offset:offset + ref.nbytes]):
+            return False
+        offset += ref.nbytes
+    return True

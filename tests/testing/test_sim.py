@@ -1,0 +1,163 @@
+"""Both connector halves driven by the simulated engine: bytes come back bit-exact, hits skip exactly the expected
+tokens, bookkeeping holds after every step, and preemption, abort and failed loads stay safe."""
+
+import random
+
+import pytest
+
+from kvoffload.config import OffloadConfig
+from kvoffload.testing import layouts
+from kvoffload.testing.sim import SimEngine, Status
+
+BLOCK = 4
+LAYOUTS = {
+    "attention": layouts.attention_layout,
+    "kv_outermost": lambda **kw: layouts.attention_layout(kv_outermost=True, **kw),
+    "padded": layouts.padded_layout,
+    "shared_buffer": layouts.shared_buffer_layout,
+    "multi_group": layouts.multi_group_layout,
+    "mamba": layouts.mamba_layout,
+    "cross_layer": layouts.cross_layer_layout,
+}
+
+
+def make_engine(layout="attention", factor=1, num_blocks=48, host_blocks=256, workers=1, **config):
+    layout_, make_kv = LAYOUTS[layout](num_blocks=num_blocks, block_size=BLOCK)
+    slot = factor * max(layout_.group_block_bytes(g) for g in range(len(layout_.groups)))
+    raw = {"offload_block_tokens": factor * BLOCK, "host_bytes": host_blocks * slot, **config}
+    return SimEngine(layout_, make_kv, OffloadConfig.from_dict(raw), block_size=BLOCK, num_workers=workers)
+
+
+def tokens(n, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+def run_checked(engine):
+    engine.run(on_step=lambda e: e.check_all())
+
+
+def assert_drained(engine):
+    """Everything done: no job in flight, no pin, and the tier empties completely on reset."""
+    assert engine.scheduler.num_pending_jobs == 0
+    engine.scheduler.manager.check_integrity()
+    engine.scheduler.reset()
+    assert all(u.used_blocks == 0 for u in engine.scheduler.usage())
+    assert engine.corrupt_blocks == []
+
+
+@pytest.mark.parametrize("factor", [1, 4])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_evicted_prefix_comes_back_bit_exact_and_skips_exactly_the_stored_tokens(layout, factor):
+    engine = make_engine(layout, factor)
+    prompt = tokens(40, seed=1)
+    engine.add_request("a", prompt)
+    run_checked(engine)
+    engine.pool.drop_cache()  # the device cache lost it; kvoffload still has it
+    b = engine.add_request("b", prompt + tokens(8, seed=2))
+    run_checked(engine)
+    offload_tokens = factor * BLOCK
+    expected = 40 // offload_tokens * offload_tokens
+    assert b.loaded_tokens == expected
+    assert b.device_hit_tokens == 0
+    assert engine.verified_blocks == expected // BLOCK
+    assert b.status is Status.FINISHED
+    assert_drained(engine)
+
+
+@pytest.mark.parametrize("factor", [1, 4])
+@pytest.mark.parametrize("layout", ["attention", "multi_group", "mamba"])
+def test_multi_turn_chat_with_a_small_device_cache_stays_correct(layout, factor):
+    engine = make_engine(layout, factor, num_blocks=40)
+    rng = random.Random(7)
+    history = {c: tokens(24, seed=c) for c in range(4)}
+    for turn in range(4):
+        for c in history:
+            req = engine.add_request(f"{c}-{turn}", history[c], max_new_tokens=3)
+            run_checked(engine)
+            history[c] = req.all_token_ids + [rng.randrange(1000) for _ in range(8)]
+    loaded = sum(r.loaded_tokens for r in engine.requests.values())
+    assert loaded > 0 and engine.verified_blocks == loaded // BLOCK
+    assert_drained(engine)
+
+
+def test_concurrent_requests_survive_preemption():
+    engine = make_engine(num_blocks=24)
+    shared = tokens(16, seed=3)
+    for i in range(6):
+        engine.add_request(f"r{i}", shared + tokens(12, seed=10 + i), max_new_tokens=12)
+    run_checked(engine)
+    assert sum(r.preemptions for r in engine.requests.values()) > 0
+    assert all(r.status is Status.FINISHED and r.num_new_tokens == 12 for r in engine.requests.values())
+    assert_drained(engine)
+
+
+def test_abort_during_a_load_is_safe():
+    engine = make_engine()
+    prompt = tokens(40, seed=4)
+    engine.add_request("a", prompt)
+    run_checked(engine)
+    engine.pool.drop_cache()
+    engine.add_request("b", [*prompt, 1])
+    engine.step()
+    assert engine.requests["b"].status is Status.LOADING
+    engine.abort("b")
+    c = engine.add_request("c", [*prompt, 2])
+    run_checked(engine)
+    assert c.loaded_tokens + c.device_hit_tokens == 40
+    assert_drained(engine)
+
+
+def test_abort_during_a_store_is_safe_and_reused_blocks_are_not_corrupted():
+    engine = make_engine(num_blocks=12)
+    prompt = tokens(40, seed=5)
+    engine.add_request("a", prompt, max_new_tokens=5)
+    engine.step()  # prefill ran; its stores are deferred to the next step
+    engine.abort("a")
+    engine.add_request("other", tokens(40, seed=6))  # reuses a's freed device blocks
+    run_checked(engine)
+    engine.pool.drop_cache()
+    b = engine.add_request("b", [*prompt, 3])
+    run_checked(engine)
+    assert b.loaded_tokens == 40
+    assert_drained(engine)
+
+
+def test_an_injected_load_failure_is_recomputed_with_correct_bytes():
+    engine = make_engine(inject_load_failures=1)
+    prompt = tokens(40, seed=8)
+    engine.add_request("a", prompt)
+    run_checked(engine)
+    engine.pool.drop_cache()
+    b = engine.add_request("b", [*prompt, 1])
+    run_checked(engine)
+    assert b.loaded_tokens == 0  # the load failed: every token was recomputed
+    assert b.status is Status.FINISHED
+    engine.pool.drop_cache()
+    c = engine.add_request("c", [*prompt, 2])
+    run_checked(engine)
+    assert c.loaded_tokens == 40  # b stored its recomputed blocks again
+    assert_drained(engine)
+
+
+def test_two_workers_both_load_and_a_job_counts_once_both_reported():
+    engine = make_engine("shared_buffer", factor=4, workers=2)
+    prompt = tokens(40, seed=9)
+    engine.add_request("a", prompt)
+    run_checked(engine)
+    engine.pool.drop_cache()
+    b = engine.add_request("b", [*prompt, 1])
+    run_checked(engine)
+    assert b.loaded_tokens == 32
+    assert engine.verified_blocks == 8
+    assert_drained(engine)
+
+
+def test_host_tier_smaller_than_the_workload_evicts_and_stays_consistent():
+    engine = make_engine(host_blocks=6, num_blocks=24)
+    for i in range(8):
+        engine.add_request(f"r{i}", tokens(20, seed=20 + i % 3), max_new_tokens=2)
+        run_checked(engine)
+    used = engine.scheduler.usage()[0]
+    assert used.used_blocks <= used.capacity_blocks == 6
+    assert_drained(engine)
