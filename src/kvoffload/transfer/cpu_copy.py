@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 # Below this many bytes per piece, handing work to another thread costs more than it saves.
 MIN_PIECE_BYTES = 1 << 20
+PIECES_PER_THREAD = 4
 
 BeforeCopy = Callable[[JobId], None]
 _Queued = tuple[JobId, tuple[Medium, Medium], CopyPlan]
@@ -99,14 +100,26 @@ class CpuCopier:
                 self._done.notify_all()
 
     def _run(self, plan: CopyPlan, store: bool) -> None:
-        parts = min(self._threads, max(1, plan.nbytes // MIN_PIECE_BYTES))
-        pieces = plan.split(parts) if parts > 1 else [plan]
+        parts = max(1, min(self._threads * PIECES_PER_THREAD, plan.nbytes // MIN_PIECE_BYTES))
+        pieces = iter(plan.split(parts) if parts > 1 else [plan])
+        lock = threading.Lock()
+
+        def drain() -> None:
+            # Threads take pieces until none are left, so a thread the OS preempts delays the job by at
+            # most one piece instead of by half of it.
+            while True:
+                with lock:
+                    piece = next(pieces, None)
+                if piece is None:
+                    return
+                self._copy(piece, store)
+
         futures: list[Future[None]] = []
-        if self._helpers is not None:
-            futures = [self._helpers.submit(self._copy, piece, store) for piece in pieces[1:]]
+        if self._helpers is not None and parts > 1:
+            futures = [self._helpers.submit(drain) for _ in range(min(parts, self._threads) - 1)]
         errors: list[BaseException] = []
         try:
-            self._copy(pieces[0], store)
+            drain()
         except Exception as e:
             errors.append(e)
         # All pieces must be over before the job is reported, even when one failed: all write its destination.

@@ -1,0 +1,195 @@
+"""``kvoffload bench copy``: device<->host copy GB/s of ``DeviceHostHandler`` beside memcpy of the same
+bytes.
+
+For each page size and direction, one job of ``blocks_per_job`` blocks is run again and again through a real
+handler (submit, wait), each run paired with one contiguous torch copy of the same total bytes, interleaved
+so both see the same machine load. Rows report medians after warm-up runs: the handler's GB/s (submit to
+wait returning: planning, queueing and copies), memcpy GB/s, their ratio (median of the per-run ratios) and
+the spread (max - min) / median of the handler's GB/s. Block ids and slots are a random permutation, so no
+two blocks of a job are adjacent: runs of consecutive blocks, which the handler merges into one copy, only
+make it faster. On a machine without CUDA the "device" is a KV cache in CPU memory; with CUDA it is on the
+GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvoffload.specs import TransferJob
+    from kvoffload.transfer.host import DeviceHostHandler
+
+KIB = 1 << 10
+MIB = 1 << 20
+DEFAULT_PAGE_SIZES = (4 * KIB, 64 * KIB, MIB)
+DEFAULT_JOB_BYTES = 32 * MIB
+MAX_BLOCKS = 4096
+WARMUP_RUNS = 2
+
+
+@dataclass(frozen=True)
+class Row:
+    page_bytes: int
+    blocks_per_job: int
+    direction: str
+    gbps: float
+    memcpy_gbps: float
+    ratio: float
+    runs: int
+    spread: float
+
+
+def _size(text: str) -> int:
+    units = {"k": KIB, "kib": KIB, "m": MIB, "mib": MIB, "": 1}
+    t = text.strip().lower()
+    digits = t.rstrip("kmib")
+    try:
+        value = int(digits) * units[t[len(digits):]]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: use bytes or a K/M suffix, e.g. 64K") from None
+    if not 4 * KIB <= value <= 2 * MIB:
+        raise argparse.ArgumentTypeError(f"page size {text!r} outside 4K..2M")
+    return value
+
+
+def _page_sizes(text: str) -> tuple[int, ...]:
+    return tuple(_size(part) for part in text.split(","))
+
+
+def _bounded(lo: int, hi: int, name: str) -> type[int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{name} must be in {lo}..{hi}, got {value}")
+        return value
+
+    return parse  # type: ignore[return-value]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table")
+    parser.add_argument("--runs", type=_bounded(1, 1000, "--runs"), default=11,
+                        help=f"timed runs per row, after {WARMUP_RUNS} warm-up runs (default 11)")
+    parser.add_argument("--page-sizes", type=_page_sizes, default=DEFAULT_PAGE_SIZES,
+                        help="comma-separated block sizes, 4K..2M (default 4K,64K,1M)")
+    parser.add_argument("--blocks-per-job", type=_bounded(1, MAX_BLOCKS, "--blocks-per-job"), default=None,
+                        help=f"blocks per job, 1..{MAX_BLOCKS} (default: 32 MiB worth, at most {MAX_BLOCKS})")
+    parser.add_argument("--threads", type=_bounded(1, 64, "--threads"), default=2,
+                        help="copy threads of the handler (CPU KV cache; default 2)")
+
+
+def run(args: argparse.Namespace) -> int:
+    rows = [
+        measure(page, args.blocks_per_job or min(MAX_BLOCKS, DEFAULT_JOB_BYTES // page), store, args.runs,
+                args.threads)
+        for page in args.page_sizes
+        for store in (True, False)
+    ]
+    if args.json:
+        print(json.dumps([asdict(r) for r in rows], indent=1))
+    else:
+        print(_table(rows))
+    return 0
+
+
+def measure(page_bytes: int, blocks: int, store: bool, runs: int, threads: int) -> Row:
+    """One row: ``runs`` timed (handler, memcpy) pairs after warm-up, for one job shape."""
+    import torch
+
+    from kvoffload.layout import BlockRef, CanonicalKV
+    from kvoffload.specs import DeviceBlocks, HostBlocks, JobId, TransferJob
+    from kvoffload.transfer.host import DeviceHostHandler
+    from kvoffload.transfer.host_pool import HostPool
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rng = random.Random(page_bytes * 7 + blocks)
+    view = torch.ones((2 * blocks, page_bytes), dtype=torch.int8, device=device)
+    kv = CanonicalKV((view,), ((BlockRef(0, page_bytes),),), num_blocks=2 * blocks)
+    pool = HostPool(2 * blocks, page_bytes, pin_memory=True)
+    pool.buffer.fill_(1)  # touch every page now, not inside a timed run
+    ids = tuple(rng.sample(range(2 * blocks), blocks))
+    slots = tuple(rng.sample(range(2 * blocks), blocks))
+    device_spec, host_spec = DeviceBlocks(ids, (blocks,)), HostBlocks(slots, (blocks,))
+    total = blocks * page_bytes
+    src = torch.ones(total, dtype=torch.int8, device=device if store else "cpu")
+    dst = torch.ones(total, dtype=torch.int8, device="cpu" if store else device)
+    if device == "cuda":
+        src, dst = (src, dst.pin_memory()) if store else (src.pin_memory(), dst)
+    handler = DeviceHostHandler(kv, pool, factor=1, threads=threads)
+    handler_s, memcpy_s = [], []
+    try:
+        for i in range(WARMUP_RUNS + runs):
+            job_id = JobId(i)
+            job = (TransferJob(job_id, device_spec, host_spec) if store
+                   else TransferJob(job_id, host_spec, device_spec))
+            h = _time_job(handler, job)
+            m = _time_memcpy(dst, src)
+            if i >= WARMUP_RUNS:
+                handler_s.append(h)
+                memcpy_s.append(m)
+    finally:
+        handler.shutdown()
+    return _row(page_bytes, blocks, store, total, handler_s, memcpy_s)
+
+
+def _time_job(handler: DeviceHostHandler, job: TransferJob) -> float:
+    start = time.perf_counter()
+    handler.submit(job)
+    handler.wait([job.job_id])
+    seconds = time.perf_counter() - start
+    results = handler.get_finished()
+    if not all(r.success for r in results):
+        raise RuntimeError(f"bench copy: a job failed: {results}")
+    return seconds
+
+
+def _time_memcpy(dst: torch.Tensor, src: torch.Tensor) -> float:
+    import torch
+
+    start = time.perf_counter()
+    dst.copy_(src, non_blocking=False)
+    if dst.is_cuda or src.is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _row(
+    page: int, blocks: int, store: bool, total: int, handler_s: list[float], memcpy_s: list[float]
+) -> Row:
+    gbps = [total / s / 1e9 for s in handler_s]
+    median = statistics.median(gbps)
+    return Row(
+        page_bytes=page,
+        blocks_per_job=blocks,
+        direction="device_to_host" if store else "host_to_device",
+        gbps=round(median, 3),
+        memcpy_gbps=round(statistics.median(total / s / 1e9 for s in memcpy_s), 3),
+        ratio=round(statistics.median(m / h for h, m in zip(handler_s, memcpy_s, strict=True)), 3),
+        runs=len(handler_s),
+        spread=round((max(gbps) - min(gbps)) / median, 3),
+    )
+
+
+def _table(rows: list[Row]) -> str:
+    header = ("page", "blocks", "direction", "GB/s", "memcpy", "ratio", "spread")
+    lines = ["{:>8} {:>6} {:<15} {:>7} {:>7} {:>6} {:>6}".format(*header)]
+    for r in rows:
+        lines.append(f"{_human(r.page_bytes):>8} {r.blocks_per_job:>6} {r.direction:<15} {r.gbps:>7.2f} "
+                     f"{r.memcpy_gbps:>7.2f} {r.ratio:>6.2f} {r.spread:>6.2f}")
+    lines.append(f"median of {rows[0].runs if rows else 0} runs; ratio = handler / memcpy of the same bytes")
+    return "\n".join(lines)
+
+
+def _human(n: int) -> str:
+    return f"{n // MIB}M" if n % MIB == 0 else f"{n // KIB}K" if n % KIB == 0 else str(n)
