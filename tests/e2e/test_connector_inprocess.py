@@ -1,0 +1,76 @@
+"""kvoffload inside an in-process vLLM engine (VLLM_ENABLE_V1_MULTIPROCESSING=0): right outputs, host-tier hits.
+
+The tests share one engine and run in file order; each leaves the engine idle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import vllm
+
+from tests.e2e.conftest import (
+    BLOCK_SIZE,
+    PREFIX_TOKENS,
+    ROUNDS,
+    Baseline,
+    assert_same_outputs,
+    close,
+    generate,
+    make_llm,
+    metric,
+    prompts,
+    randomize_weights,
+)
+
+pytestmark = pytest.mark.e2e
+
+FULL_PREFIX_BLOCKS_TOKENS = PREFIX_TOKENS // BLOCK_SIZE * BLOCK_SIZE
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: Path) -> Iterator[vllm.LLM]:
+    engine = make_llm(model_dir, {"host_bytes": 64 << 20})
+    engine.apply_model(randomize_weights)
+    yield engine
+    close(engine)
+
+
+def test_shared_prefixes_give_plain_vllm_outputs_and_load_from_host(llm: vllm.LLM, baseline: Baseline) -> None:
+    first = generate(llm, prompts(ROUNDS["first"]))
+    second = generate(llm, prompts(ROUNDS["second"]))
+
+    assert_same_outputs(first, baseline.random["first"])
+    assert_same_outputs(second, baseline.random["second"])
+    assert metric(llm, "vllm:kvoffload_transfer_bytes", direction="device_to_host") > 0
+    assert metric(llm, "vllm:kvoffload_transfer_bytes", direction="host_to_device") > 0
+    assert metric(llm, "vllm:kvoffload_hit_tokens") > 0
+    # The device cache alone (plain vLLM) lost the early prefixes; kvoffload brought them back.
+    assert sum(r.cached_tokens for r in second) > sum(r.cached_tokens for r in baseline.random["second"])
+
+
+def test_after_device_prefix_cache_reset_every_prefix_comes_from_host(llm: vllm.LLM, baseline: Baseline) -> None:
+    hits_before = metric(llm, "vllm:kvoffload_hit_tokens")
+    assert llm.reset_prefix_cache()
+
+    again = generate(llm, prompts(ROUNDS["second"]))
+
+    assert_same_outputs(again, baseline.random["second"])
+    assert [r.cached_tokens for r in again] == [FULL_PREFIX_BLOCKS_TOKENS] * len(again)
+    assert metric(llm, "vllm:kvoffload_hit_tokens") - hits_before == FULL_PREFIX_BLOCKS_TOKENS * len(again)
+
+
+def test_resetting_the_connector_too_forgets_the_host_tier_and_stays_right(llm: vllm.LLM,
+                                                                           baseline: Baseline) -> None:
+    assert llm.reset_prefix_cache(reset_connector=True)
+
+    again = generate(llm, prompts(ROUNDS["first"]))
+
+    assert_same_outputs(again, baseline.random["first"])
+    assert again[0].cached_tokens == 0
+
+
+def test_host_tier_usage_is_reported(llm: vllm.LLM) -> None:
+    assert metric(llm, "vllm:kvoffload_host_used_bytes") > 0
