@@ -359,10 +359,7 @@ def canonicalize(layout: KVCacheLayout, kv_caches: KVCaches) -> CanonicalKV:
         names = [n for n in buf.layer_names if n in specs]
         if not names:
             continue  # a slot that no grouped layer uses: nothing to copy
-        if layout.cross_layer:
-            merged = [_cross_layer_strip(i, names, strips)]
-        else:
-            merged = _shared_strips(i, names, strips)
+        merged = _buffer_strips(layout, i, names, strips)
         view_ids.update(dict.fromkeys(names, tuple(range(len(views), len(views) + len(merged)))))
         for strip in merged:
             views.append(_int8_view(strip, layout.num_blocks))
@@ -450,6 +447,14 @@ def _state_strip(num_blocks: int, name: str, spec: StateSpec, value: object) -> 
     if first.stride < offset:
         raise ValueError(f"layer {name!r}: block stride {first.stride} is smaller than the page of {offset}")
     return _Strip(name, first.tensor, first.address, first.stride, offset)
+
+
+def _buffer_strips(layout: KVCacheLayout, i: int, names: list[str],
+                   strips: Mapping[str, list[_Strip]]) -> list[_Strip]:
+    """One strip per view of buffer ``i``."""
+    if layout.cross_layer:
+        return [_cross_layer_strip(i, names, strips)]
+    return _shared_strips(i, names, strips)
 
 
 def _same_memory(a: _Strip, b: _Strip) -> bool:
