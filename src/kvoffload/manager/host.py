@@ -137,14 +137,11 @@ class HostTierManager(ResidencyManager):
 
     def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
         ready, in_flight, doomed = self._ready, self._in_flight, self._doomed
-        new: list[OffloadKey] = []
-        held_ready: set[OffloadKey] = set()
-        for key in dict.fromkeys(keys):  # drops repeated keys, keeps order
-            if key in ready:
-                held_ready.add(key)
-            elif key not in in_flight and key not in doomed:
-                new.append(key)
-        evicted = self._evict(len(new) - len(self._free), held_ready)
+        # dict.fromkeys drops repeated keys and keeps order. A doomed key counts as held: it is stored again
+        # once its last load completes and drops it.
+        new = [key for key in dict.fromkeys(keys) if key not in ready and key not in in_flight
+               and key not in doomed]
+        evicted = self._evict(len(new) - len(self._free), keys)
         if evicted is None:
             return None
         free = self._free
@@ -225,8 +222,8 @@ class HostTierManager(ResidencyManager):
                                  f"not the {len(self._ready)} ready ones")
         policy.check_integrity()
 
-    def _evict(self, n: int, protected: set[OffloadKey]) -> list[OffloadKey] | None:
-        """Evict ``n`` ready, unpinned keys not in ``protected``; None (no change) when there are too few."""
+    def _evict(self, n: int, storing: Sequence[OffloadKey]) -> list[OffloadKey] | None:
+        """Evict ``n`` ready, unpinned keys not in ``storing``; None (no change) when there are too few."""
         if n <= 0:
             return []
         ready, free, pins = self._ready, self._free, self._pins
@@ -234,6 +231,7 @@ class HostTierManager(ResidencyManager):
         # blocks says no in O(1) instead of walking the whole policy.
         if n > len(ready) - (len(pins) - len(self._doomed)):
             return None
+        protected = set(storing)
         victims = self._policy.victims(n, lambda key: key not in pins and key not in protected)
         if victims is None:
             return None
