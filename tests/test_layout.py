@@ -116,6 +116,14 @@ def test_padded_pages_give_padded_rows_but_copy_only_unpadded_bytes() -> None:
     assert {r.nbytes for r in kv.group_refs[0]} == {256}
 
 
+def test_padding_missing_after_the_last_block_narrows_rows_to_the_page() -> None:
+    raw = torch.randn(NUM_BLOCKS * 160 - 32).half()  # 320-byte rows, the last one without its padding
+    tensor = torch.as_strided(raw, (NUM_BLOCKS, 2, 4, 16), (160, 64, 16, 1))
+    kv = canonicalize(one_group("x", spec=AttentionSpec(4, 2, 8, "float16", 320)), {"x": tensor})
+    assert tuple(kv.views[0].shape) == (NUM_BLOCKS, 256) and kv.views[0].stride(0) == 320
+    assert torch.equal(kv.views[0][NUM_BLOCKS - 1], as_bytes(tensor[NUM_BLOCKS - 1]))
+
+
 def test_layers_sharing_a_buffer_get_one_view_and_a_ref_in_each_group() -> None:
     layout, make = shared_buffer_layout(num_layers=2)
     kv = canonicalize(layout, make())
@@ -295,3 +303,19 @@ def test_layouts_are_picklable_values() -> None:
     for make in ALL_LAYOUTS.values():
         layout, _ = make()
         assert pickle.loads(pickle.dumps(layout)) == layout
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", sorted(ALL_LAYOUTS))
+def test_cuda_views_alias_the_engine_blocks(name: str) -> None:
+    layout, make = ALL_LAYOUTS[name](device="cuda")
+    caches = make()
+    kv = canonicalize(layout, caches)
+    assert all(v.is_cuda for v in kv.views)
+    for g, group in enumerate(layout.groups):
+        expected = torch.cat([layer_block(layout, caches[n], 5) for n in group.layer_names])
+        assert torch.equal(canonical_block(kv, g, 5), expected)
+        for ref in kv.group_refs[g]:
+            kv.views[ref.view][5, :ref.nbytes] = 0
+        assert not layer_block(layout, caches[group.layer_names[0]], 5).any()

@@ -37,11 +37,14 @@ layout and the tensors raises ``ValueError`` naming the layer or buffer.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 LAYOUT_TEXT_VERSION = 1
 
@@ -366,7 +369,10 @@ def canonicalize(layout: KVCacheLayout, kv_caches: KVCaches) -> CanonicalKV:
             spans.append((f"buffer {i} {tuple(names)}", strip, views[-1].shape[1]))
     _check_disjoint(spans, layout.num_blocks)
     refs = tuple(_group_refs(layout, g, view_ids, strips) for g in range(len(layout.groups)))
-    return CanonicalKV(tuple(views), refs, layout.num_blocks)
+    kv = CanonicalKV(tuple(views), refs, layout.num_blocks)
+    logger.debug("canonical KV: %d views of %d blocks, block bytes per group %s", len(views),
+                 layout.num_blocks, [kv.group_block_bytes(g) for g in range(len(refs))])
+    return kv
 
 
 def _check_names(layout: KVCacheLayout, kv_caches: KVCaches) -> None:
@@ -494,8 +500,8 @@ def _int8_view(strip: _Strip, num_blocks: int) -> torch.Tensor:
     offset = strip.address - storage.data_ptr()
     last_row = offset + (num_blocks - 1) * strip.stride
     width = strip.stride if last_row + strip.stride <= storage.nbytes() else strip.nbytes
-    if offset < 0 or last_row + width > storage.nbytes():
-        raise ValueError(f"layer {strip.layer!r}: {num_blocks} blocks of {strip.stride} overrun its storage")
+    # Every block's used bytes lie inside a tensor on this storage, so they lie inside the storage.
+    assert offset >= 0 and last_row + width <= storage.nbytes(), f"{strip.layer}: view overruns its storage"
     flat = torch.empty(0, dtype=torch.int8, device=strip.tensor.device).set_(storage)
     return flat.as_strided((num_blocks, width), (strip.stride, 1), offset)
 
