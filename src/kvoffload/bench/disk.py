@@ -1,0 +1,225 @@
+"""``kvoffload bench disk``: host<->disk GB/s of ``DiskHandler`` beside raw sequential I/O of the same bytes,
+and the time to rebuild the disk index at start-up.
+
+Per block size, each round writes ``--total-mib`` of blocks through a real handler (one job, submit to wait:
+planning, header, crc32, temporary file, rename), then writes the same bytes to one file sequentially in
+block-sized ``os.write`` calls (the baseline); then reads both back (the handler reads and verifies every
+block into the host pool). Before each read the page cache is dropped when the process may do so (root:
+``/proc/sys/vm/drop_caches``); otherwise reads of just-written files come from the page cache, for both sides,
+and the output says so. Neither side calls fsync: both measure what the engine waits for. Rows report medians
+over rounds and the ratio handler / baseline.
+
+The rebuild figure: ``--rebuild-blocks`` empty block files are created in a fresh directory (the index reads
+names only), then ``DiskTierManager.create`` is timed (scan, crash-leftover removal, index insert).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+KIB = 1 << 10
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Row:
+    block_bytes: int
+    blocks: int
+    write_gbps: float
+    raw_write_gbps: float
+    write_ratio: float
+    read_gbps: float
+    raw_read_gbps: float
+    read_ratio: float
+    crc32_gbps: float
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--block-sizes", default="64K,1M",
+                        help="comma-separated block sizes with K/M suffix (default 64K,1M)")
+    parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per round and direction")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per block size (median reported)")
+    parser.add_argument("--io-threads", type=int, default=4, help="the handler's I/O threads")
+    parser.add_argument("--rebuild-blocks", type=int, default=100_000, help="block files for the rebuild test")
+    parser.add_argument("--directory", type=Path, default=None,
+                        help="where to write (default: a fresh directory under the system temp directory)")
+    parser.add_argument("--no-drop-caches", action="store_true",
+                        help="do not try to drop the page cache before reads (reads may hit it)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _size(text: str) -> int:
+    t = text.strip().upper()
+    scale = {"K": KIB, "M": MIB}.get(t[-1:], 1)
+    try:
+        value = int(t.rstrip("KM")) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad block size {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"bad block size {text!r}")
+    return value
+
+
+def drop_caches() -> bool:
+    """Drop the page cache (needs root); False when not allowed here."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+    except OSError:
+        return False
+    return True
+
+
+def _raw_write(path: Path, data: memoryview, blocks: int) -> float:
+    start = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for _ in range(blocks):
+            os.write(fd, data)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - start
+
+
+def _raw_read(path: Path, buf: memoryview, blocks: int) -> float:
+    start = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for _ in range(blocks):
+            os.readv(fd, [buf])
+    finally:
+        os.close(fd)
+    return time.perf_counter() - start
+
+
+def _crc_gbps(block_bytes: int) -> float:
+    data = os.urandom(block_bytes)
+    n = max(1, (64 * MIB) // block_bytes)
+    start = time.perf_counter()
+    for _ in range(n):
+        zlib.crc32(data)
+    return n * block_bytes / (time.perf_counter() - start) / 1e9
+
+
+def bench_block_size(root: Path, block_bytes: int, args: argparse.Namespace, drop: bool) -> Row:
+    import torch
+
+    from kvoffload.config import DiskTierConfig
+    from kvoffload.keys import Namespace, offload_key
+    from kvoffload.specs import DiskBlocks, HostBlocks, JobId, TransferJob
+    from kvoffload.transfer.disk import DiskHandler
+    from kvoffload.transfer.host_pool import HostPool
+
+    blocks = max(1, args.total_mib * MIB // block_bytes)
+    slots = min(blocks, 256)
+    pool = HostPool(slots, block_bytes)
+    pool.buffer.copy_(torch.randint(-128, 128, (slots, block_bytes), dtype=torch.int8))
+    ns = Namespace(model="bench", dtype="int8", layout=f"bench-{block_bytes}")
+    handler = DiskHandler(DiskTierConfig(path=root / "tier", io_threads=args.io_threads), pool, ns,
+                          (block_bytes,))
+    data = memoryview(os.urandom(block_bytes))
+    buf = memoryview(bytearray(block_bytes))
+    results: dict[str, list[float]] = {k: [] for k in ("w", "rw", "r", "rr")}
+    host = HostBlocks(tuple(i % slots for i in range(blocks)), (blocks,))
+    try:
+        for rnd in range(args.rounds):
+            keys = tuple(offload_key(rnd.to_bytes(4, "little") + i.to_bytes(8, "little"), 0)  # type: ignore[arg-type]
+                         for i in range(blocks))
+            disk = DiskBlocks(keys, (blocks,))
+            results["w"].append(_run(handler, TransferJob(JobId(2 * rnd), host, disk)))
+            results["rw"].append(_raw_write(root / "raw", data, blocks))
+            if drop:
+                drop_caches()
+            results["r"].append(_run(handler, TransferJob(JobId(2 * rnd + 1), disk, host)))
+            if drop:
+                drop_caches()
+            results["rr"].append(_raw_read(root / "raw", buf, blocks))
+    finally:
+        handler.shutdown()
+    gbps = {k: blocks * block_bytes / statistics.median(v) / 1e9 for k, v in results.items()}
+    return Row(block_bytes, blocks, gbps["w"], gbps["rw"], gbps["w"] / gbps["rw"], gbps["r"], gbps["rr"],
+               gbps["r"] / gbps["rr"], _crc_gbps(block_bytes))
+
+
+def _run(handler: object, job: object) -> float:
+    from kvoffload.specs import TransferJob
+    from kvoffload.transfer.disk import DiskHandler
+
+    assert isinstance(handler, DiskHandler) and isinstance(job, TransferJob)
+    start = time.perf_counter()
+    handler.submit(job)
+    handler.wait([job.job_id])
+    elapsed = time.perf_counter() - start
+    (result,) = handler.get_finished()
+    if not result.success:
+        raise RuntimeError(f"bench disk: job {job.job_id} failed (see the log)")
+    return elapsed
+
+
+def bench_rebuild(root: Path, blocks: int) -> float:
+    """Seconds for ``DiskTierManager.create`` over ``blocks`` block files."""
+    from kvoffload.config import DiskTierConfig
+    from kvoffload.keys import Namespace, offload_key
+    from kvoffload.manager.disk import DiskTierManager
+    from kvoffload.transfer.disk_format import block_path, file_bytes, make_directories, rank_directory
+
+    ns = Namespace(model="bench", dtype="int8", layout="rebuild")
+    directory = rank_directory(root / "rebuild", ns)
+    make_directories(directory)
+    for i in range(blocks):
+        os.close(os.open(block_path(directory, offload_key(i.to_bytes(8, "little"), 0)),  # type: ignore[arg-type]
+                         os.O_WRONLY | os.O_CREAT, 0o600))
+    size = file_bytes(64 * KIB)
+    start = time.perf_counter()
+    manager = DiskTierManager.create(DiskTierConfig(path=root / "rebuild", capacity_bytes=blocks * size), ns,
+                                     size)
+    elapsed = time.perf_counter() - start
+    if manager.usage()[0].used_blocks != blocks:
+        raise RuntimeError("bench disk: the rebuilt index lost blocks")
+    return elapsed
+
+
+def run(args: argparse.Namespace) -> int:
+    sizes = [_size(s) for s in args.block_sizes.split(",")]
+    base = args.directory or Path(tempfile.gettempdir())
+    root = Path(tempfile.mkdtemp(prefix="kvoffload-bench-disk-", dir=base))
+    try:
+        dropped = not args.no_drop_caches and drop_caches()
+        rows = [bench_block_size(root, size, args, dropped) for size in sizes]
+        rebuild_s = bench_rebuild(root, args.rebuild_blocks) if args.rebuild_blocks else None
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    _report(rows, rebuild_s, args, dropped, root)
+    return 0
+
+
+def _report(rows: list[Row], rebuild_s: float | None, args: argparse.Namespace, dropped: bool,
+            root: Path) -> None:
+    cache = ("page cache dropped before every read" if dropped else
+             "page cache NOT dropped (not allowed here, or --no-drop-caches): reads of just-written files "
+             "hit the page cache, on both sides")
+    if args.json:
+        print(json.dumps({"rows": [asdict(r) for r in rows], "rebuild_blocks": args.rebuild_blocks,
+                          "rebuild_seconds": rebuild_s, "page_cache_dropped": dropped,
+                          "directory": str(root.parent), "io_threads": args.io_threads}, indent=2))
+        return
+    print(f"kvoffload bench disk: {root.parent}, {args.io_threads} I/O threads, {args.rounds} rounds; {cache}; "
+          "no fsync on either side")
+    print(f"{'block':>8} {'blocks':>7} {'write':>7} {'raw w':>7} {'ratio':>6} {'read':>7} {'raw r':>7} "
+          f"{'ratio':>6} {'crc32':>7}   (GB/s)")
+    for r in rows:
+        print(f"{r.block_bytes // KIB:>7}K {r.blocks:>7} {r.write_gbps:>7.2f} {r.raw_write_gbps:>7.2f} "
+              f"{r.write_ratio:>6.2f} {r.read_gbps:>7.2f} {r.raw_read_gbps:>7.2f} {r.read_ratio:>6.2f} "
+              f"{r.crc32_gbps:>7.2f}")
+    if rebuild_s is not None:
+        print(f"index rebuild: {args.rebuild_blocks} blocks in {rebuild_s:.3f} s")
