@@ -1,0 +1,94 @@
+"""Copy plans: job validation, the block -> slot mapping, coalescing, and splitting across threads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvoffload.layout import BlockRef, CanonicalKV
+from kvoffload.specs import DeviceBlocks, DiskBlocks, HostBlocks, JobId, TransferJob
+from kvoffload.transfer.copy_plan import CopyPlan, PlanLayout, _coalesce, build_plan, validate_job
+
+PAGE = 64
+
+
+def _layout(factor: int = 1, padded: bool = False, num_blocks: int = 16, num_slots: int = 8) -> PlanLayout:
+    base = torch.zeros((num_blocks, PAGE + (16 if padded else 0)), dtype=torch.int8)
+    kv = CanonicalKV((base[:, :PAGE],), ((BlockRef(0, PAGE),),), num_blocks)
+    return PlanLayout.of(kv, num_slots, slot_stride=factor * PAGE, factor=factor)
+
+
+def _store(ids: tuple[int, ...], slots: tuple[int, ...]) -> TransferJob:
+    return TransferJob(JobId(1), DeviceBlocks(ids, (len(ids),)), HostBlocks(slots, (len(slots),)))
+
+
+def _copies(plan: CopyPlan) -> list[tuple[int, int, int, int]]:
+    return list(zip(plan.view.tolist(), plan.view_offset.tolist(), plan.pool_offset.tolist(),
+                    plan.size.tolist(), strict=True))
+
+
+def test_consecutive_blocks_into_consecutive_slots_become_one_copy() -> None:
+    plan = build_plan(_layout(), _store((4, 5, 6), (2, 3, 4)))
+    assert _copies(plan) == [(0, 4 * PAGE, 2 * PAGE, 3 * PAGE)]
+
+
+def test_scattered_blocks_stay_separate_copies() -> None:
+    plan = build_plan(_layout(), _store((4, 9, 5), (2, 3, 4)))
+    assert _copies(plan) == [(0, 4 * PAGE, 2 * PAGE, PAGE), (0, 9 * PAGE, 3 * PAGE, PAGE),
+                             (0, 5 * PAGE, 4 * PAGE, PAGE)]
+
+
+def test_padded_rows_are_never_merged() -> None:
+    plan = build_plan(_layout(padded=True), _store((4, 5), (2, 3)))
+    assert _copies(plan) == [(0, 4 * (PAGE + 16), 2 * PAGE, PAGE), (0, 5 * (PAGE + 16), 3 * PAGE, PAGE)]
+
+
+def test_sub_blocks_fill_a_slot_in_order_and_a_load_skips_the_held_ones() -> None:
+    layout = _layout(factor=2)
+    store = TransferJob(JobId(1), DeviceBlocks((7, 3, 5, 1), (4,)), HostBlocks((6, 0), (2,)))
+    assert [(vo // PAGE, po) for _, vo, po, _ in _copies(build_plan(layout, store))] == [
+        (7, 12 * PAGE), (3, 13 * PAGE), (5, 0), (1, PAGE)]
+    load = TransferJob(JobId(2), HostBlocks((6, 0), (2,), skip_sub_blocks=1), DeviceBlocks((8, 10, 9), (3,)))
+    assert [(vo // PAGE, po) for _, vo, po, _ in _copies(build_plan(layout, load))] == [
+        (8, 13 * PAGE), (10, 0), (9, PAGE)]
+
+
+@pytest.mark.parametrize(("job", "culprit"), [
+    (TransferJob(JobId(1), DeviceBlocks((1, 2), (2,)), HostBlocks((0,), (1,))), "do not match"),
+    (TransferJob(JobId(1), DeviceBlocks((16,), (1,)), HostBlocks((0,), (1,))), "block id"),
+    (TransferJob(JobId(1), DeviceBlocks((1,), (1,)), HostBlocks((8,), (1,))), "slot"),
+    (TransferJob(JobId(1), DeviceBlocks((1,), (1,)), HostBlocks((0,), (1,), skip_sub_blocks=1)), "store cannot"),
+    (TransferJob(JobId(1), HostBlocks((0,), (1,), skip_sub_blocks=1), DeviceBlocks((), (0,))), "below the factor"),
+    (TransferJob(JobId(1), DeviceBlocks((1,), (1, 0)), HostBlocks((0,), (1, 0))), "must have 1 entries"),
+    (TransferJob(JobId(1), HostBlocks((0,), (1,)), DiskBlocks((), ())), "not device<->host"),
+])
+def test_malformed_jobs_raise_value_error_naming_the_problem(job: TransferJob, culprit: str) -> None:
+    with pytest.raises(ValueError, match=culprit):
+        validate_job(_layout(), job)
+
+
+def test_a_load_of_an_empty_group_copies_nothing_for_it() -> None:
+    kv = CanonicalKV((torch.zeros((8, PAGE), dtype=torch.int8),),
+                     ((BlockRef(0, PAGE),), (BlockRef(0, PAGE // 2),)), 8)
+    layout = PlanLayout.of(kv, 4, 2 * PAGE, factor=2)
+    job = TransferJob(JobId(1), HostBlocks((1, 2), (0, 2), skip_sub_blocks=1), DeviceBlocks((3, 4, 5), (0, 3)))
+    validate_job(layout, job)
+    assert build_plan(layout, job).nbytes == 3 * PAGE // 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 50), min_size=1, max_size=12), parts=st.integers(1, 9))
+def test_split_covers_the_same_bytes_in_order(sizes: list[int], parts: int) -> None:
+    n = len(sizes)
+    size = np.array(sizes, dtype=np.int64)
+    offsets = np.arange(n, dtype=np.int64) * 100  # gaps: no two copies merge
+    plan = CopyPlan(np.zeros(n, dtype=np.int64), offsets, offsets + 7, size)
+    pieces = plan.split(parts)
+    assert len(pieces) <= parts
+    assert sum(p.nbytes for p in pieces) == plan.nbytes
+    joined = _coalesce(*(np.concatenate([getattr(p, f) for p in pieces])
+                         for f in ("view", "view_offset", "pool_offset", "size")))
+    assert _copies(joined) == _copies(plan)
