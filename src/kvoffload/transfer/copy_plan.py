@@ -5,8 +5,8 @@
 and its place in a host-pool slot. Offsets are relative to the start of each view (row 0) and of the pool
 buffer, so one plan serves raw pointer copies on CPU and tensor-slice copies on CUDA. Copies that continue
 each other on both sides (runs of consecutive block ids landing in consecutive slots) are merged into one,
-which is what makes large jobs run near memcpy speed. Building a plan is vectorized with numpy: no Python
-work per block.
+which is what makes large jobs run near memcpy speed. Copies of one job run in no particular order (and
+split across threads). Building a plan is vectorized with numpy: no Python work per block.
 """
 
 from __future__ import annotations
@@ -162,7 +162,12 @@ def build_plan(layout: PlanLayout, job: TransferJob) -> CopyPlan:
     if not parts:
         empty = np.zeros(0, dtype=np.int64)
         return CopyPlan(empty, empty, empty, empty)
-    return _coalesce(*(np.concatenate(column) for column in zip(*parts, strict=True)))
+    view, view_offset, pool_offset, size = (np.concatenate(column) for column in zip(*parts, strict=True))
+    # Copies of one job touch distinct bytes, so their order is free: reading the source in address order lets
+    # the hardware prefetcher help (measured +20% at 64 KiB pages with scattered ids) and puts copies that
+    # continue each other side by side for _coalesce.
+    order = np.lexsort((view_offset, view)) if job.transfer_type == STORE else np.argsort(pool_offset)
+    return _coalesce(view[order], view_offset[order], pool_offset[order], size[order])
 
 
 def _coalesce(
