@@ -18,9 +18,9 @@ import pytest
 import torch
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-import vllm  # noqa: E402  (fails the run when vLLM is missing, by design)
+import vllm
 
-from kvoffload.integrations.vllm.model import write_tiny_llama  # noqa: E402
+from kvoffload.integrations.vllm.model import write_tiny_llama
 
 BLOCK_SIZE = 32
 DEVICE_BLOCKS = 16  # 15 usable: two 200-token prompts fit, four do not
@@ -56,14 +56,14 @@ def generate(llm: vllm.LLM, prompt_ids: list[list[int]]) -> list[Result]:
     for ids in prompt_ids:
         out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
         completion = out.outputs[0]
-        chosen = tuple(lp[t].logprob for lp, t in zip(completion.logprobs or [], completion.token_ids))
+        chosen = tuple(lp[t].logprob for lp, t in zip(completion.logprobs or [], completion.token_ids, strict=False))
         results.append(Result(tuple(completion.token_ids), chosen, out.num_cached_tokens or 0))
     return results
 
 
 def assert_same_outputs(got: list[Result], want: list[Result]) -> None:
     assert [r.tokens for r in got] == [r.tokens for r in want]
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert g.logprobs == pytest.approx(w.logprobs, abs=1e-3)
 
 
@@ -71,7 +71,7 @@ def randomize_weights(model: torch.nn.Module) -> None:
     """Replace vLLM's near-zero dummy weights by seeded N(0, 0.1): the output then depends on the KV."""
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
+        for _, param in sorted(model.named_parameters()):
             if param.dim() == 1:
                 param.fill_(1.0)
             else:

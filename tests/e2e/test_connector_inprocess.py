@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import vllm
-
 from tests.e2e.conftest import (
     BLOCK_SIZE,
     PREFIX_TOKENS,
