@@ -2,8 +2,10 @@
 
 Jobs go through one ordered queue, so they finish in submission order (which covers the interface's rule
 that two jobs touching the same destination finish in order). One dispatcher thread takes the next job, cuts
-its plan into byte-balanced pieces and copies them on ``threads`` threads at once (itself plus helpers),
-then reports it.
+its plan into byte-balanced pieces (at least 1 MiB each, up to 4 per thread) that ``threads`` threads
+(itself plus helpers) take in turn, then reports it. Taking pieces rather than fixed halves matters on a
+shared machine: a thread the OS preempts delays the job by one piece, not by half of it. Torch's intra-op
+thread count is left alone: it is process-wide and belongs to the engine.
 
 Why raw ``memmove``: each copy is a ``ctypes.memmove`` between addresses computed from the tensors' data
 pointers. Measured on a 2-core box, a torch ``copy_`` per 64 KiB block costs ~3 us of dispatch and reaches
