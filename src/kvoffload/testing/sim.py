@@ -66,6 +66,8 @@ class StepReport:
     step: int
     scheduled_tokens: int
     finished: tuple[str, ...]
+    idle: bool
+    """The step's connector metadata was empty (no job started or flushed)."""
 
 
 class SimEngine:
@@ -126,11 +128,12 @@ class SimEngine:
         return bool(self.waiting or self.running or self._loading())
 
     def run(self, max_steps: int = 10_000, on_step: Callable[[SimEngine], None] | None = None) -> None:
-        """Step until every request finished and every job completed."""
+        """Step until every request finished, every job completed and the tiers asked for no more jobs."""
+        idle_meta = True
         for _ in range(max_steps):
-            if not self.has_work and self.scheduler.num_pending_jobs == 0:
+            if not self.has_work and self.scheduler.num_pending_jobs == 0 and idle_meta:
                 return
-            self.step()
+            idle_meta = self.step().idle
             if on_step is not None:
                 on_step(self)
         raise RuntimeError(f"simulation did not finish in {max_steps} steps")
@@ -160,7 +163,8 @@ class SimEngine:
         self._sample()
         self._complete_loads()
         finished = self._finish_requests()
-        return StepReport(self.step_count, sum(end - start for _, start, end in self._work), tuple(finished))
+        tokens = sum(end - start for _, start, end in self._work)
+        return StepReport(self.step_count, tokens, tuple(finished), meta.is_empty)
 
     def _schedule(self) -> tuple[list[ScheduledRequest], list[str]]:
         scheduled: list[ScheduledRequest] = []
