@@ -187,7 +187,10 @@ def emit(report: Report, args: argparse.Namespace, out: TextIO | None = None,
         for note in report.notes:
             stream.write(f"  {note}\n")
     if args.plot and plot is not None:
-        plot(args.plot)
+        try:
+            plot(args.plot)
+        except ModuleNotFoundError as e:  # matplotlib is optional: the figures are already printed
+            print(f"kvoffload bench {report.bench}: no plot written ({e})", file=sys.stderr)
 
 
 def bar_plot(path: str, title: str, labels: Sequence[str], series: Mapping[str, Sequence[float]],

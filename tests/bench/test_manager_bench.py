@@ -1,0 +1,71 @@
+"""bench manager at tiny sizes: both managers measured, rows complete, ratios positive, JSON parses."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+from typing import Any
+
+import pytest
+
+from kvoffload.bench import manager as bench
+from kvoffload.bench.common import Measurement, emit
+from kvoffload.config import EvictionPolicy
+
+pytest.importorskip("vllm.v1.kv_offload.cpu.manager")
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(["--prompt-tokens", "128", "--capacity", "32", "--store-batch", "4", "--runs", "2",
+                              "--warmup", "1", "--reps", "2", "--quiet", *argv])
+
+
+def _rows(policy: EvictionPolicy) -> list[dict[str, Any]]:
+    work = bench.make_workload(128, 16, 32, 4, runs=3, reps=2)
+    return bench.measure(work, policy, runs=2, warmup=1)
+
+
+@pytest.mark.parametrize("policy", list(EvictionPolicy))
+def test_every_operation_gets_a_row_with_both_sides_measured(policy: EvictionPolicy) -> None:
+    rows = _rows(policy)
+    assert [r["operation"] for r in rows] == list(bench.OPERATIONS)
+    for row in rows:
+        assert row["policy"] == policy.value
+        for side in ("ours", "vllm"):
+            m = row[side]
+            assert isinstance(m, Measurement) and m.runs == 2 and m.median > 0 and m.unit == "calls/s"
+        assert row["ratio"] > 0
+        assert row["note"]
+
+
+def test_keys_per_call_are_the_prompt_and_the_store_batch() -> None:
+    rows = {r["operation"]: r for r in _rows(EvictionPolicy.LRU)}
+    assert rows["lookup"]["keys_per_call"] == 8
+    assert rows["prepare_store"]["keys_per_call"] == 4
+
+
+def test_workload_refuses_a_prompt_larger_than_the_tier() -> None:
+    with pytest.raises(ValueError, match="does not fit"):
+        bench.make_workload(1024, 16, 8, 4, runs=1, reps=1)
+
+
+def test_run_prints_parseable_json_for_both_policies(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.run(_args("--json")) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["bench"] == "manager"
+    assert {(r["operation"], r["policy"]) for r in doc["rows"]} == {
+        (op, p) for op in bench.OPERATIONS for p in ("lru", "arc")}
+    assert all(r["ours"]["median"] > 0 and r["vllm"]["median"] > 0 and r["ratio"] > 0 for r in doc["rows"])
+
+
+def test_table_names_every_row_and_the_plot_is_written(tmp_path: Any) -> None:
+    pytest.importorskip("matplotlib")
+    args = _args("--policies", "lru", "--plot", str(tmp_path / "m.png"))
+    rows = bench.measure(bench.make_workload(128, 16, 32, 4, runs=3, reps=2), EvictionPolicy.LRU, 2, 1)
+    out = io.StringIO()
+    emit(bench.report(rows, args), args, out, plot=lambda path: bench._plot(path, rows))
+    assert all(op in out.getvalue() for op in bench.OPERATIONS)
+    assert (tmp_path / "m.png").stat().st_size > 0
