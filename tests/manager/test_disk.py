@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from kvoffload.config import ConfigError, DiskTierConfig
+from kvoffload.disk_format import block_path, file_bytes, rank_directory
 from kvoffload.keys import Namespace, OffloadKey, offload_key
 from kvoffload.manager.base import EventKind
 from kvoffload.manager.disk import DiskTierManager
 from kvoffload.specs import DiskBlocks, Medium
-from kvoffload.transfer.disk_format import block_path, file_bytes, rank_directory
 
 NS = Namespace(model="m", dtype="bf16", layout="pages=64", rank=0, world_size=2)
 FILE = file_bytes(1000)

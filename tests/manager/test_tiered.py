@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from kvoffload.config import DiskTierConfig, WritePolicy
+from kvoffload.disk_format import file_bytes
 from kvoffload.keys import Namespace, OffloadKey, offload_key
 from kvoffload.manager.base import EventKind, LookupResult, TierTransfer
 from kvoffload.manager.host import HostTierManager
 from kvoffload.manager.tiered import TieredManager
 from kvoffload.specs import DiskBlocks, HostBlocks, Medium
-from kvoffload.transfer.disk_format import file_bytes
 
 NS = Namespace(model="m", dtype="bf16", layout="pages=64")
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from kvoffload.config import DiskTierConfig
+from kvoffload.disk_format import block_path, rank_directory
 from kvoffload.keys import Namespace, OffloadKey, offload_key
 from kvoffload.specs import DiskBlocks, HostBlocks, JobId, Medium, TransferJob
 from kvoffload.testing.conformance import ALL_CHECKS, MAX_OUTSTANDING, HandlerHarness
 from kvoffload.transfer.base import TransferHandler
 from kvoffload.transfer.disk import DiskHandler
-from kvoffload.transfer.disk_format import block_path, rank_directory
 from kvoffload.transfer.disk_io import FileOps, read_block, write_block
 from kvoffload.transfer.host_pool import HostPool
 

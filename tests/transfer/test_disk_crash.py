@@ -10,9 +10,9 @@ import textwrap
 from pathlib import Path
 
 from kvoffload.config import DiskTierConfig
+from kvoffload.disk_format import block_path, file_bytes, rank_directory
 from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.manager.disk import DiskTierManager
-from kvoffload.transfer.disk_format import block_path, file_bytes, rank_directory
 from kvoffload.transfer.disk_io import FileOps, read_block
 
 NS = Namespace(model="m", dtype="bf16", layout="crash")

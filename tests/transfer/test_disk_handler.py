@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from kvoffload.config import DiskTierConfig
+from kvoffload.disk_format import block_path, rank_directory
 from kvoffload.keys import Namespace, OffloadKey, offload_key
 from kvoffload.specs import DiskBlocks, HostBlocks, JobId, Medium, TransferJob
 from kvoffload.transfer.base import TransferResult
 from kvoffload.transfer.disk import DiskHandler
-from kvoffload.transfer.disk_format import block_path, rank_directory
 from kvoffload.transfer.disk_io import FileOps
 from kvoffload.transfer.host_pool import HostPool
 

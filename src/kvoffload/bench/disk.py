@@ -171,7 +171,7 @@ def bench_rebuild(root: Path, blocks: int) -> float:
     from kvoffload.config import DiskTierConfig
     from kvoffload.keys import Namespace, offload_key
     from kvoffload.manager.disk import DiskTierManager
-    from kvoffload.transfer.disk_format import block_path, file_bytes, make_directories, rank_directory
+    from kvoffload.disk_format import block_path, file_bytes, make_directories, rank_directory
 
     ns = Namespace(model="bench", dtype="int8", layout="rebuild")
     directory = rank_directory(root / "rebuild", ns)

@@ -24,6 +24,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvoffload.config import ConfigError, DiskTierConfig, EvictionPolicy
+from kvoffload.disk_format import (
+    block_path,
+    make_directories,
+    rank_directories,
+    scan_directory,
+)
 from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.manager.base import (
     EventKind,
@@ -35,12 +41,6 @@ from kvoffload.manager.base import (
 )
 from kvoffload.manager.host import HostTierManager
 from kvoffload.specs import BlockSpec, DiskBlocks, Medium
-from kvoffload.transfer.disk_format import (
-    block_path,
-    make_directories,
-    rank_directories,
-    scan_directory,
-)
 
 logger = logging.getLogger(__name__)
 

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvoffload.config import DiskTierConfig, WritePolicy
+from kvoffload.disk_format import GroupedLayout, entry_bytes_of, file_bytes
 from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.manager.base import (
     EventKind,
@@ -41,7 +42,6 @@ from kvoffload.manager.base import (
 from kvoffload.manager.disk import DiskTierManager
 from kvoffload.manager.host import HostTierManager
 from kvoffload.specs import BlockSpec, DiskBlocks, HostBlocks
-from kvoffload.transfer.disk_format import GroupedLayout, entry_bytes_of, file_bytes
 
 
 class _Kind(enum.Enum):

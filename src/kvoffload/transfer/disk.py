@@ -23,11 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvoffload.config import DiskTierConfig
-from kvoffload.keys import Namespace, OffloadKey
-from kvoffload.specs import DiskBlocks, HostBlocks, JobId, Medium, TransferJob
-from kvoffload.transfer.base import TransferHandler, TransferResult
-from kvoffload.transfer.disk_breaker import CircuitBreaker
-from kvoffload.transfer.disk_format import (
+from kvoffload.disk_format import (
     CorruptBlockError,
     GroupedLayout,
     block_path,
@@ -36,6 +32,10 @@ from kvoffload.transfer.disk_format import (
     rank_directory,
     scan_directory,
 )
+from kvoffload.keys import Namespace, OffloadKey
+from kvoffload.specs import DiskBlocks, HostBlocks, JobId, Medium, TransferJob
+from kvoffload.transfer.base import TransferHandler, TransferResult
+from kvoffload.transfer.disk_breaker import CircuitBreaker
 from kvoffload.transfer.disk_io import FileOps, read_block, write_block
 
 if TYPE_CHECKING:

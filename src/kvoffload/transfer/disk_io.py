@@ -12,8 +12,7 @@ import contextlib
 import itertools
 import os
 
-from kvoffload.keys import OffloadKey
-from kvoffload.transfer.disk_format import (
+from kvoffload.disk_format import (
     BLOCK_SUFFIX,
     FILE_MODE,
     HEADER_BYTES,
@@ -23,6 +22,7 @@ from kvoffload.transfer.disk_format import (
     decode_header,
     encode_header,
 )
+from kvoffload.keys import OffloadKey
 
 _tmp_counter = itertools.count()
 
