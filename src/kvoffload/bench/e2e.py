@@ -1,27 +1,33 @@
 """``kvoffload bench e2e``: the vLLM demo's time-to-first-token figures, with and without kvoffload, as a bench.
 
-The demo (``kvoffload.integrations.vllm.demo``) runs real vLLM (CPU) twice over the same multi-turn chat, with and
-without kvoffload, in one process. This module only runs it and prints its rows the way the other benches do
-(machine facts, table, ``--json``, ``--plot``). The contract it relies on: the demo module exposes
-``add_arguments(parser)`` (its own options) and ``measure(args) -> list[dict]``, one dict per turn or summary row
-with at least ``label``, ``ttft_ms_baseline`` and ``ttft_ms_kvoffload``; any further keys are shown as they are.
+The demo (``kvoffload.integrations.vllm.demo``) serves one multi-turn chat on real vLLM (CPU) twice in one process,
+without and then with kvoffload, and writes its summary to ``demo.json``. This module runs it ``--runs`` times
+through its own entry point (``run(args)``, with ``--json --no-chart --out <temp dir>``), reads each ``demo.json``
+and prints the suite's way (machine facts, table, ``--json``, ``--plot``): per run, the median TTFT of the turns
+kvoffload served from its tier (hit turns) and of the others (miss turns), each beside the same turns without
+kvoffload. Per-turn rows of the last run come out in ``--json``.
 
-When vLLM or the demo is missing (or does not offer ``measure`` yet) it says so and exits 2.
+When vLLM or the demo is missing it says "demo not available" and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io
+import json
 import shlex
+import statistics
 import sys
+import tempfile
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from kvoffload.bench.common import Report, add_common_arguments, bar_plot, emit, format_table
+from kvoffload.bench.common import Progress, Report, add_common_arguments, bar_plot, emit, format_table
 
 DEMO_MODULE = "kvoffload.integrations.vllm.demo"
-REQUIRED = ("label", "ttft_ms_baseline", "ttft_ms_kvoffload")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,21 +37,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_demo() -> ModuleType | str:
-    """The demo module, or why it cannot be used (vLLM or the demo missing, or no ``measure``)."""
+    """The demo module, or why it cannot be used (vLLM or the demo missing)."""
     try:
+        import vllm  # noqa: F401 (the demo imports vLLM only when it runs; fail here, clearly)
+
         demo = importlib.import_module(DEMO_MODULE)
     except ImportError as e:
         return f"demo not available ({e})"
-    if not callable(getattr(demo, "measure", None)) or not callable(getattr(demo, "add_arguments", None)):
-        return f"demo not available ({DEMO_MODULE} has no measure(args) / add_arguments(parser) yet)"
+    if not callable(getattr(demo, "run", None)) or not callable(getattr(demo, "add_arguments", None)):
+        return f"demo not available ({DEMO_MODULE} has no run(args) / add_arguments(parser))"
     return demo
 
 
-def demo_args(demo: ModuleType, text: str) -> argparse.Namespace:
-    """The demo's own options: its defaults, overridden by ``--demo-args``."""
+def demo_args(demo: ModuleType, text: str, out: Path) -> argparse.Namespace:
+    """The demo's options: its defaults, ``--demo-args``, and JSON into ``out`` without a chart."""
     parser = argparse.ArgumentParser(prog="kvoffload demo")
     demo.add_arguments(parser)
-    return parser.parse_args(shlex.split(text))
+    return parser.parse_args([*shlex.split(text), "--json", "--no-chart", "--out", str(out)])
+
+
+def run_demo(demo: ModuleType, text: str) -> dict[str, Any]:
+    """One run of the demo; its ``demo.json`` summary."""
+    with tempfile.TemporaryDirectory(prefix="kvoffload-e2e-") as tmp:
+        with contextlib.redirect_stdout(io.StringIO()):  # the demo prints its own JSON; ours replaces it
+            status = demo.run(demo_args(demo, text, Path(tmp)))
+        if status != 0:
+            raise RuntimeError(f"kvoffload bench e2e: the demo exited with {status}")
+        summary: dict[str, Any] = json.loads((Path(tmp) / "demo.json").read_text())
+    return summary
+
+
+def summary_row(run: int, summary: dict[str, Any]) -> dict[str, Any]:
+    """Median TTFT (ms) of hit and miss turns, with and without kvoffload, from one demo summary."""
+    turns = summary["turns"]
+    row: dict[str, Any] = {"run": run, "outputs_match": summary.get("outputs_match")}
+    for kind, hit in (("hit", True), ("miss", False)):
+        chosen = [t for t in turns if (t["offload_hit_tokens"] > 0) == hit]
+        off = statistics.median(t["ttft_off_s"] * 1e3 for t in chosen) if chosen else None
+        on = statistics.median(t["ttft_on_s"] * 1e3 for t in chosen) if chosen else None
+        row.update({f"{kind}_turns": len(chosen), f"{kind}_ttft_ms_off": off, f"{kind}_ttft_ms_on": on,
+                    f"{kind}_ratio": on / off if on is not None and off else None})
+    return row
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,26 +85,32 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(demo, str):
         print(f"kvoffload bench e2e: {demo}", file=sys.stderr)
         return 2
-    rows: list[dict[str, Any]] = [dict(r) for r in demo.measure(demo_args(demo, args.demo_args))]
-    bad = [r for r in rows if any(k not in r for k in REQUIRED)]
-    if bad:
-        print(f"kvoffload bench e2e: demo rows lack {REQUIRED}: {bad[0]}", file=sys.stderr)
-        return 2
-    for r in rows:
-        base, ours = float(r["ttft_ms_baseline"]), float(r["ttft_ms_kvoffload"])
-        r.setdefault("speedup", base / ours if ours else None)
-    emit(report(rows, args), args, plot=lambda path: _plot(path, rows))
+    progress = Progress("bench e2e", args.runs, enabled=not args.quiet)
+    summaries = []
+    for _ in range(args.runs):
+        summaries.append(run_demo(demo, args.demo_args))
+        progress.advance()
+    progress.close()
+    rows = [summary_row(i, s) for i, s in enumerate(summaries)]
+    emit(report(rows, summaries[-1], args), args, plot=lambda path: _plot(path, summaries[-1]))
     return 0
 
 
-def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> Report:
-    headers = list(dict.fromkeys(k for r in rows for k in r))
-    table = format_table(headers, [[r.get(h) for h in headers] for r in rows])
-    notes = ("TTFT in ms; baseline = vLLM without kvoffload, same prompts, same process",)
-    return Report("e2e", rows, table, notes, {"demo_args": args.demo_args})
+def report(rows: list[dict[str, Any]], last: dict[str, Any], args: argparse.Namespace) -> Report:
+    headers = ("run", "hit turns", "TTFT off ms", "TTFT on ms", "ratio", "miss turns", "TTFT off ms", "TTFT on ms",
+               "ratio", "outputs match")
+    keys = ("run", "hit_turns", "hit_ttft_ms_off", "hit_ttft_ms_on", "hit_ratio", "miss_turns", "miss_ttft_ms_off",
+            "miss_ttft_ms_on", "miss_ratio", "outputs_match")
+    table = format_table(headers, [[r[k] for k in keys] for r in rows])
+    notes = ("median TTFT per run over hit turns (kvoffload loaded tokens) and miss turns; off = vLLM alone, "
+             "on = vLLM + kvoffload, same prompts, same process, one engine after the other",
+             f"demo options: {args.demo_args or '(defaults)'}")
+    settings = {"runs": args.runs, "demo_args": args.demo_args, "demo_turns_last_run": last.get("turns", [])}
+    return Report("e2e", rows, table, notes, settings)
 
 
-def _plot(path: str, rows: list[dict[str, Any]]) -> None:
-    bar_plot(path, "time to first token", [str(r["label"]) for r in rows],
-             {"vLLM": [float(r["ttft_ms_baseline"]) for r in rows],
-              "vLLM + kvoffload": [float(r["ttft_ms_kvoffload"]) for r in rows]}, "ms")
+def _plot(path: str, summary: dict[str, Any]) -> None:
+    turns = summary["turns"]
+    bar_plot(path, "time to first token per turn", [f"c{t['conversation']} t{t['turn']}" for t in turns],
+             {"vLLM": [t["ttft_off_s"] * 1e3 for t in turns],
+              "vLLM + kvoffload": [t["ttft_on_s"] * 1e3 for t in turns]}, "ms")
