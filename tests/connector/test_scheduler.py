@@ -170,3 +170,24 @@ def test_stats_count_query_and_hit_tokens():
     assert (stats.requests, stats.query_tokens, stats.hit_tokens) == (2, 164, 64)
     assert stats.miss_tokens == 100
     assert sched.take_stats().requests == 0
+
+
+def test_offload_blocks_holding_the_engines_null_block_are_never_stored():
+    sched = make_scheduler(groups=2)
+    sched.null_block_id = 0
+    a = Req("a", list(range(32)))
+    assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+    ids = ((0, 5), (6, 7))  # group 0's first block was dropped (a sliding window)
+    sched.update_state_after_alloc(a, ids, 0)
+    (job,) = sched.build_connector_meta(StepSchedule((ScheduledRequest("a", ids, 32),))).store_jobs
+    assert job.src == DeviceBlocks((5, 6, 7), (1, 2))
+
+
+def test_a_second_alloc_without_a_lookup_is_not_counted_twice():
+    sched = make_scheduler()
+    a = Req("a", list(range(40)))
+    sched.get_num_new_matched_tokens(a, 0)
+    sched.update_state_after_alloc(a, [[1, 2, 3]], 0)
+    sched.update_state_after_alloc(a, [[1, 2, 3]], 0)
+    stats = sched.take_stats()
+    assert (stats.requests, stats.query_tokens) == (1, 40)

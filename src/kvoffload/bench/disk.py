@@ -169,9 +169,9 @@ def _run(handler: object, job: object) -> float:
 def bench_rebuild(root: Path, blocks: int) -> float:
     """Seconds for ``DiskTierManager.create`` over ``blocks`` block files."""
     from kvoffload.config import DiskTierConfig
+    from kvoffload.disk_format import block_path, file_bytes, make_directories, rank_directory
     from kvoffload.keys import Namespace, offload_key
     from kvoffload.manager.disk import DiskTierManager
-    from kvoffload.disk_format import block_path, file_bytes, make_directories, rank_directory
 
     ns = Namespace(model="bench", dtype="int8", layout="rebuild")
     directory = rank_directory(root / "rebuild", ns)

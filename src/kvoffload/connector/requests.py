@@ -74,7 +74,8 @@ class RequestState:
     next_store_block: int = 0
     """Offload blocks before this one are stored, loaded, or were skipped."""
     planned_load: PlannedLoad | None = None
-    query_tokens: int = 0
+    query_tokens: int | None = None
+    """Tokens asked for by the last lookup, until counted in the stats (once per lookup)."""
     jobs: set[JobId] = field(default_factory=set)
     """Jobs in flight that read or write this request's device blocks."""
 

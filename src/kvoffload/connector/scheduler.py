@@ -53,13 +53,17 @@ class _PendingJob:
 
 class ConnectorScheduler:
     def __init__(self, config: OffloadConfig, layout: KVCacheLayout, engine_block_size: int,
-                 namespace: Namespace, manager: ResidencyManager | None = None) -> None:
+                 namespace: Namespace, manager: ResidencyManager | None = None,
+                 null_block_id: int | None = None) -> None:
+        """``null_block_id``: the engine's placeholder block (vLLM's block 0 stands in for blocks a sliding-window
+        group has dropped); offload blocks that contain it are never stored."""
         self.factor = offload_factor(config, engine_block_size)
         self.engine_block_size = engine_block_size
         self.offload_tokens = self.factor * engine_block_size
         self.num_groups = len(layout.groups)
         self.world_size = namespace.world_size
         self.manager = manager or build_manager(config, layout, self.factor, namespace)
+        self.null_block_id = null_block_id
         self._root = namespace.chain_root()
         self._requests: dict[str, RequestState] = {}
         self._jobs: dict[JobId, _PendingJob] = {}
@@ -106,8 +110,10 @@ class ConnectorScheduler:
         state = self._state(request)
         state.block_ids = [list(ids) for ids in block_ids]
         plan, state.planned_load = state.planned_load, None
-        self._stats.requests += 1
-        self._stats.query_tokens += state.query_tokens
+        if state.query_tokens is not None:  # engines may call this again without a new lookup
+            self._stats.requests += 1
+            self._stats.query_tokens += state.query_tokens
+            state.query_tokens = None
         if num_external_tokens == 0 or plan is None:
             return
         computed = plan.end * self.offload_tokens - num_external_tokens
@@ -164,15 +170,16 @@ class ConnectorScheduler:
         return self._store_job(state, first, end)
 
     def _store_job(self, state: RequestState, first: int, end: int) -> TransferJob | None:
+        f = self.factor
         wanted = [(g, i, k) for g in range(self.num_groups)
-                  for i, k in enumerate(state.keys(first, end, g), start=first)]
+                  for i, k in enumerate(state.keys(first, end, g), start=first)
+                  if self.null_block_id not in state.block_ids[g][i * f:(i + 1) * f]]
         out = self.manager.prepare_store([k for _, _, k in wanted])
         if out is None or not out.keys_to_store:
             return None
         chosen = set(out.keys_to_store)
         picked = [(g, i) for g, i, k in wanted if k in chosen]
         group_sizes = tuple(sum(1 for g, _ in picked if g == group) for group in range(self.num_groups))
-        f = self.factor
         device_ids = tuple(b for g, i in picked for b in state.block_ids[g][i * f:(i + 1) * f])
         src = DeviceBlocks(device_ids, tuple(n * f for n in group_sizes))
         job = self._new_job(JobKind.STORE, state.request.request_id, out.keys_to_store)

@@ -50,6 +50,7 @@ class ConnectorWorker:
         self._failed: list[JobId] = []
         self._finished_loads: set[str] = set()
         self._load_errors: set[int] = set()
+        self._failed_loads: set[str] = set()
         self._stats = TransferStats()
         self._fenced: ConnectorMetadata | None = None
 
@@ -104,6 +105,12 @@ class ConnectorWorker:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def get_failed_loads(self) -> set[str]:
+        """Request ids whose loads failed since the last call (for engines that recompute whole requests)."""
+        self._poll()
+        failed, self._failed_loads = self._failed_loads, set()
+        return failed
+
     def build_connector_worker_meta(self) -> WorkerMetadata:
         self._poll()
         meta = WorkerMetadata.of(self._completed, self._failed)
@@ -147,3 +154,4 @@ class ConnectorWorker:
             self._finished_loads.add(req_id)
             if not success:
                 self._load_errors.update(dst.block_ids)
+                self._failed_loads.add(req_id)

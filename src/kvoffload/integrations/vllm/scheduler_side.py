@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 class SchedulerSide:
     def __init__(self, config: OffloadConfig, layout: KVCacheLayout, block_size: int, namespace: Namespace,
                  publish_events: bool) -> None:
-        self.core = ConnectorScheduler(config, layout, block_size, namespace)
+        # vLLM's block pool hands out block 0 as its null block (the placeholder for dropped window blocks).
+        self.core = ConnectorScheduler(config, layout, block_size, namespace, null_block_id=0)
         self.num_groups = len(layout.groups)
         self.block_tokens = self.core.offload_tokens
         self.slot_bytes = host_slot_bytes(layout, self.core.factor)

@@ -36,7 +36,6 @@ class WorkerSide:
                  namespace: Namespace) -> None:
         self.core = ConnectorWorker(config, layout, block_size, namespace)
         self.single_group = len(layout.groups) == 1
-        self._load_blocks: dict[str, set[int]] = {}
         self._load_errors: set[int] = set()
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -46,9 +45,6 @@ class WorkerSide:
         self.core.handle_preemptions(meta)
 
     def start_load_kv(self, meta: ConnectorMetadata) -> None:
-        if not self.single_group:
-            for load in meta.load_jobs:
-                self._load_blocks.setdefault(load.req_id, set()).update(load.job.dst.block_ids)  # type: ignore[union-attr]
         self.core.start_kv_transfers(meta)
 
     def wait_for_save(self, meta: ConnectorMetadata) -> None:
@@ -57,14 +53,12 @@ class WorkerSide:
     def transfer_results(self) -> KVConnectorTransferResults:
         """Requests whose loads finished; failures as block ids (one group) or request ids (several)."""
         finished = self.core.get_finished()
-        # Read after get_finished: every failure of a request reported finished here is in this set.
+        # Read after get_finished: every failure of a request reported finished here is in these sets.
         errors = self.core.get_block_ids_with_load_errors()
+        failed = self.core.get_failed_loads()
         if self.single_group:
             self._load_errors |= errors
             return KVConnectorTransferResults(finished_recving=finished)
-        failed = {req for req, blocks in self._load_blocks.items() if blocks & errors}
-        for req in finished:
-            self._load_blocks.pop(req, None)
         return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 
     def take_load_errors(self) -> set[int]:
