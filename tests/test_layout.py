@@ -7,15 +7,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from kvoffload.layout import (
-    AttentionSpec,
-    CanonicalKV,
-    KVBuffer,
-    KVCacheLayout,
-    KVGroup,
-    StateSpec,
-    canonicalize,
-)
+from kvoffload.canonical import CanonicalKV, canonicalize
+from kvoffload.layout import AttentionSpec, KVBuffer, KVCacheLayout, KVGroup, StateSpec
 from kvoffload.testing.layouts import (
     ALL_LAYOUTS,
     attention_layout,

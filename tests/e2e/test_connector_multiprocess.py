@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import vllm
-
 from tests.e2e.conftest import (
     ROUNDS,
     Baseline,

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.layout import BlockRef, CanonicalKV
+from kvoffload.canonical import BlockRef, CanonicalKV
 from kvoffload.specs import DeviceBlocks, DiskBlocks, HostBlocks, JobId, TransferJob
 from kvoffload.transfer.copy_plan import CopyPlan, PlanLayout, _coalesce, build_plan, validate_job
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload import cli
-from kvoffload.layout import BlockRef, CanonicalKV, canonicalize
+from kvoffload.canonical import BlockRef, CanonicalKV, canonicalize
 from kvoffload.specs import DeviceBlocks, HostBlocks, JobId, Medium, TransferJob
 from kvoffload.testing.device_host_harness import FaultyDeviceHostHandler
 from kvoffload.testing.layouts import ALL_LAYOUTS

@@ -107,7 +107,7 @@ def measure(page_bytes: int, blocks: int, store: bool, runs: int, threads: int) 
     """One row: ``runs`` timed (handler, memcpy) pairs after warm-up, for one job shape."""
     import torch
 
-    from kvoffload.layout import BlockRef, CanonicalKV
+    from kvoffload.canonical import BlockRef, CanonicalKV
     from kvoffload.specs import DeviceBlocks, HostBlocks, JobId, TransferJob
     from kvoffload.transfer.host import DeviceHostHandler
     from kvoffload.transfer.host_pool import HostPool

@@ -18,12 +18,13 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from kvoffload.canonical import CanonicalKV, canonicalize
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.metadata import ConnectorMetadata, WorkerMetadata
 from kvoffload.connector.stats import TransferStats
 from kvoffload.connector.tiers import host_num_slots, host_slot_bytes, offload_factor
 from kvoffload.keys import Namespace
-from kvoffload.layout import CanonicalKV, KVCacheLayout, canonicalize
+from kvoffload.layout import KVCacheLayout
 from kvoffload.specs import DeviceBlocks, JobId, Medium, TransferJob
 from kvoffload.transfer.base import TransferHandler
 from kvoffload.transfer.faults import FailFirstLoads

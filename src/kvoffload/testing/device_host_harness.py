@@ -15,7 +15,7 @@ import random
 
 import torch
 
-from kvoffload.layout import CanonicalKV, canonicalize
+from kvoffload.canonical import CanonicalKV, canonicalize
 from kvoffload.specs import DeviceBlocks, HostBlocks, JobId, TransferJob
 from kvoffload.testing.conformance import MAX_OUTSTANDING, HandlerHarness
 from kvoffload.testing.layouts import mamba_layout

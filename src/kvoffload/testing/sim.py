@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvoffload.canonical import CanonicalKV
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.metadata import WorkerMetadata
 from kvoffload.connector.requests import ScheduledRequest, StepSchedule
 from kvoffload.connector.scheduler import ConnectorScheduler
 from kvoffload.connector.worker import ConnectorWorker
 from kvoffload.keys import BlockHash, Namespace, hash_block
-from kvoffload.layout import CanonicalKV, KVCacheLayout
+from kvoffload.layout import KVCacheLayout
 from kvoffload.testing.block_pool import BlockPool
 
 KVCaches = Mapping[str, torch.Tensor | Sequence[torch.Tensor]]

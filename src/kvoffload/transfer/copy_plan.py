@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload.layout import CanonicalKV
+from kvoffload.canonical import CanonicalKV
 from kvoffload.specs import DeviceBlocks, HostBlocks, Medium, TransferJob
 
 Int64Array = npt.NDArray[np.int64]

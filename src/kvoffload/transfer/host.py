@@ -13,7 +13,7 @@ from collections.abc import Collection
 
 import torch
 
-from kvoffload.layout import CanonicalKV
+from kvoffload.canonical import CanonicalKV
 from kvoffload.specs import JobId, TransferJob
 from kvoffload.transfer.base import TransferHandler, TransferResult
 from kvoffload.transfer.copy_plan import PlanLayout, build_plan, validate_job
