@@ -1,0 +1,69 @@
+"""``kvoffload demo --json`` end to end, at a tiny size: real vLLM (CPU) without and with kvoffload.
+
+Checks what the demo reports, not how fast it was (speed is the demo's and the benchmarks' business).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.e2e
+
+TINY = [
+    "--conversations", "2", "--turns", "3",
+    "--system-tokens", "16", "--first-user-tokens", "96", "--user-tokens", "24", "--reply-tokens", "4",
+    "--hidden-size", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+    "--host-gib", "0.05",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    out = tmp_path_factory.mktemp("demo")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvoffload.cli", "demo", "--json", "--no-chart", "--out", str(out), *TINY],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout), out  # stdout holds the JSON alone: vLLM's logs went to stderr
+
+
+def test_summary_has_the_documented_fields(demo: tuple[dict[str, Any], Path]) -> None:
+    summary, _ = demo
+    for key in ("ttft_ratio_hit_turns", "ttft_ratio_miss_turns", "outputs_match", "hit_turns", "miss_turns",
+                "off", "on", "targets", "workload", "model"):  # fmt: skip
+        assert key in summary, key
+    for run in ("off", "on"):
+        for key in ("ttft_median_s", "offload_hit_rate", "device_hit_rate", "bytes_loaded", "bytes_stored"):
+            assert key in summary[run], (run, key)
+
+
+def test_kvoffload_serves_later_turns_and_outputs_match(demo: tuple[dict[str, Any], Path]) -> None:
+    summary, _ = demo
+    assert summary["outputs_match"] is True
+    assert summary["hit_turns"] > 0
+    assert summary["ttft_ratio_hit_turns"] > 0
+    assert summary["on"]["offload_hit_rate"] > 0
+    assert summary["on"]["bytes_loaded"] > 0
+    assert summary["on"]["bytes_stored"] > 0
+
+
+def test_run_without_kvoffload_moves_nothing(demo: tuple[dict[str, Any], Path]) -> None:
+    summary, _ = demo
+    assert summary["off"]["offload_hit_rate"] == 0
+    assert summary["off"]["bytes_loaded"] == summary["off"]["bytes_stored"] == 0
+
+
+def test_details_file_lists_every_turn(demo: tuple[dict[str, Any], Path]) -> None:
+    summary, out = demo
+    details = json.loads((out / "demo.json").read_text())
+    assert len(details["turns"]) == 2 * 3
+    assert details["ttft_ratio_hit_turns"] == summary["ttft_ratio_hit_turns"]
+    assert all(row["match"] for row in details["turns"])
