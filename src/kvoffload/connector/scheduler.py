@@ -41,10 +41,18 @@ class JobKind(Enum):
     TIER = "tier"
 
 
+@dataclass(frozen=True)
+class _StoreCandidate:
+    group: int
+    key: OffloadKey
+    device_blocks: list[int]
+    state: RequestState
+
+
 @dataclass
 class _PendingJob:
     kind: JobKind
-    req_id: str | None
+    req_ids: tuple[str, ...]
     keys: tuple[OffloadKey, ...] = ()
     transfer_id: int = -1
     ok: int = 0
@@ -128,7 +136,7 @@ class ConnectorScheduler:
         device_ids = tuple(b for ids in state.block_ids for b in ids[first_engine_block:last_engine_block])
         per_group = last_engine_block - first_engine_block
         dst = DeviceBlocks(device_ids, (per_group,) * self.num_groups)
-        job = self._new_job(JobKind.LOAD, request.request_id, flat_keys)
+        job = self._new_job(JobKind.LOAD, (request.request_id,), flat_keys)
         src = _regroup(src, (n,) * self.num_groups)
         if skip:
             if not isinstance(src, HostBlocks):
@@ -146,17 +154,21 @@ class ConnectorScheduler:
             if (state := self._requests.get(req_id)) is not None:
                 state.block_ids = []
                 state.scheduled = False
-        store_jobs = [job for s in step.scheduled if (job := self._schedule_stores(s)) is not None]
+        candidates: list[_StoreCandidate] = []
+        for scheduled in step.scheduled:
+            candidates.extend(self._store_candidates(scheduled))
+        store = self._store_job(candidates)
         tier_jobs = [self._tier_job(t) for t in self.manager.take_transfers()]
         loads, self._new_loads = self._new_loads, []
         flush, self._to_flush = self._to_flush, set()
-        return ConnectorMetadata(tuple(loads), tuple(store_jobs), tuple(tier_jobs), frozenset(flush))
+        return ConnectorMetadata(tuple(loads), (store,) if store else (), tuple(tier_jobs), frozenset(flush))
 
-    def _schedule_stores(self, scheduled: ScheduledRequest) -> TransferJob | None:
+    def _store_candidates(self, scheduled: ScheduledRequest) -> list[_StoreCandidate]:
+        """Track the request's new blocks; return its offload blocks that became full in this step."""
         state = self._requests.get(scheduled.req_id)
         if state is None:
             logger.debug("scheduled request %s was never looked up; not storing it", scheduled.req_id)
-            return None
+            return []
         if not state.scheduled or scheduled.resumed:
             state.block_ids = [list(ids) for ids in scheduled.new_block_ids]
             state.scheduled = True
@@ -165,29 +177,43 @@ class ConnectorScheduler:
                 ids.extend(new)
         first, end = state.next_store_block, state.full_blocks(scheduled.num_computed_tokens)
         if end <= first:
-            return None
+            return []
         state.next_store_block = end
-        return self._store_job(state, first, end)
-
-    def _store_job(self, state: RequestState, first: int, end: int) -> TransferJob | None:
         f = self.factor
-        wanted = [(g, i, k) for g in range(self.num_groups)
-                  for i, k in enumerate(state.keys(first, end, g), start=first)
-                  if self.null_block_id not in state.block_ids[g][i * f:(i + 1) * f]]
-        out = self.manager.prepare_store([k for _, _, k in wanted])
+        out = []
+        for g in range(self.num_groups):
+            for i, key in enumerate(state.keys(first, end, g), start=first):
+                device = state.block_ids[g][i * f:(i + 1) * f]
+                if self.null_block_id not in device:
+                    out.append(_StoreCandidate(g, key, device, state))
+        return out
+
+    def _store_job(self, candidates: list[_StoreCandidate]) -> TransferJob | None:
+        """One store job per step for every request's new full blocks: one submit, one copy plan."""
+        if not candidates:
+            return None
+        candidates.sort(key=lambda c: c.group)  # specs list group 0's blocks first (stable: prefix order kept)
+        out = self.manager.prepare_store([c.key for c in candidates])
         if out is None or not out.keys_to_store:
             return None
         chosen = set(out.keys_to_store)
-        picked = [(g, i) for g, i, k in wanted if k in chosen]
-        group_sizes = tuple(sum(1 for g, _ in picked if g == group) for group in range(self.num_groups))
-        device_ids = tuple(b for g, i in picked for b in state.block_ids[g][i * f:(i + 1) * f])
-        src = DeviceBlocks(device_ids, tuple(n * f for n in group_sizes))
-        job = self._new_job(JobKind.STORE, state.request.request_id, out.keys_to_store)
-        state.jobs.add(job)
+        picked = []
+        for c in candidates:
+            if c.key in chosen:
+                chosen.discard(c.key)  # two requests may share a block: store it once
+                picked.append(c)
+        group_sizes = tuple(sum(1 for c in picked if c.group == g) for g in range(self.num_groups))
+        src = DeviceBlocks(tuple(b for c in picked for b in c.device_blocks),
+                           tuple(n * self.factor for n in group_sizes))
+        owners = {id(c.state): c.state for c in picked}
+        job = self._new_job(JobKind.STORE, tuple(st.request.request_id for st in owners.values()),
+                            out.keys_to_store)
+        for state in owners.values():
+            state.jobs.add(job)
         return TransferJob(job, src, _regroup(out.store_spec, group_sizes))
 
     def _tier_job(self, transfer: TierTransfer) -> TransferJob:
-        job = self._new_job(JobKind.TIER, None, (), transfer.transfer_id)
+        job = self._new_job(JobKind.TIER, (), (), transfer.transfer_id)
         return TransferJob(job, transfer.src, transfer.dst)
 
     def update_connector_output(self, report: WorkerMetadata) -> None:
@@ -208,8 +234,9 @@ class ConnectorScheduler:
     def _finish(self, job_id: JobId, job: _PendingJob) -> None:
         del self._jobs[job_id]
         success = job.failed == 0
-        if job.req_id is not None and (state := self._requests.get(job.req_id)) is not None:
-            state.jobs.discard(job_id)
+        for req_id in job.req_ids:
+            if (state := self._requests.get(req_id)) is not None:
+                state.jobs.discard(job_id)
         if job.kind is JobKind.LOAD:
             self.manager.complete_load(job.keys, success)
             if not success:
@@ -257,10 +284,10 @@ class ConnectorScheduler:
             self._requests[request.request_id] = state
         return state
 
-    def _new_job(self, kind: JobKind, req_id: str | None, keys: tuple[OffloadKey, ...],
+    def _new_job(self, kind: JobKind, req_ids: tuple[str, ...], keys: tuple[OffloadKey, ...],
                  transfer_id: int = -1) -> JobId:
         job_id = JobId(next(self._job_ids))
-        self._jobs[job_id] = _PendingJob(kind, req_id, tuple(keys), transfer_id)
+        self._jobs[job_id] = _PendingJob(kind, req_ids, tuple(keys), transfer_id)
         return job_id
 
 
