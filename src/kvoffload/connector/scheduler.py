@@ -169,13 +169,17 @@ class ConnectorScheduler:
         if state is None:
             logger.debug("scheduled request %s was never looked up; not storing it", scheduled.req_id)
             return []
-        if not state.scheduled or scheduled.resumed:
+        if state.scheduled and not scheduled.resumed:
+            for ids, new in zip(state.block_ids, scheduled.new_block_ids):  # hot: every request, every step
+                if new:
+                    ids.extend(new)
+        else:
             state.block_ids = [list(ids) for ids in scheduled.new_block_ids]
             state.scheduled = True
-        else:
-            for ids, new in zip(state.block_ids, scheduled.new_block_ids, strict=True):
-                ids.extend(new)
-        first, end = state.next_store_block, state.full_blocks(scheduled.num_computed_tokens)
+        first = state.next_store_block
+        if scheduled.num_computed_tokens // self.offload_tokens <= first:
+            return []  # most decode steps: no offload block filled up
+        end = state.full_blocks(scheduled.num_computed_tokens)
         if end <= first:
             return []
         state.next_store_block = end
