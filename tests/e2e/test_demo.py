@@ -19,7 +19,7 @@ pytestmark = pytest.mark.e2e
 TINY = [
     "--conversations", "2", "--turns", "3",
     "--system-tokens", "16", "--first-user-tokens", "96", "--user-tokens", "24", "--reply-tokens", "4",
-    "--hidden-size", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+    "--hidden-size", "128", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "32",
     "--host-gib", "0.05",
 ]  # fmt: skip
 

@@ -1,31 +1,31 @@
-"""``kvoffload demo``: real vLLM (CPU backend) on a multi-turn chat, once without kvoffload and once with it.
+"""``kvoffload demo``: real vLLM (CPU backend) on a multi-turn chat, without kvoffload and with it.
 
 Data flow: write a random-weight Llama (``model.write_tiny_llama``) -> build the workload
-(``demo_report.user_turns``) -> for each of the two engines: build an in-process ``LLM``, warm it up, serve the
-conversations round-robin turn by turn, recording TTFT (vLLM's own first-token latency of the request) and the
-per-request deltas of vLLM's metrics (device prefix-cache hits, kvoffload hit tokens and bytes copied) ->
-``demo_report.summarize`` -> table, JSON, PNG chart.
+(``demo_report.user_turns``) -> start two engines in child processes (``demo_engine``: one without, one with
+kvoffload) -> send both the same conversations round-robin, turn by turn, request by request, alternating
+which engine goes first, so each pair of TTFTs is measured under the same machine load -> pair the results
+(``demo_report.summarize``) -> table, JSON, PNG chart.
 
 The device cache (``num_gpu_blocks_override``) holds about one conversation, so without kvoffload every later
 turn recomputes its whole history; with it, the history is loaded from the host tier.
 
-vLLM is imported only inside functions: ``kvoffload --help`` imports this module to build its parser.
+vLLM is imported only in the children: ``kvoffload --help`` imports this module to build its parser.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
-import os
+import multiprocessing
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvoffload.integrations.vllm.demo_engine import EngineSettings, engine_main
 from kvoffload.integrations.vllm.demo_report import (
     RunResult,
     TurnResult,
@@ -38,15 +38,6 @@ from kvoffload.integrations.vllm.demo_report import (
 )
 from kvoffload.integrations.vllm.model import TinyLlamaShape, write_tiny_llama
 
-CONNECTOR = {"kv_connector": "KVOffloadConnector", "kv_connector_module_path": "kvoffload.integrations.vllm",
-             "kv_role": "kv_both"}
-# vLLM metric names (Prometheus) whose per-request deltas make up a TurnResult.
-DEVICE_HITS = "vllm:prefix_cache_hits"
-OFFLOAD_HITS = "vllm:kvoffload_hit_tokens"
-BYTES = "vllm:kvoffload_transfer_bytes"
-LOADED, STORED = "host_to_device", "device_to_host"
-
-Counters = dict[str, float]
 Progress = Callable[[str], None]
 
 
@@ -81,7 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run both engines, print the report (or JSON), write out/demo.json and the chart. Returns 0."""
+    """Run both engines, print the report (or JSON), write out/demo.json and the chart.
+
+    Returns:
+        0, or 1 when an engine failed (its traceback is printed to stderr).
+    """
     workload = Workload(conversations=args.conversations, turns=args.turns, system_tokens=args.system_tokens,
                         first_user_tokens=args.first_user_tokens, user_tokens=args.user_tokens,
                         reply_tokens=args.reply_tokens, seed=args.seed)
@@ -90,10 +85,13 @@ def run(args: argparse.Namespace) -> int:
         model_dir = args.model_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvoffload-")))
         write_tiny_llama(model_dir, hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
                          num_kv_heads=args.kv_heads, head_dim=args.head_dim)
-        # vLLM logs to stdout; keep stdout for the report / JSON alone.
-        stack.enter_context(_stdout_to_stderr())
-        off = serve(model_dir, workload, args, with_kvoffload=False, progress=progress)
-        on = serve(model_dir, workload, args, with_kvoffload=True, progress=progress)
+        settings = [EngineSettings(model_dir, workload, with_kvoffload, args.dtype, args.block_size,
+                                   args.device_blocks, args.host_gib) for with_kvoffload in (False, True)]
+        try:
+            off, on = serve_both(settings, progress)
+        except EngineError as e:
+            progress(f"kvoffload demo: {e}")
+            return 1
     summary = summarize(off, on, extra=_settings(workload, args))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "demo.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -110,101 +108,82 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def serve(model_dir: Path, workload: Workload, args: argparse.Namespace, *, with_kvoffload: bool,
-          progress: Progress) -> RunResult:
-    """Serve the whole workload on a fresh in-process engine; conversations round-robin, turn by turn."""
-    name = "on" if with_kvoffload else "off"
-    progress(f"[{name:>3}] starting vLLM ({'with' if with_kvoffload else 'without'} kvoffload)")
-    llm = _build_llm(model_dir, workload, args, with_kvoffload)
-    try:
-        _warm_up(llm, workload)
+class EngineError(RuntimeError):
+    """A demo engine (child process) failed; the message carries its traceback."""
+
+
+class _Engine:
+    """The parent's handle on one child engine (``demo_engine.engine_main``)."""
+
+    def __init__(self, ctx: Any, settings: EngineSettings) -> None:
+        self.name = "on" if settings.with_kvoffload else "off"
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=engine_main, args=(child, settings), name=f"kvoffload-demo-{self.name}")
+        self.process.start()
+        child.close()
+        self.busy_s = 0.0
+
+    def _recv(self) -> Any:
+        try:
+            kind, value = self.conn.recv()
+        except EOFError:
+            raise EngineError(f"the {self.name} engine exited (code {self.process.exitcode})") from None
+        if kind == "error":
+            raise EngineError(f"the {self.name} engine failed:\n{value}")
+        return value
+
+    def wait_ready(self) -> None:
+        self._recv()
+
+    def serve(self, conv: int, turn: int, prompt: list[int]) -> TurnResult:
         start = time.perf_counter()
-        results = []
-        histories = [[] for _ in range(workload.conversations)]  # type: list[list[int]]
-        messages = user_turns(workload, _vocab_size(model_dir))
-        for turn in range(workload.turns):
-            for conv, history in enumerate(histories):
+        self.conn.send((conv, turn, prompt))
+        result: TurnResult = self._recv()
+        self.busy_s += time.perf_counter() - start
+        return result
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.send(None)
+        self.process.join(timeout=60)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+def serve_both(settings: list[EngineSettings], progress: Progress) -> tuple[RunResult, RunResult]:
+    """Serve the workload on both engines, request by request, alternating which engine goes first.
+
+    Conversations are served round-robin, turn by turn; each engine keeps its own histories (its own replies).
+    """
+    workload = settings[0].workload
+    progress("starting two vLLM engines (without and with kvoffload) in child processes")
+    ctx = multiprocessing.get_context("spawn")
+    engines = [_Engine(ctx, s) for s in settings]
+    try:
+        for engine in engines:
+            engine.wait_ready()
+        messages = user_turns(workload, _vocab_size(settings[0].model_dir))
+        histories: dict[str, list[list[int]]] = {e.name: [[] for _ in messages] for e in engines}
+        results: dict[str, list[TurnResult]] = {e.name: [] for e in engines}
+        for i, (conv, turn) in enumerate(_schedule(workload)):
+            for engine in engines if i % 2 == 0 else engines[::-1]:
+                history = histories[engine.name][conv]
                 history += messages[conv][turn]
-                result = _serve_turn(llm, conv, turn, history, workload.reply_tokens)
+                result = engine.serve(conv, turn, history)
                 history += result.output_ids
-                results.append(result)
-                progress(format_turn(name, result))
-        return RunResult(name=name, turns=tuple(results), wall_s=time.perf_counter() - start)
+                results[engine.name].append(result)
+                progress(format_turn(engine.name, result))
     finally:
-        del llm
-        _release_engine()
+        for engine in engines:
+            engine.stop()
+    off, on = (RunResult(e.name, tuple(results[e.name]), e.busy_s) for e in engines)
+    return off, on
 
 
-def _serve_turn(llm: Any, conv: int, turn: int, prompt: list[int], reply_tokens: int) -> TurnResult:
-    from vllm import SamplingParams, TokensPrompt
-
-    params = SamplingParams(max_tokens=reply_tokens, temperature=0.0, ignore_eos=True)
-    before = _counters(llm)
-    output = llm.generate([TokensPrompt(prompt_token_ids=list(prompt))], params, use_tqdm=False)[0]
-    delta = _delta(before, _counters(llm))
-    return TurnResult(
-        conversation=conv,
-        turn=turn,
-        prompt_tokens=len(prompt),
-        ttft_s=float(output.metrics.first_token_latency),
-        device_hit_tokens=int(delta.get(DEVICE_HITS, 0)),
-        offload_hit_tokens=int(delta.get(OFFLOAD_HITS, 0)),
-        bytes_loaded=int(delta.get(f"{BYTES}/{LOADED}", 0)),
-        bytes_stored=int(delta.get(f"{BYTES}/{STORED}", 0)),
-        output_ids=tuple(output.outputs[0].token_ids),
-    )
-
-
-def _build_llm(model_dir: Path, workload: Workload, args: argparse.Namespace, with_kvoffload: bool) -> Any:
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # both connector halves in this process, metrics here
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from vllm import LLM
-
-    block = args.block_size
-    max_len = -(-workload.max_conversation_tokens() // block) * block
-    kwargs: dict[str, Any] = {}
-    if with_kvoffload:
-        kwargs["kv_transfer_config"] = {**CONNECTOR, "kv_connector_extra_config": {"host_gib": args.host_gib}}
-    return LLM(model=str(model_dir), load_format="dummy", seed=args.seed, dtype=args.dtype, block_size=block,
-               max_model_len=max_len, num_gpu_blocks_override=args.device_blocks or max_len // block + 2,
-               enable_prefix_caching=True, disable_log_stats=False, **kwargs)
-
-
-def _warm_up(llm: Any, workload: Workload) -> None:
-    """One long prompt, then it again with a short tail: first-call costs (kernel set-up) stay out of TTFT."""
-    from vllm import SamplingParams, TokensPrompt
-
-    warm = Workload(conversations=1, turns=2, system_tokens=1, first_user_tokens=workload.first_user_tokens,
-                    user_tokens=workload.user_tokens, reply_tokens=workload.reply_tokens, seed=workload.seed + 1)
-    first, tail = user_turns(warm, vocab_size=256)[0]
-    params = SamplingParams(max_tokens=workload.reply_tokens, temperature=0.0, ignore_eos=True)
-    for prompt in (first, first + tail):
-        llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-
-
-def _counters(llm: Any) -> Counters:
-    """vLLM's counters of interest, summed over labels; transfer bytes keyed ``name/direction``."""
-    totals: Counters = {}
-    for metric in llm.get_metrics():
-        if metric.name in (DEVICE_HITS, OFFLOAD_HITS):
-            totals[metric.name] = totals.get(metric.name, 0.0) + metric.value
-        elif metric.name == BYTES:
-            key = f"{BYTES}/{metric.labels.get('direction', '')}"
-            totals[key] = totals.get(key, 0.0) + metric.value
-    return totals
-
-
-def _delta(before: Counters, after: Counters) -> Counters:
-    return {k: v - before.get(k, 0.0) for k, v in after.items()}
-
-
-def _release_engine() -> None:
-    """Free the engine so the next one starts clean in this process (vLLM keeps process-wide state)."""
-    gc.collect()
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    cleanup_dist_env_and_memory()
+def _schedule(workload: Workload) -> list[tuple[int, int]]:
+    """(conversation, turn) in serving order: every conversation's turn 0, then every turn 1, ..."""
+    return [(conv, turn) for turn in range(workload.turns) for conv in range(workload.conversations)]
 
 
 def _vocab_size(model_dir: Path) -> int:
@@ -222,17 +201,3 @@ def _settings(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
 
 def _stderr_progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
-    """Point file descriptor 1 at stderr for the duration (catches prints from vLLM and its C++ code too)."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        os.dup2(2, 1)
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)

@@ -1,0 +1,130 @@
+"""One vLLM engine of the demo, in a child process, serving one request at a time for the parent.
+
+Data flow: the parent (``demo.py``) starts two of these, one without and one with kvoffload, and sends both the
+same turns alternately, so each pair of measurements is taken seconds apart under the same machine load (on a
+shared machine the load drifts far more over a minute than kvoffload's effect on a miss). Each child runs vLLM
+in its own process with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (both connector halves and vLLM's metrics in one
+place), answers each prompt with a ``TurnResult`` built from vLLM's first-token latency and the request's
+deltas of vLLM's metrics, and its stdout goes to stderr so the parent's stdout stays clean.
+
+Protocol over a ``multiprocessing`` pipe: child sends ``("ready", None)`` or ``("error", text)``; parent sends
+``(conversation, turn, prompt_ids)`` and gets ``("turn", TurnResult)`` or ``("error", text)``; ``None`` stops.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvoffload.integrations.vllm.demo_report import TurnResult, Workload, user_turns
+
+CONNECTOR = {"kv_connector": "KVOffloadConnector", "kv_connector_module_path": "kvoffload.integrations.vllm",
+             "kv_role": "kv_both"}
+# vLLM metric names (Prometheus) whose per-request deltas make up a TurnResult.
+DEVICE_HITS = "vllm:prefix_cache_hits"
+OFFLOAD_HITS = "vllm:kvoffload_hit_tokens"
+BYTES = "vllm:kvoffload_transfer_bytes"
+LOADED, STORED = "host_to_device", "device_to_host"
+
+Counters = dict[str, float]
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What a child needs to build its engine (picklable)."""
+
+    model_dir: Path
+    workload: Workload
+    with_kvoffload: bool
+    dtype: str
+    block_size: int
+    device_blocks: int | None
+    host_gib: float
+
+    def max_model_len(self) -> int:
+        """The longest conversation, rounded up to whole blocks."""
+        return -(-self.workload.max_conversation_tokens() // self.block_size) * self.block_size
+
+
+def engine_main(conn: Any, settings: EngineSettings) -> None:
+    """Child entry point: build and warm the engine, then serve turns until the parent sends ``None``."""
+    os.dup2(2, 1)  # vLLM (and its C++ code) log to stdout
+    try:
+        llm = build_llm(settings)
+        warm_up(llm, settings.workload)
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ready", None))
+    while (request := conn.recv()) is not None:
+        conv, turn, prompt = request
+        try:
+            conn.send(("turn", serve_turn(llm, conv, turn, prompt, settings.workload.reply_tokens)))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+            return
+
+
+def build_llm(settings: EngineSettings) -> Any:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from vllm import LLM
+
+    max_len = settings.max_model_len()
+    # Default device cache: one longest conversation and a block to spare (vLLM reserves one block).
+    blocks = settings.device_blocks or max_len // settings.block_size + 2
+    kwargs: dict[str, Any] = {"dtype": settings.dtype}
+    if settings.with_kvoffload:
+        kwargs["kv_transfer_config"] = {**CONNECTOR, "kv_connector_extra_config": {"host_gib": settings.host_gib}}
+    return LLM(model=str(settings.model_dir), load_format="dummy", seed=settings.workload.seed,
+               block_size=settings.block_size, max_model_len=max_len,
+               num_gpu_blocks_override=blocks, enable_prefix_caching=True, disable_log_stats=False, **kwargs)
+
+
+def warm_up(llm: Any, workload: Workload) -> None:
+    """A long prompt, then it again with a short tail: first-call costs (kernel set-up) stay out of TTFT."""
+    from vllm import SamplingParams, TokensPrompt
+
+    warm = Workload(conversations=1, turns=2, system_tokens=1, first_user_tokens=workload.first_user_tokens,
+                    user_tokens=workload.user_tokens, reply_tokens=workload.reply_tokens, seed=workload.seed + 1)
+    first, tail = user_turns(warm, vocab_size=256)[0]
+    params = SamplingParams(max_tokens=workload.reply_tokens, temperature=0.0, ignore_eos=True)
+    for prompt in (first, first + tail):
+        llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+
+
+def serve_turn(llm: Any, conv: int, turn: int, prompt: list[int], reply_tokens: int) -> TurnResult:
+    """One greedy request; TTFT is vLLM's first-token latency (arrival to first token, loads included)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=reply_tokens, temperature=0.0, ignore_eos=True)
+    before = counters(llm)
+    output = llm.generate([TokensPrompt(prompt_token_ids=list(prompt))], params, use_tqdm=False)[0]
+    delta = {k: v - before.get(k, 0.0) for k, v in counters(llm).items()}
+    return TurnResult(
+        conversation=conv,
+        turn=turn,
+        prompt_tokens=len(prompt),
+        ttft_s=float(output.metrics.first_token_latency),
+        device_hit_tokens=int(delta.get(DEVICE_HITS, 0)),
+        offload_hit_tokens=int(delta.get(OFFLOAD_HITS, 0)),
+        bytes_loaded=int(delta.get(f"{BYTES}/{LOADED}", 0)),
+        bytes_stored=int(delta.get(f"{BYTES}/{STORED}", 0)),
+        output_ids=tuple(output.outputs[0].token_ids),
+    )
+
+
+def counters(llm: Any) -> Counters:
+    """vLLM's counters of interest, summed over labels; transfer bytes keyed ``name/direction``."""
+    totals: Counters = {}
+    for metric in llm.get_metrics():
+        if metric.name in (DEVICE_HITS, OFFLOAD_HITS):
+            totals[metric.name] = totals.get(metric.name, 0.0) + metric.value
+        elif metric.name == BYTES:
+            key = f"{BYTES}/{metric.labels.get('direction', '')}"
+            totals[key] = totals.get(key, 0.0) + metric.value
+    return totals
