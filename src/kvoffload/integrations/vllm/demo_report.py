@@ -178,20 +178,22 @@ def format_turn(run: str, t: TurnResult) -> str:
     return (
         f"[{run:>3}] conv {t.conversation} turn {t.turn}: {t.prompt_tokens:5d} prompt tokens, "
         f"TTFT {t.ttft_s * 1000:8.1f} ms, device hit {t.device_hit_tokens:5d}, "
-        f"kvoffload hit {t.offload_hit_tokens:5d}, loaded {_mib(t.bytes_loaded)}, stored {_mib(t.bytes_stored)}"
+        f"kvoffload hit {t.offload_hit_tokens:5d} ({t.offload_hit_tokens / t.prompt_tokens:4.0%}), "
+        f"loaded {_mib(t.bytes_loaded)}, stored {_mib(t.bytes_stored)}"
     )
 
 
 def format_report(summary: dict[str, Any]) -> str:
     """The per-turn table and the summary lines a person reads at the end of ``kvoffload demo``."""
     lines = [
-        "conv turn prompt  TTFT off ms  TTFT on ms  ratio  kvoffload hit  loaded    stored    match",
+        "conv turn prompt  TTFT off ms  TTFT on ms  ratio  kvoffload hit  hit %  loaded      stored      match",
     ]
     for r in summary["turns"]:
         ratio = r["ttft_on_s"] / r["ttft_off_s"] if r["ttft_off_s"] else float("nan")
         lines.append(
             f"{r['conversation']:4d} {r['turn']:4d} {r['prompt_tokens']:6d} {r['ttft_off_s'] * 1000:12.1f} "
-            f"{r['ttft_on_s'] * 1000:11.1f} {ratio:6.2f} {r['offload_hit_tokens']:14d}  "
+            f"{r['ttft_on_s'] * 1000:11.1f} {ratio:6.2f} {r['offload_hit_tokens']:14d} "
+            f"{r['offload_hit_tokens'] / r['prompt_tokens']:5.0%}  "
             f"{_mib(r['bytes_loaded'])}  {_mib(r['bytes_stored'])}  {'yes' if r['match'] else 'NO'}"
         )
     off, on = summary["off"], summary["on"]
