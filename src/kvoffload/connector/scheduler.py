@@ -170,7 +170,7 @@ class ConnectorScheduler:
             logger.debug("scheduled request %s was never looked up; not storing it", scheduled.req_id)
             return []
         if state.scheduled and not scheduled.resumed:
-            for ids, new in zip(state.block_ids, scheduled.new_block_ids):  # hot: every request, every step
+            for ids, new in zip(state.block_ids, scheduled.new_block_ids, strict=True):  # hot: every step
                 if new:
                     ids.extend(new)
         else:
