@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 
 from kvoffload.config import OffloadConfig
-from kvoffload.connector.metadata import WorkerMetadata
+from kvoffload.connector.metadata import ConnectorMetadata, WorkerMetadata
 from kvoffload.connector.requests import ScheduledRequest, StepSchedule
 from kvoffload.connector.scheduler import ConnectorScheduler
 from kvoffload.keys import Namespace
@@ -191,3 +191,17 @@ def test_a_second_alloc_without_a_lookup_is_not_counted_twice():
     sched.update_state_after_alloc(a, [[1, 2, 3]], 0)
     stats = sched.take_stats()
     assert (stats.requests, stats.query_tokens) == (1, 40)
+
+
+def test_finishing_a_request_fences_its_load_in_flight():
+    sched = make_scheduler()
+    complete(sched, run_prefill(sched, Req("a", list(range(64)))))
+    b = Req("b", list(range(65)))
+    sched.get_num_new_matched_tokens(b, 0)
+    sched.update_state_after_alloc(b, [list(range(10, 15))], 64)
+    (load,) = sched.build_connector_meta(StepSchedule(())).load_jobs
+    sched.request_finished("b")  # aborted while its load runs: its blocks go back to the engine
+    assert sched.build_connector_meta(StepSchedule(())).jobs_to_flush == {load.job.job_id}
+    complete(sched, ConnectorMetadata(load_jobs=(load,)))
+    sched.manager.check_integrity()
+    assert sched.get_num_new_matched_tokens(Req("c", list(range(65))), 0) == (64, True)

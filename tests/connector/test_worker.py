@@ -31,6 +31,9 @@ def test_stores_wait_for_the_next_step_then_round_trip_the_bytes():
     worker.start_kv_transfers(meta)
     worker.prepare_store_kv(meta)
     assert worker.transfers.pending_job_ids == []  # deferred: nothing submitted during this step
+    worker.start_kv_transfers(ConnectorMetadata())  # the next step submits it
+    worker.wait_all()
+    # The scheduler half loads a block only once its store completed.
     worker.start_kv_transfers(ConnectorMetadata(load_jobs=(LoadJob("r", load(1, 0, 5)),)))
     worker.wait_all()
     assert worker.get_finished() == {"r"}

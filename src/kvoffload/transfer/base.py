@@ -1,7 +1,8 @@
 """Worker side: moving bytes. The handler interface every transfer path implements, and its result type.
 
 A handler moves blocks between two media (device and host, host and disk, ...). It decides nothing: the scheduler
-half chose every block id, slot and key in the job. Handlers run jobs in the background; ``submit`` only queues.
+half chose every block id, slot and key in the job. Handlers run jobs in the background: ``submit``
+starts a job and returns (a handler may also finish a short job before ``submit`` returns).
 
 Failure model: a handler never raises out of ``submit``, ``get_finished`` or ``wait`` because of a data-path problem
 (I/O error, corrupt data, timeout, an exception inside a copy). Such a job finishes with ``success=False`` and the
@@ -39,7 +40,8 @@ class TransferHandler(ABC):
 
     @abstractmethod
     def submit(self, job: TransferJob) -> bool:
-        """Start ``job`` in the background.
+        """Start ``job`` (in the background, or at once when that is cheaper: the result still comes from
+        ``get_finished``).
 
         Returns:
             True if the job was accepted; its result will come from ``get_finished``. False if it was refused

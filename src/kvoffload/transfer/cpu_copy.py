@@ -1,10 +1,12 @@
 """CPU copier: runs the copy plans of device<->host jobs when the KV cache itself is in host memory.
 
-Jobs go through one ordered queue, so they finish in submission order (which covers the interface's rule
-that two jobs touching the same destination finish in order). One dispatcher thread takes the next job, cuts
-its plan into byte-balanced pieces (at least 1 MiB each, up to 4 per thread) that ``threads`` threads
-(itself plus helpers) take in turn, then reports it. Taking pieces rather than fixed halves matters on a
-shared machine: a thread the OS preempts delays the job by one piece, not by half of it. Torch's intra-op
+Stores go through one ordered queue, so they finish in submission order (which covers the interface's rule
+that two jobs touching the same destination finish in order). Loads are copied during ``start``, in the
+caller's thread (why: see ``start``); a load writes device blocks and a store writes host slots, so the two
+never share a destination. A job's plan is cut into byte-balanced pieces (at least 1 MiB each, up to 4 per
+thread) that ``threads`` threads (the dispatcher or the caller, plus helpers) take in turn. Taking pieces rather
+than fixed halves matters on a shared machine: a thread the OS preempts delays the job by one piece, not by half
+of it. Torch's intra-op
 thread count is left alone: it is process-wide and belongs to the engine.
 
 Why raw ``memmove``: each copy is a ``ctypes.memmove`` between addresses computed from the tensors' data
@@ -65,7 +67,14 @@ class CpuCopier:
     def start(self, job_id: JobId, transfer_type: tuple[Medium, Medium], plan: CopyPlan) -> None:
         with self._done:
             self._pending.add(job_id)
-        self._queue.put((job_id, transfer_type, plan))
+        if transfer_type == STORE:
+            self._queue.put((job_id, transfer_type, plan))
+        else:
+            # A load is copied here, in the engine's thread. In the background it would need the GIL between
+            # memmoves while the engine thread spins through empty steps waiting for it: with Python's 5 ms
+            # switch interval that cost 100-300 ms per hit in real vLLM, for a copy of a few milliseconds.
+            # Stores stay in the background: nothing waits for them.
+            self._execute((job_id, transfer_type, plan))
 
     def poll(self) -> list[TransferResult]:
         with self._done:
@@ -85,21 +94,24 @@ class CpuCopier:
 
     def _dispatch_loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            job_id, transfer_type, plan = item
-            start = time.perf_counter()
-            try:
-                self._before_copy(job_id)
-                self._run(plan, transfer_type == STORE)
-                success = True
-            except Exception:
-                logger.exception("device<->host job %d failed", job_id)
-                success = False
-            seconds = time.perf_counter() - start
-            result = TransferResult(job_id, success, plan.nbytes if success else 0, seconds, transfer_type)
-            with self._done:
-                self._pending.discard(job_id)
-                self._results.append(result)
-                self._done.notify_all()
+            self._execute(item)
+
+    def _execute(self, item: _Queued) -> None:
+        job_id, transfer_type, plan = item
+        start = time.perf_counter()
+        try:
+            self._before_copy(job_id)
+            self._run(plan, transfer_type == STORE)
+            success = True
+        except Exception:
+            logger.exception("device<->host job %d failed", job_id)
+            success = False
+        seconds = time.perf_counter() - start
+        result = TransferResult(job_id, success, plan.nbytes if success else 0, seconds, transfer_type)
+        with self._done:
+            self._pending.discard(job_id)
+            self._results.append(result)
+            self._done.notify_all()
 
     def _run(self, plan: CopyPlan, store: bool) -> None:
         parts = max(1, min(self._threads * PIECES_PER_THREAD, plan.nbytes // MIN_PIECE_BYTES))

@@ -2,8 +2,9 @@
 
 A store copies engine blocks into host-pool slots, a load copies slots back into engine blocks (see
 ``transfer/copy_plan.py`` for the exact mapping, offload factor and ``skip_sub_blocks`` included). This module
-checks jobs and keeps the handler contract; the copies run in ``cpu_copy.CpuCopier`` (KV cache in host memory:
-background threads) or ``cuda_copy.CudaCopier`` (KV cache on a GPU: a copy stream and events).
+checks jobs and keeps the handler contract; the copies run in ``cpu_copy.CpuCopier`` (KV cache in host
+memory: background threads for stores, the caller's thread for loads) or ``cuda_copy.CudaCopier`` (KV cache on
+a GPU: a copy stream and events).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class DeviceHostHandler(TransferHandler):
             refs wider than their view's page, a pool too small for the factor, a non-positive factor or
             threads count.
 
-    Jobs finish in submission order (one queue on CPU, one stream on CUDA).
+    Jobs finish in submission order (one stream on CUDA; on CPU one queue for stores, loads during submit).
     """
 
     def __init__(self, kv: CanonicalKV, pool: HostPool, factor: int, threads: int = 2) -> None:
