@@ -2,8 +2,9 @@
 bytes.
 
 For each page size and direction, one job of ``blocks_per_job`` blocks is run again and again through a real
-handler (submit, wait), each run paired with one contiguous torch copy of the same total bytes, interleaved
-so both see the same machine load. Rows report medians after warm-up runs: the handler's GB/s (submit to
+handler (submit, wait), each run paired with one memcpy of the same bytes, buffer to buffer, interleaved so
+both see the same machine load. The baseline is libc ``memcpy`` (one call, one core) on CPU and one contiguous
+``copy_`` (a single cudaMemcpy) with CUDA. Rows report medians after warm-up runs: the handler's GB/s (submit to
 wait returning: planning, queueing and copies), memcpy GB/s, their ratio (median of the per-run ratios) and
 the spread (max - min) / median of the handler's GB/s. Block ids and slots are a random permutation, so no
 two blocks of a job are adjacent: runs of consecutive blocks, which the handler merges into one copy, only
@@ -156,12 +157,16 @@ def _time_job(handler: DeviceHostHandler, job: TransferJob) -> float:
 
 
 def _time_memcpy(dst: torch.Tensor, src: torch.Tensor) -> float:
+    import ctypes
+
     import torch
 
     start = time.perf_counter()
-    dst.copy_(src, non_blocking=False)
     if dst.is_cuda or src.is_cuda:
+        dst.copy_(src, non_blocking=False)
         torch.cuda.synchronize()
+    else:
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
     return time.perf_counter() - start
 
 
