@@ -163,9 +163,7 @@ class HostTierManager(ResidencyManager):
             else:
                 self._free.append(slot)
         # Inserted back to front for the same reason as ``touch``.
-        insert = self._policy.insert
-        for key in reversed(stored):
-            insert(key)
+        self._policy.insert_all(reversed(stored))
         if stored:
             self._emit(EventKind.STORED, stored)
 

@@ -15,7 +15,7 @@ nothing about the policy.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from kvoffload.keys import OffloadKey
 from kvoffload.manager.base import IntegrityError
@@ -58,6 +58,21 @@ class ARCPolicy(Policy):
         else:
             # Only a new key grows T1 + B1 and the total: only it can push the history past its bounds.
             t1[key] = None
+            if self._capacity is None:
+                self._seen_max = max(self._seen_max, len(t1) + len(t2))
+            self._trim_history()
+
+    def insert_all(self, keys: Iterable[OffloadKey]) -> None:
+        # A store completes a batch of keys: trim the history once for all of them, not once per key.
+        t1, t2 = self._t1, self._t2
+        grew = False
+        for key in keys:
+            if key in t1 or key in t2 or key in self._b1 or key in self._b2:
+                self.insert(key)
+            else:
+                t1[key] = None
+                grew = True
+        if grew:
             if self._capacity is None:
                 self._seen_max = max(self._seen_max, len(t1) + len(t2))
             self._trim_history()

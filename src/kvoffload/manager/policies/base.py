@@ -12,7 +12,7 @@ Policies are not thread-safe (the scheduler half calls its managers from one thr
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from kvoffload.config import EvictionPolicy
 from kvoffload.keys import OffloadKey
@@ -33,6 +33,11 @@ class Policy(ABC):
         Args:
             key: the key to track.
         """
+
+    def insert_all(self, keys: Iterable[OffloadKey]) -> None:
+        """``insert`` each key in turn (policies may do their bookkeeping once for the batch)."""
+        for key in keys:
+            self.insert(key)
 
     @abstractmethod
     def touch(self, key: OffloadKey) -> None:
