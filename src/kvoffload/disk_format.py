@@ -10,7 +10,7 @@ A file is ``HEADER`` (64 bytes, little-endian) followed by the raw payload bytes
          0    8 magic              b"KVOFFBLK"
          8    2 format version     1
         10    2 header size        64
-        12    4 checksum algorithm 1 = zlib.crc32
+        12    4 checksum algorithm 2 = CRC32C (Castagnoli) of the payload
         16   16 namespace fingerprint (Namespace.fingerprint(): covers model, layout, rank, world size)
         32   16 key                (OffloadKey, the same on every rank)
         48    8 payload length
@@ -34,13 +34,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+import crc32c
+
 from kvoffload.keys import KEY_BYTES, Namespace, OffloadKey
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"KVOFFBLK"
 DISK_FORMAT_VERSION = 1
-CHECKSUM_CRC32 = 1
+CHECKSUM_CRC32C = 2  # 1 (zlib crc32) was used by unreleased builds; such files fail to load
 _HEADER = struct.Struct("<8sHHI16s16sQI")
 HEADER_BYTES = _HEADER.size + 4
 BLOCK_SUFFIX = ".kvb"
@@ -100,13 +102,14 @@ def file_bytes(payload_bytes: int) -> int:
 
 
 def checksum(payload: memoryview | bytes) -> int:
-    # crc32 releases the GIL on large buffers, so I/O threads checksum in parallel; bench disk measures it.
-    return zlib.crc32(payload)
+    # Hardware CRC32C (SSE4.2 / ARMv8 CRC): ~12 GB/s on one core here, 5x zlib.crc32, which capped reads at
+    # half the disk's rate on 2 cores. It releases the GIL on large buffers, so I/O threads run in parallel.
+    return int(crc32c.crc32c(payload))
 
 
 def encode_header(fingerprint: bytes, key: OffloadKey, payload_bytes: int, payload_checksum: int) -> bytes:
     """The 64 header bytes of a block file."""
-    body = _HEADER.pack(MAGIC, DISK_FORMAT_VERSION, HEADER_BYTES, CHECKSUM_CRC32, fingerprint, key,
+    body = _HEADER.pack(MAGIC, DISK_FORMAT_VERSION, HEADER_BYTES, CHECKSUM_CRC32C, fingerprint, key,
                         payload_bytes, payload_checksum)
     return body + struct.pack("<I", zlib.crc32(body))
 
@@ -124,7 +127,7 @@ def decode_header(raw: bytes | memoryview, fingerprint: bytes, key: OffloadKey, 
     if struct.unpack("<I", raw[_HEADER.size:])[0] != zlib.crc32(body):
         raise CorruptBlockError("header checksum mismatch")
     magic, version, size, algorithm, file_fp, file_key, length, payload_crc = _HEADER.unpack(body)
-    known = (MAGIC, DISK_FORMAT_VERSION, HEADER_BYTES, CHECKSUM_CRC32)
+    known = (MAGIC, DISK_FORMAT_VERSION, HEADER_BYTES, CHECKSUM_CRC32C)
     if (magic, version, size, algorithm) != known:
         raise CorruptBlockError(f"unknown format (magic {magic!r}, version {version}, algorithm {algorithm})")
     if file_fp != fingerprint:

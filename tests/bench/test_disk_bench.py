@@ -16,7 +16,7 @@ def test_bench_disk_json_reports_both_directions_baselines_and_rebuild(capsys: p
     report = json.loads(capsys.readouterr().out)
     (row,) = report["rows"]
     assert row["block_bytes"] == 64 * 1024 and row["blocks"] == 16
-    for field in ("write_gbps", "raw_write_gbps", "read_gbps", "raw_read_gbps", "crc32_gbps"):
+    for field in ("write_gbps", "raw_write_gbps", "read_gbps", "raw_read_gbps", "checksum_gbps"):
         assert row[field] > 0
     assert report["rebuild_blocks"] == 20 and report["rebuild_seconds"] >= 0
     assert report["page_cache_dropped"] is False
