@@ -1,7 +1,8 @@
 """``kvoffload bench e2e``: the vLLM demo's time-to-first-token figures, with and without kvoffload, as a bench.
 
-The demo (``kvoffload.integrations.vllm.demo``) serves one multi-turn chat on real vLLM (CPU) twice in one process,
-without and then with kvoffload, and writes its summary to ``demo.json``. This module runs it ``--runs`` times
+The demo (``kvoffload.integrations.vllm.demo``) serves one multi-turn chat on two real vLLM (CPU) engines side by
+side, one without and one with kvoffload (each in a child process, taking turns per request so both see the same
+machine load), and writes its summary to ``demo.json``. This module runs it ``--runs`` times
 through its own entry point (``run(args)``, with ``--json --no-chart --out <temp dir>``), reads each ``demo.json``
 and prints the suite's way (machine facts, table, ``--json``, ``--plot``): per run, the median TTFT of the turns
 kvoffload served from its tier (hit turns) and of the others (miss turns), each beside the same turns without
