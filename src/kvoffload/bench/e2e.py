@@ -104,7 +104,7 @@ def report(rows: list[dict[str, Any]], last: dict[str, Any], args: argparse.Name
             "miss_ttft_ms_on", "miss_ratio", "outputs_match")
     table = format_table(headers, [[r[k] for k in keys] for r in rows])
     notes = ("median TTFT per run over hit turns (kvoffload loaded tokens) and miss turns; off = vLLM alone, "
-             "on = vLLM + kvoffload, same prompts, same process, one engine after the other",
+             "on = vLLM + kvoffload, same prompts, two engines side by side taking turns per request",
              f"demo options: {args.demo_args or '(defaults)'}")
     settings = {"runs": args.runs, "demo_args": args.demo_args, "demo_turns_last_run": last.get("turns", [])}
     return Report("e2e", rows, table, notes, settings)
