@@ -11,7 +11,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml requirements-dev.txt
+$(STAMP): pyproject.toml requirements-dev.txt src/kvoffload/_blockcopy.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -r requirements-dev.txt

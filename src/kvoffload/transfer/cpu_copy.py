@@ -9,12 +9,13 @@ than fixed halves matters on a shared machine: a thread the OS preempts delays t
 of it. Torch's intra-op
 thread count is left alone: it is process-wide and belongs to the engine.
 
-Why raw ``memmove``: each copy is a ``ctypes.memmove`` between addresses computed from the tensors' data
-pointers. Measured on a 2-core box, a torch ``copy_`` per 64 KiB block costs ~3 us of dispatch and reaches
-0.2-0.5x memcpy, ``index_select`` 0.4-0.8x; ``ctypes.memmove`` costs well under a microsecond and releases
-the GIL while it copies, so pieces on two threads really run in parallel. Safety rests on ``validate_job``
-(every block id and slot is in range before a plan exists) and on this object holding the tensors whose
-memory it addresses.
+Why raw ``memmove``: each copy is a ``memmove`` between addresses computed from the tensors' data pointers, and
+``kvoffload._blockcopy.copy_ranges`` (a small C extension) runs a whole piece of them in one call without the
+GIL. Measured on a 2-core box: a torch ``copy_`` per block costs ~3 us of dispatch, ``index_select`` /
+``index_copy_`` reach well under 1 GB/s on int8 rows, and a Python loop of ``ctypes.memmove`` (the fallback when
+the extension is not built) pays about a microsecond per call, a quarter of the speed at 4 KiB pages. Safety
+rests on ``validate_job`` (every block id and slot is in range before a plan exists) and on this object holding
+the tensors whose memory it addresses.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvoffload.specs import JobId, Medium
@@ -144,9 +146,21 @@ class CpuCopier:
             raise errors[0]
 
     def _copy(self, plan: CopyPlan, store: bool) -> None:
-        view_addr = (plan.view_offset + self._view_base[plan.view]).tolist()
-        pool_addr = (plan.pool_offset + self._pool_base).tolist()
+        view_addr = plan.view_offset + self._view_base[plan.view]
+        pool_addr = plan.pool_offset + self._pool_base
         dst, src = (pool_addr, view_addr) if store else (view_addr, pool_addr)
-        memmove = ctypes.memmove
-        for d, s, n in zip(dst, src, plan.size.tolist(), strict=True):
-            memmove(d, s, n)
+        copy_ranges(np.ascontiguousarray(dst), np.ascontiguousarray(src), np.ascontiguousarray(plan.size))
+
+
+def _copy_ranges_in_python(dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64],
+                           size: npt.NDArray[np.int64]) -> None:
+    memmove = ctypes.memmove
+    for d, s, n in zip(dst.tolist(), src.tolist(), size.tolist(), strict=True):
+        memmove(d, s, n)
+
+
+try:
+    from kvoffload._blockcopy import copy_ranges
+except ImportError:  # built without a C compiler: correct, several times slower on small pages
+    logger.warning("kvoffload._blockcopy is not built; CPU copies use a slower Python loop")
+    copy_ranges = _copy_ranges_in_python
