@@ -205,3 +205,11 @@ def test_finishing_a_request_fences_its_load_in_flight():
     complete(sched, ConnectorMetadata(load_jobs=(load,)))
     sched.manager.check_integrity()
     assert sched.get_num_new_matched_tokens(Req("c", list(range(65))), 0) == (64, True)
+
+
+def test_engines_that_rewrite_running_blocks_get_every_store_flushed_next_step():
+    sched = make_scheduler()
+    sched.flush_stores_next_step = True
+    meta = run_prefill(sched, Req("a", list(range(64))))
+    assert meta.jobs_to_flush == frozenset()
+    assert sched.build_connector_meta(StepSchedule(())).jobs_to_flush == {meta.store_jobs[0].job_id}

@@ -62,9 +62,14 @@ class _PendingJob:
 class ConnectorScheduler:
     def __init__(self, config: OffloadConfig, layout: KVCacheLayout, engine_block_size: int,
                  namespace: Namespace, manager: ResidencyManager | None = None,
-                 null_block_id: int | None = None) -> None:
+                 null_block_id: int | None = None, flush_stores_next_step: bool = False) -> None:
         """``null_block_id``: the engine's placeholder block (vLLM's block 0 stands in for blocks a sliding-window
-        group has dropped); offload blocks that contain it are never stored."""
+        group has dropped); offload blocks that contain it are never stored.
+
+        ``flush_stores_next_step``: the engine may reuse or rewrite a block of a running request in the very
+        next step (a sliding-window block that left the window, a Mamba state updated in place), so every store
+        is flushed at the start of the next step, before the forward pass, instead of running beside it.
+        """
         self.factor = offload_factor(config, engine_block_size)
         self.engine_block_size = engine_block_size
         self.offload_tokens = self.factor * engine_block_size
@@ -72,12 +77,14 @@ class ConnectorScheduler:
         self.world_size = namespace.world_size
         self.manager = manager or build_manager(config, layout, self.factor, namespace)
         self.null_block_id = null_block_id
+        self.flush_stores_next_step = flush_stores_next_step
         self._root = namespace.chain_root()
         self._requests: dict[str, RequestState] = {}
         self._jobs: dict[JobId, _PendingJob] = {}
         self._job_ids = itertools.count()
         self._new_loads: list[LoadJob] = []
         self._to_flush: set[JobId] = set()
+        self._to_flush_next: set[JobId] = set()
         self._stats = SchedulerStats()
 
     # ---- load path -------------------------------------------------------------------------------------------
@@ -158,9 +165,11 @@ class ConnectorScheduler:
         for scheduled in step.scheduled:
             candidates.extend(self._store_candidates(scheduled))
         store = self._store_job(candidates)
+        if store is not None and self.flush_stores_next_step:
+            self._to_flush_next.add(store.job_id)
         tier_jobs = [self._tier_job(t) for t in self.manager.take_transfers()]
         loads, self._new_loads = self._new_loads, []
-        flush, self._to_flush = self._to_flush, set()
+        flush, self._to_flush, self._to_flush_next = self._to_flush, self._to_flush_next, set()
         return ConnectorMetadata(tuple(loads), (store,) if store else (), tuple(tier_jobs), frozenset(flush))
 
     def _store_candidates(self, scheduled: ScheduledRequest) -> list[_StoreCandidate]:

@@ -66,6 +66,20 @@ def _group(group: vkv.KVCacheGroupSpec) -> KVGroup:
     return KVGroup(tuple(group.layer_names), specs)
 
 
+def blocks_change_while_running(kv_cache_config: vkv.KVCacheConfig) -> bool:
+    """True when vLLM may reuse or rewrite a running request's full block in the next step.
+
+    Only full-attention blocks stay as written until the request ends: a sliding-window or chunked-local block
+    is freed once it leaves the window, and a Mamba state block is updated in place.
+    """
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        specs = spec.kv_cache_specs.values() if isinstance(spec, vkv.UniformTypeKVCacheSpecs) else [spec]
+        if any(not isinstance(s, vkv.FullAttentionSpec) for s in specs):
+            return True
+    return False
+
+
 def kv_cache_layout(kv_cache_config: vkv.KVCacheConfig, layout_name: str | None) -> KVCacheLayout:
     """Describe vLLM's KV cache without tensors.
 

@@ -63,7 +63,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             events = vllm_config.kv_events_config
             publish = bool(events is not None and events.enable_kv_cache_events)
             ns = adapters.namespace(vllm_config, layout, config.model_id, 0)
-            self._scheduler = SchedulerSide(config, layout, block_size, ns, publish)
+            self._scheduler = SchedulerSide(config, layout, block_size, ns, publish,
+                                            adapters.blocks_change_while_running(kv_cache_config))
         else:
             rank = _worker_rank()
             self._worker = WorkerSide(config, layout, block_size,

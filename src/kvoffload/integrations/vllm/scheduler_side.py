@@ -35,9 +35,10 @@ logger = logging.getLogger(__name__)
 
 class SchedulerSide:
     def __init__(self, config: OffloadConfig, layout: KVCacheLayout, block_size: int, namespace: Namespace,
-                 publish_events: bool) -> None:
+                 publish_events: bool, blocks_change_while_running: bool) -> None:
         # vLLM's block pool hands out block 0 as its null block (the placeholder for dropped window blocks).
-        self.core = ConnectorScheduler(config, layout, block_size, namespace, null_block_id=0)
+        self.core = ConnectorScheduler(config, layout, block_size, namespace, null_block_id=0,
+                                       flush_stores_next_step=blocks_change_while_running)
         self.num_groups = len(layout.groups)
         self.block_tokens = self.core.offload_tokens
         self.slot_bytes = host_slot_bytes(layout, self.core.factor)
