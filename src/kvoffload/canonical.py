@@ -231,8 +231,10 @@ def _int8_view(strip: _Strip, num_blocks: int) -> torch.Tensor:
     offset = strip.address - storage.data_ptr()
     last_row = offset + (num_blocks - 1) * strip.stride
     width = strip.stride if last_row + strip.stride <= storage.nbytes() else strip.nbytes
-    # Every block's used bytes lie inside a tensor on this storage, so they lie inside the storage.
-    assert offset >= 0 and last_row + width <= storage.nbytes(), f"{strip.layer}: view overruns its storage"
+    # Every block's used bytes lie inside a tensor on this storage, so this holds; it is checked anyway because
+    # the copiers write through raw addresses derived from these views.
+    if offset < 0 or last_row + width > storage.nbytes():
+        raise ValueError(f"{strip.layer}: its pages overrun the tensor's storage")
     flat = torch.empty(0, dtype=torch.int8, device=strip.tensor.device).set_(storage)
     return flat.as_strided((num_blocks, width), (strip.stride, 1), offset)
 
