@@ -74,8 +74,10 @@ def test_sub_blocks_fill_a_slot_in_order_and_a_load_skips_the_held_ones() -> Non
     (TransferJob(JobId(1), HostBlocks((0,), (1,)), DiskBlocks((), ())), "not device<->host"),
 ])
 def test_malformed_jobs_raise_value_error_naming_the_problem(job: TransferJob, culprit: str) -> None:
+    layout = _layout()
     with pytest.raises(ValueError, match=culprit):
-        validate_job(_layout(), job)
+        validate_job(layout, job)  # shapes and sizes
+        build_plan(layout, job)  # block ids and slots, on the arrays the plan is built from
 
 
 def test_a_load_of_an_empty_group_copies_nothing_for_it() -> None:

@@ -118,10 +118,7 @@ def validate_job(layout: PlanLayout, job: TransferJob) -> None:
         raise ValueError(f"job {job.job_id}: transfer type {job.transfer_type} is not device<->host")
     assert isinstance(device, DeviceBlocks) and isinstance(host, HostBlocks)
     _check_sizes(layout, job, device, host)
-    if device.block_ids and not 0 <= min(device.block_ids) <= max(device.block_ids) < layout.num_blocks:
-        raise ValueError(f"job {job.job_id}: a block id is outside [0, {layout.num_blocks})")
-    if host.slots and not 0 <= min(host.slots) <= max(host.slots) < layout.num_slots:
-        raise ValueError(f"job {job.job_id}: a slot is outside [0, {layout.num_slots})")
+    # Block ids and slots are range-checked by build_plan, on the arrays it builds anyway.
 
 
 def _check_sizes(layout: PlanLayout, job: TransferJob, device: DeviceBlocks, host: HostBlocks) -> None:
@@ -141,11 +138,15 @@ def _check_sizes(layout: PlanLayout, job: TransferJob, device: DeviceBlocks, hos
 
 
 def build_plan(layout: PlanLayout, job: TransferJob) -> CopyPlan:
-    """The coalesced copies of a job that ``validate_job`` accepted."""
+    """The coalesced copies of a job that ``validate_job`` accepted.
+
+    Raises:
+        ValueError: a block id or slot out of range (the copiers write through raw addresses).
+    """
     device, host = (job.src, job.dst) if job.transfer_type == STORE else (job.dst, job.src)
     assert isinstance(device, DeviceBlocks) and isinstance(host, HostBlocks)
-    block_ids = np.asarray(device.block_ids, dtype=np.int64)
-    slots = np.asarray(host.slots, dtype=np.int64)
+    block_ids = _in_range(job, "block id", device.block_ids, layout.num_blocks)
+    slots = _in_range(job, "slot", host.slots, layout.num_slots)
     parts: list[tuple[Int64Array, ...]] = []
     d0 = h0 = 0
     for g, (dn, hn) in enumerate(zip(device.group_sizes, host.group_sizes, strict=True)):
@@ -168,6 +169,13 @@ def build_plan(layout: PlanLayout, job: TransferJob) -> CopyPlan:
     # continue each other side by side for _coalesce.
     order = np.lexsort((view_offset, view)) if job.transfer_type == STORE else np.argsort(pool_offset)
     return _coalesce(view[order], view_offset[order], pool_offset[order], size[order])
+
+
+def _in_range(job: TransferJob, what: str, values: tuple[int, ...], end: int) -> Int64Array:
+    array = np.asarray(values, dtype=np.int64)
+    if array.size and (array.min() < 0 or array.max() >= end):
+        raise ValueError(f"job {job.job_id}: a {what} is outside [0, {end})")
+    return array
 
 
 def _coalesce(

@@ -14,7 +14,7 @@ Why raw ``memmove``: each copy is a ``memmove`` between addresses computed from 
 GIL. Measured on a 2-core box: a torch ``copy_`` per block costs ~3 us of dispatch, ``index_select`` /
 ``index_copy_`` reach well under 1 GB/s on int8 rows, and a Python loop of ``ctypes.memmove`` (the fallback when
 the extension is not built) pays about a microsecond per call, a quarter of the speed at 4 KiB pages. Safety
-rests on ``validate_job`` (every block id and slot is in range before a plan exists) and on this object holding
+rests on ``copy_plan`` (every block id and slot is in range before a plan exists) and on this object holding
 the tensors whose memory it addresses.
 """
 
