@@ -54,10 +54,12 @@ class StepSchedule:
 
 @dataclass(frozen=True)
 class PlannedLoad:
-    """A hit found by ``get_num_new_matched_tokens``: offload blocks ``[first, end)``."""
+    """A hit found by ``get_num_new_matched_tokens``: offload blocks ``[first, end)`` and their keys, group 0's
+    first (kept so the load does not hash them again)."""
 
     first: int
     end: int
+    keys: tuple[OffloadKey, ...]
 
 
 @dataclass

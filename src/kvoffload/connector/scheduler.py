@@ -106,8 +106,11 @@ class ConnectorScheduler:
         if first >= end:
             return 0, False
         hits, pending = end - first, False
+        group_keys = []
         for group in range(self.num_groups):
-            result = self.manager.lookup(state.keys(first, first + hits, group))
+            keys = state.keys(first, first + hits, group)
+            group_keys.append(keys)
+            result = self.manager.lookup(keys)
             if result.hits < hits:
                 # The group with the shortest run decides, and whether its next block is on its way.
                 hits, pending = result.hits, result.pending
@@ -116,7 +119,8 @@ class ConnectorScheduler:
         hit_tokens = (first + hits) * self.offload_tokens - num_computed_tokens
         if hits == 0 or hit_tokens <= 0:
             return 0, False
-        state.planned_load = PlannedLoad(first, first + hits)
+        planned_keys = tuple(k for keys in group_keys for k in keys[:hits])
+        state.planned_load = PlannedLoad(first, first + hits, planned_keys)
         return hit_tokens, True
 
     def update_state_after_alloc(self, request: EngineRequest, block_ids: Sequence[Sequence[int]],
@@ -133,8 +137,7 @@ class ConnectorScheduler:
             return
         computed = plan.end * self.offload_tokens - num_external_tokens
         skip = computed // self.engine_block_size - plan.first * self.factor
-        keys = [state.keys(plan.first, plan.end, g) for g in range(self.num_groups)]
-        flat_keys = tuple(k for group_keys in keys for k in group_keys)
+        flat_keys = plan.keys
         src = self.manager.prepare_load(flat_keys)
         self.manager.touch(flat_keys)
         n = plan.end - plan.first
@@ -163,7 +166,7 @@ class ConnectorScheduler:
                 state.scheduled = False
         candidates: list[_StoreCandidate] = []
         for scheduled in step.scheduled:
-            candidates.extend(self._store_candidates(scheduled))
+            self._collect_stores(scheduled, candidates)
         store = self._store_job(candidates)
         if store is not None and self.flush_stores_next_step:
             self._to_flush_next.add(store.job_id)
@@ -172,12 +175,12 @@ class ConnectorScheduler:
         flush, self._to_flush, self._to_flush_next = self._to_flush, self._to_flush_next, set()
         return ConnectorMetadata(tuple(loads), (store,) if store else (), tuple(tier_jobs), frozenset(flush))
 
-    def _store_candidates(self, scheduled: ScheduledRequest) -> list[_StoreCandidate]:
-        """Track the request's new blocks; return its offload blocks that became full in this step."""
+    def _collect_stores(self, scheduled: ScheduledRequest, out: list[_StoreCandidate]) -> None:
+        """Track the request's new blocks; add its offload blocks that became full in this step to ``out``."""
         state = self._requests.get(scheduled.req_id)
         if state is None:
             logger.debug("scheduled request %s was never looked up; not storing it", scheduled.req_id)
-            return []
+            return
         if state.scheduled and not scheduled.resumed:
             for ids, new in zip(state.block_ids, scheduled.new_block_ids, strict=True):  # hot: every step
                 if new:
@@ -187,19 +190,17 @@ class ConnectorScheduler:
             state.scheduled = True
         first = state.next_store_block
         if scheduled.num_computed_tokens // self.offload_tokens <= first:
-            return []  # most decode steps: no offload block filled up
+            return  # most decode steps: no offload block filled up
         end = state.full_blocks(scheduled.num_computed_tokens)
         if end <= first:
-            return []
+            return
         state.next_store_block = end
         f = self.factor
-        out = []
         for g in range(self.num_groups):
             for i, key in enumerate(state.keys(first, end, g), start=first):
                 device = state.block_ids[g][i * f:(i + 1) * f]
                 if self.null_block_id not in device:
                     out.append(_StoreCandidate(g, key, device, state))
-        return out
 
     def _store_job(self, candidates: list[_StoreCandidate]) -> TransferJob | None:
         """One store job per step for every request's new full blocks: one submit, one copy plan."""
