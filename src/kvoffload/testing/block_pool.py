@@ -1,7 +1,8 @@
 """The simulated engine's device block pool: reference counts, an LRU free list and a prefix cache.
 
 Like vLLM's, a freed block keeps its cached content until it is handed out again, so a later request with the same
-prefix can reuse it; allocation takes the least recently freed block first.
+prefix can reuse it; allocation takes the least recently freed block first. Block 0 is vLLM's null block: never handed
+out, it stands in a block table for blocks a sliding-window group dropped.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from kvoffload.keys import BlockHash
 CacheKey = tuple[int, BlockHash]
 """(KV-cache group, engine block hash)."""
 
+NULL_BLOCK = 0
+
 
 class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self._refs = [0] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(NULL_BLOCK + 1, num_blocks))
         self._cached: dict[CacheKey, int] = {}
         self._key_of: dict[int, CacheKey] = {}
 

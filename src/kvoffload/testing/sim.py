@@ -8,6 +8,10 @@ kvoffload, preempt the newest request when blocks run out) -> ``build_connector_
 The forward pass writes deterministic bytes: an engine block's page is a pseudo-random function of the tokens up
 to its end (its chained hash). So every block in the device cache can be checked bit for bit against what a real
 computation would hold (``check_device_blocks``), whether it was computed or loaded.
+
+Sliding-window groups work as in vLLM: block 0 is the null block, and a window group's blocks that no token still
+to compute attends to are freed and replaced by it in the block table (``_drop_outside_window``). The null block
+holds a sentinel pattern on every worker, and ``check_all`` raises if anything wrote it.
 """
 
 from __future__ import annotations
@@ -27,9 +31,12 @@ from kvoffload.connector.scheduler import ConnectorScheduler
 from kvoffload.connector.worker import ConnectorWorker
 from kvoffload.keys import BlockHash, Namespace, hash_block
 from kvoffload.layout import KVCacheLayout
-from kvoffload.testing.block_pool import BlockPool
+from kvoffload.testing.block_pool import NULL_BLOCK, BlockPool
 
 KVCaches = Mapping[str, torch.Tensor | Sequence[torch.Tensor]]
+
+NULL_SENTINEL = 0x5A
+"""Every byte of the null block, on every worker: no write may change it."""
 
 
 class Status(enum.Enum):
@@ -72,23 +79,32 @@ class StepReport:
 
 
 class SimEngine:
-    """Engine block pool + both connector halves (one scheduler, ``num_workers`` workers with their own KV)."""
+    """Engine block pool + both connector halves (one scheduler, ``num_workers`` workers with their own KV).
+
+    ``sliding_windows``: KV-cache group -> its sliding window in tokens, for the groups that have one.
+    """
 
     def __init__(self, layout: KVCacheLayout, make_kv_caches: Callable[[], KVCaches], config: OffloadConfig,
                  block_size: int = 16, num_workers: int = 1, max_batch_tokens: int = 8192,
-                 vocab_size: int = 1000) -> None:
+                 vocab_size: int = 1000, sliding_windows: Mapping[int, int] | None = None) -> None:
         self.layout = layout
         self.block_size = block_size
         self.num_groups = len(layout.groups)
         self.vocab_size = vocab_size
         self.max_batch_tokens = max_batch_tokens
+        self.sliding_windows = dict(sliding_windows or {})
         ns = Namespace(model="sim", dtype="int8", layout=layout.describe(), world_size=num_workers)
-        self.scheduler = ConnectorScheduler(config, layout, block_size, ns)
+        # Window blocks are freed while their request runs: stores must finish before the next forward pass.
+        self.scheduler = ConnectorScheduler(config, layout, block_size, ns, null_block_id=NULL_BLOCK,
+                                            flush_stores_next_step=bool(self.sliding_windows))
         self.workers = [ConnectorWorker(config, layout, block_size, dataclasses.replace(ns, rank=r))
                         for r in range(num_workers)]
         for worker in self.workers:
             worker.register_kv_caches(make_kv_caches())
         self.kvs: list[CanonicalKV] = [w.kv for w in self.workers if w.kv is not None]
+        for kv in self.kvs:
+            for view in kv.views:
+                view[NULL_BLOCK].fill_(NULL_SENTINEL)
         self.pool = BlockPool(layout.num_blocks)
         self.requests: dict[str, SimRequest] = {}
         self.waiting: list[SimRequest] = []
@@ -174,6 +190,7 @@ class SimEngine:
         for req in list(self.running):
             if req not in self.running:
                 continue  # preempted to make room for an older request
+            self._drop_outside_window(req, req.num_computed_tokens)
             while not self._grow(req, req.num_computed_tokens + 1):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -214,6 +231,7 @@ class SimEngine:
             self._release(req, valid=True)
             req.num_computed_tokens = 0
             return None
+        self._drop_outside_window(req, req.num_computed_tokens + external)
         self.scheduler.update_state_after_alloc(req, req.block_ids, external)
         self.waiting.remove(req)
         if load_async:
@@ -249,6 +267,16 @@ class SimEngine:
             req.block_ids[g].extend(blocks[g * need:(g + 1) * need])
         return True
 
+    def _drop_outside_window(self, req: SimRequest, num_computed_tokens: int) -> None:
+        """vLLM's ``remove_skipped_blocks``: from ``num_computed_tokens`` on, no token attends to a window
+        group's blocks before the window, so they are freed and the null block takes their place."""
+        for g, window in self.sliding_windows.items():
+            ids = req.block_ids[g]
+            for i in range(min(len(ids), max(0, num_computed_tokens - window + 1) // self.block_size)):
+                if ids[i] != NULL_BLOCK:
+                    self.pool.free([ids[i]])
+                    ids[i] = NULL_BLOCK
+
     def _scheduled(self, req: SimRequest, computed_after: int) -> ScheduledRequest:
         new = tuple(tuple(ids[sent:]) for ids, sent in zip(req.block_ids, req.sent_blocks, strict=True))
         resumed = req.preemptions > 0 and req.sent_blocks[0] == 0
@@ -266,7 +294,7 @@ class SimEngine:
 
     def _release(self, req: SimRequest, valid: bool) -> None:
         for ids in req.block_ids:
-            (self.pool.free if valid else self.pool.free_uncached)(list(reversed(ids)))
+            (self.pool.free if valid else self.pool.free_uncached)([b for b in reversed(ids) if b != NULL_BLOCK])
         req.block_ids, req.sent_blocks = [], []
 
     # ---- forward pass, sampling, completions ------------------------------------------------------------------
@@ -284,7 +312,8 @@ class SimEngine:
             hashes = self._hashes(req, end // self.block_size)
             for g in range(self.num_groups):
                 for i, h in enumerate(hashes):
-                    self.pool.cache(req.block_ids[g][i], (g, h))
+                    if req.block_ids[g][i] != NULL_BLOCK:
+                        self.pool.cache(req.block_ids[g][i], (g, h))
             if end == len(req.all_token_ids):
                 req.all_token_ids.append(next_token(req.all_token_ids, self.vocab_size))
                 if req.first_token_step is None:
@@ -306,17 +335,23 @@ class SimEngine:
             for g in range(self.num_groups):
                 self._load_errors.difference_update(req.block_ids[g][first:last])
             self._verify_loaded(req, first, ok)
-            req.loaded_tokens += (ok - first) * self.block_size
-            req.num_computed_tokens = ok * self.block_size
             req.status, req.pending_load_tokens = Status.WAITING, 0
             self.waiting.insert(0, req)
+            if ok < last and self.sliding_windows:
+                # Recomputing from block ``ok`` would need window blocks already dropped; vLLM too recomputes a
+                # multi-group request whose load failed from the start.
+                self._release(req, valid=False)
+                req.num_computed_tokens = 0
+                continue
+            req.loaded_tokens += (ok - first) * self.block_size
+            req.num_computed_tokens = ok * self.block_size
 
     def _verify_loaded(self, req: SimRequest, first: int, end: int) -> None:
         """Check every loaded block, on every worker, against the bytes its tokens must produce."""
         hashes = self._hashes(req, end)
         for i in range(first, end):
             good = all(block_matches(kv, g, req.block_ids[g][i], hashes[i])
-                       for kv in self.kvs for g in range(self.num_groups))
+                       for kv in self.kvs for g in range(self.num_groups) if req.block_ids[g][i] != NULL_BLOCK)
             self.verified_blocks += 1
             if not good:
                 self.corrupt_blocks.append((req.request_id, i))
@@ -356,16 +391,25 @@ class SimEngine:
         for rank, kv in enumerate(self.kvs):
             for g in range(self.num_groups):
                 for i in range(full):
+                    if req.block_ids[g][i] == NULL_BLOCK:
+                        continue
                     if not block_matches(kv, g, req.block_ids[g][i], self._hashes(req, i + 1)[i]):
                         bad.append((rank, g, i))
         return bad
 
+    def null_block_intact(self) -> bool:
+        """Whether the null block still holds ``NULL_SENTINEL`` on every worker."""
+        return all(bool((view[NULL_BLOCK] == NULL_SENTINEL).all()) for kv in self.kvs for view in kv.views)
+
     def check_all(self) -> None:
-        """Raise if any running request's device bytes are wrong or a tier's bookkeeping is broken."""
+        """Raise if any running request's device bytes are wrong, the null block was written, or a tier's
+        bookkeeping is broken."""
         for req in self.running:
             bad = self.check_device_blocks(req)
             if bad:
                 raise AssertionError(f"request {req.request_id}: wrong device bytes at {bad[:5]}")
+        if not self.null_block_intact():
+            raise AssertionError("the null block was written")
         self.scheduler.manager.check_integrity()
 
 
