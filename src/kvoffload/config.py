@@ -63,6 +63,9 @@ class OffloadConfig:
     """Overrides the model name used in the key namespace (engines sharing a tier must agree on it)."""
     inject_load_failures: int = 0
     """Testing knob: the first N load jobs of each worker fail (exercises the recompute path end to end)."""
+    inject_load_corruption: int = 0
+    """Testing knob: the first N load jobs of each worker load a zeroed block yet succeed (proves that the
+    end-to-end output comparisons catch a wrong load)."""
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None) -> OffloadConfig:
@@ -131,6 +134,8 @@ KEYS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "disk_breaker_cooldown_s": (_positive_float, "how long the disk tier stays off after tripping"),
     "model_id": (_text, "model name in the key namespace (default: the engine's model)"),
     "inject_load_failures": (_non_negative_int, "testing: the first N load jobs fail, forcing recompute"),
+    "inject_load_corruption": (_non_negative_int,
+                               "testing: the first N load jobs load a zeroed block yet succeed (wrong KV)"),
 }
 
 _EXCLUSIVE = (("host_bytes", "host_gib"), ("disk_bytes", "disk_gib"))
@@ -190,4 +195,5 @@ class _Parser:
             disk=disk,
             model_id=v.get("model_id"),
             inject_load_failures=v.get("inject_load_failures", 0),
+            inject_load_corruption=v.get("inject_load_corruption", 0),
         )

@@ -123,6 +123,19 @@ def test_abort_during_a_store_is_safe_and_reused_blocks_are_not_corrupted():
     assert_drained(engine)
 
 
+def test_a_corrupted_load_is_caught_by_the_bit_exact_check():
+    # The control for every simulated-engine test: a load that succeeds with wrong bytes must not go unseen.
+    engine = make_engine(inject_load_corruption=1)
+    prompt = tokens(40, seed=8)
+    engine.add_request("a", prompt)
+    run_checked(engine)
+    engine.pool.drop_cache()
+    b = engine.add_request("b", [*prompt, 1])
+    run_checked(engine)
+    assert b.loaded_tokens == 40  # the load "succeeded"
+    assert engine.corrupt_blocks == [("b", 0)]  # and exactly its zeroed first block was caught
+
+
 def test_an_injected_load_failure_is_recomputed_with_correct_bytes():
     engine = make_engine(inject_load_failures=1)
     prompt = tokens(40, seed=8)

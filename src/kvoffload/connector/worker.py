@@ -27,7 +27,7 @@ from kvoffload.keys import Namespace
 from kvoffload.layout import KVCacheLayout
 from kvoffload.specs import DeviceBlocks, JobId, Medium, TransferJob
 from kvoffload.transfer.base import TransferHandler
-from kvoffload.transfer.faults import FailFirstLoads
+from kvoffload.transfer.faults import CorruptFirstLoads, FailFirstLoads
 from kvoffload.transfer.host import DeviceHostHandler
 from kvoffload.transfer.host_pool import HostPool
 from kvoffload.transfer.worker import TransferWorker
@@ -65,6 +65,8 @@ class ConnectorWorker:
                                                      threads=self.config.host.copy_threads)
         if self.config.inject_load_failures:
             handler = FailFirstLoads(handler, self.config.inject_load_failures)
+        if self.config.inject_load_corruption:
+            handler = CorruptFirstLoads(handler, self.pool, self.config.inject_load_corruption)
         self.transfers.register(Medium.DEVICE, Medium.HOST, handler)
         self.transfers.register(Medium.HOST, Medium.DEVICE, handler)
         if self.config.disk is not None:
