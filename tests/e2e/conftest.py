@@ -1,4 +1,10 @@
-"""Shared set-up for the end-to-end tests: a tiny random Llama, engines, a prefix-sharing workload, metrics.
+"""Shared set-up for the end-to-end tests: tiny real-weight models, engines, a prefix-sharing workload, metrics.
+
+Every comparison here can fail. The models are real checkpoints (seeded random weights in safetensors, loaded by
+vLLM's normal loader), and every plain-vLLM baseline carries its control: the same prompts with one token changed
+inside the first block (a block kvoffload loads) must move plain vLLM's outputs by at least ``CONTROL_FACTOR``
+times the tolerance of ``assert_same_outputs``; a baseline whose control fails makes every test using it fail.
+test_connector_inprocess.py also shows the comparison failing on a deliberately corrupted load.
 
 vLLM must be importable here (the Makefile set-up installs it): a missing vLLM fails these tests, never skips them.
 Engines are costly (seconds each on two cores), so test modules share them through module-scoped fixtures.
@@ -7,6 +13,7 @@ Engines are costly (seconds each on two cores), so test modules share them throu
 from __future__ import annotations
 
 import gc
+import math
 import os
 import random
 from collections.abc import Iterator, Sequence
@@ -15,12 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import vllm
 
-from kvoffload.integrations.vllm.model import write_tiny_llama
+from kvoffload.integrations.vllm.model import ModelFamily, TinyShape, write_tiny_model
 
 BLOCK_SIZE = 32
 DEVICE_BLOCKS = 16  # 15 usable: two 200-token prompts fit, four do not
@@ -28,6 +34,9 @@ MAX_MODEL_LEN = 448
 PREFIX_TOKENS = 200
 NUM_PREFIXES = 4
 MAX_TOKENS = 8
+TOLERANCE = 1e-3  # abs, on the logprob of each generated token
+CONTROL_FACTOR = 100
+CHANGED_POSITION = 5  # inside the first block, which every hit loads
 CONNECTOR = {"kv_connector": "KVOffloadConnector", "kv_connector_module_path": "kvoffload.integrations.vllm",
              "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 
@@ -61,21 +70,35 @@ def generate(llm: vllm.LLM, prompt_ids: list[list[int]]) -> list[Result]:
     return results
 
 
-def assert_same_outputs(got: list[Result], want: list[Result]) -> None:
-    assert [r.tokens for r in got] == [r.tokens for r in want]
-    for g, w in zip(got, want, strict=True):
-        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-3)
+def divergence(got: Sequence[Result], want: Sequence[Result]) -> float:
+    """How far two runs' outputs are apart: infinite where any generated token differs, else the largest
+    difference between the logprobs of the generated tokens."""
+    if [r.tokens for r in got] != [r.tokens for r in want]:
+        return math.inf
+    return max((abs(a - b) for g, w in zip(got, want, strict=True)
+                for a, b in zip(g.logprobs, w.logprobs, strict=True)), default=0.0)
 
 
-def randomize_weights(model: torch.nn.Module) -> None:
-    """Replace vLLM's near-zero dummy weights by seeded N(0, 0.1): the output then depends on the KV."""
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _, param in sorted(model.named_parameters()):
-            if param.dim() == 1:
-                param.fill_(1.0)
-            else:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+def assert_same_outputs(got: Sequence[Result], want: Sequence[Result]) -> None:
+    apart = divergence(got, want)
+    assert apart <= TOLERANCE, f"outputs differ from plain vLLM's by {apart} (tolerance {TOLERANCE})"
+
+
+def with_changed_token(prompt_ids: list[list[int]]) -> list[list[int]]:
+    """The same prompts with the token at ``CHANGED_POSITION`` replaced."""
+    changed = [list(p) for p in prompt_ids]
+    for p in changed:
+        p[CHANGED_POSITION] = 10 + (p[CHANGED_POSITION] + 1) % 990
+    return changed
+
+
+def assert_kv_sensitive(plain: Sequence[Result], changed: Sequence[Result]) -> None:
+    """The control: for every prompt, one changed token inside a loaded block moves plain vLLM's outputs by at
+    least ``CONTROL_FACTOR`` x the tolerance, so ``assert_same_outputs`` would catch a wrong loaded block."""
+    apart = [divergence([p], [c]) for p, c in zip(plain, changed, strict=True)]
+    assert min(apart) >= CONTROL_FACTOR * TOLERANCE, (
+        f"control failed: a changed token moved plain vLLM's outputs by only {apart}; the model's outputs do not "
+        "depend on the KV, so no comparison with it can catch a wrong load")
 
 
 def metric(llm: vllm.LLM, name: str, **labels: str) -> float:
@@ -87,16 +110,16 @@ def metric(llm: vllm.LLM, name: str, **labels: str) -> float:
     return total
 
 
-def make_llm(model_dir: Path, extra_config: dict[str, Any] | None, *, multiprocess: bool = False) -> vllm.LLM:
-    """An engine on the tiny model; kvoffload on when ``extra_config`` is not None."""
+def make_llm(model_dir: Path, extra_config: dict[str, Any] | None, *, multiprocess: bool = False,
+             **engine: Any) -> vllm.LLM:
+    """An engine on a tiny model; kvoffload on when ``extra_config`` is not None. ``engine`` overrides LLM args."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships a function to the workers
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"seed": 0, "block_size": BLOCK_SIZE, "num_gpu_blocks_override": DEVICE_BLOCKS,
+                              "max_model_len": MAX_MODEL_LEN, "enforce_eager": True, "disable_log_stats": False,
+                              **engine}
     if extra_config is not None:
         kwargs["kv_transfer_config"] = {**CONNECTOR, "kv_connector_extra_config": extra_config}
-    return vllm.LLM(model=str(model_dir), load_format="dummy", seed=0, block_size=BLOCK_SIZE,
-                    num_gpu_blocks_override=DEVICE_BLOCKS, max_model_len=MAX_MODEL_LEN, enforce_eager=True,
-                    disable_log_stats=False, **kwargs)
+    return vllm.LLM(model=str(model_dir), **kwargs)
 
 
 def close(llm: vllm.LLM) -> None:
@@ -110,26 +133,33 @@ def close(llm: vllm.LLM) -> None:
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@dataclass(frozen=True)
-class Baseline:
-    """Plain vLLM's outputs for the workload rounds, with vLLM's dummy weights and with randomized weights."""
-
-    dummy: dict[str, list[Result]]
-    random: dict[str, list[Result]]
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), ModelFamily.LLAMA, TinyShape())
 
 
 ROUNDS = {"first": (7, 8), "second": (9, 10, 11)}
 
 
+@dataclass(frozen=True)
+class Baseline:
+    """Plain vLLM's outputs for each round of the workload; its control held when it was built."""
+
+    rounds: dict[str, list[Result]]
+
+    def __getitem__(self, name: str) -> list[Result]:
+        return self.rounds[name]
+
+
+def plain_baseline(llm: vllm.LLM, rounds: dict[str, list[list[int]]]) -> Baseline:
+    """Plain vLLM's outputs for ``rounds`` (name -> prompts), after checking the control on the last round."""
+    outputs = {name: generate(llm, ids) for name, ids in rounds.items()}
+    last = list(rounds)[-1]
+    assert_kv_sensitive(outputs[last], generate(llm, with_changed_token(rounds[last])))
+    return Baseline(outputs)
+
+
 @pytest.fixture(scope="session")
 def baseline(model_dir: Path) -> Iterator[Baseline]:
     llm = make_llm(model_dir, None)
-    dummy = {name: generate(llm, prompts(tail)) for name, tail in ROUNDS.items()}
-    llm.apply_model(randomize_weights)
-    llm.reset_prefix_cache()
-    rand = {name: generate(llm, prompts(tail)) for name, tail in ROUNDS.items()}
-    close(llm)
-    yield Baseline(dummy, rand)
+    result = plain_baseline(llm, {name: prompts(tail) for name, tail in ROUNDS.items()})
+    close(llm)  # before any other engine starts in this process
+    yield result

@@ -13,7 +13,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.e2e.conftest import BLOCK_SIZE, DEVICE_BLOCKS, MAX_MODEL_LEN, prefixes
+from tests.e2e.conftest import (
+    BLOCK_SIZE,
+    DEVICE_BLOCKS,
+    MAX_MODEL_LEN,
+    MAX_TOKENS,
+    ROUNDS,
+    Baseline,
+    Result,
+    assert_same_outputs,
+    prompts,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -31,15 +41,20 @@ def _get(url: str) -> str:
         return str(r.read().decode())
 
 
-def _complete(base: str, prompt: list[int]) -> dict:
-    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}).encode()
+def _complete(base: str, prompt: list[int]) -> tuple[Result, dict]:
+    """A greedy completion as a ``Result`` (token ids and their logprobs), and the response's usage."""
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                       "logprobs": 1, "return_tokens_as_token_ids": True}).encode()
     req = urllib.request.Request(f"{base}/v1/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:
-        return dict(json.loads(r.read()))
+        response = json.loads(r.read())
+    logprobs = response["choices"][0]["logprobs"]
+    tokens = tuple(int(t.removeprefix("token_id:")) for t in logprobs["tokens"])
+    return Result(tokens, tuple(logprobs["token_logprobs"]), 0), dict(response["usage"])
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def server(model_dir: Path, baseline: Baseline, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = _free_port()
     # By name alone: kvoffload's vllm.general_plugins entry point registers the connector in the server.
     config = {"kv_connector": "KVOffloadConnector", "kv_role": "kv_both",
@@ -48,7 +63,7 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     # runs the same server.
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", "tiny",
-           "--host", "127.0.0.1", "--port", str(port), "--load-format", "dummy", "--seed", "0",
+           "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
            "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(DEVICE_BLOCKS),
            "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--kv-transfer-config", json.dumps(config)]
     log = (tmp_path_factory.mktemp("serve") / "serve.log").open("w")
@@ -74,15 +89,16 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         log.close()
 
 
-def test_served_requests_show_kvoffload_metrics(server: str) -> None:
-    shared = prefixes()
-    for prefix in shared:  # fills the host tier and evicts the first prefixes from the device cache
-        assert _complete(server, [*prefix, 7, 8])["choices"][0]["text"] is not None
-    again = _complete(server, [*shared[0], 9, 10])
+def test_served_requests_match_plain_vllm_and_show_kvoffload_metrics(server: str, baseline: Baseline) -> None:
+    # The first round fills the host tier and evicts the first prefixes from the device cache.
+    first = [_complete(server, p)[0] for p in prompts(ROUNDS["first"])]
+    again, usage = _complete(server, prompts(ROUNDS["second"])[0])  # its prefix comes back from kvoffload
 
     metrics = _get(f"{server}/metrics")
 
-    assert again["usage"]["prompt_tokens"] == len(shared[0]) + 2
+    assert_same_outputs(first, baseline["first"])
+    assert_same_outputs([again], baseline["second"][:1])
+    assert usage["prompt_tokens"] == len(prompts(ROUNDS["second"])[0])
     assert 'vllm:kvoffload_transfer_bytes_total{' in metrics
     assert 'direction="device_to_host"' in metrics
     hit_lines = [line for line in metrics.splitlines() if line.startswith("vllm:kvoffload_hit_tokens_total")]

@@ -1,18 +1,30 @@
-"""A tiny Llama model directory that vLLM loads offline, for the demo and the end-to-end tests.
+"""Tiny real-weight model checkpoints that vLLM loads offline, for the demo and the end-to-end tests.
 
-No model can be downloaded here, so the demo and tests/e2e build one: a ``config.json`` (LlamaForCausalLM)
-that vLLM fills with random weights (``load_format="dummy"``, deterministic with a seed) and a byte-level BPE
-tokenizer trained locally on a generated text. The tokenizer's vocabulary is exactly ``vocab_size`` ids, so
-every id the random model samples decodes. This module imports no vLLM: it only writes files.
+No model can be downloaded here, so the demo and tests/e2e build one: a Hugging Face checkpoint (``config.json``
+and seeded random weights in ``model.safetensors``, written by transformers' ``save_pretrained``) that vLLM loads
+with its normal loader, and a byte-level BPE tokenizer trained locally on a generated text. The tokenizer's
+vocabulary is exactly ``vocab_size`` ids, so every id the model samples decodes.
+
+Why real weights: vLLM's ``load_format="dummy"`` gives flat logits, and on the CPU backend vLLM packs the linear
+layers at load time and empties their parameters, so weights re-seeded after a dummy load change nothing: the
+outputs then never depend on the KV cache, and no comparison of outputs could catch a wrong load. With these
+weights, changing one prompt token moves the logprobs by tenths (the e2e tests check that as their control).
+
+Families (``ModelFamily``): Llama (one full-attention KV-cache group), Gemma3 (sliding-window and full-attention
+layers: several groups, vLLM's null block in the window groups), LFM2 (ShortConv state layers beside attention).
+This module imports no vLLM: it only writes files (transformers builds the weights' names and shapes).
 """
 
 from __future__ import annotations
 
+import enum
 import json
+import math
 import random
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -26,11 +38,24 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|> {% endif %}"
 )
+WEIGHTS_FILE = "model.safetensors"
+
+
+class ModelFamily(enum.Enum):
+    LLAMA = "llama"
+    """LlamaForCausalLM: every layer full attention."""
+    GEMMA3 = "gemma3"
+    """Gemma3ForCausalLM (``gemma3_text``): sliding-window layers with one full-attention layer in four."""
+    LFM2 = "lfm2"
+    """Lfm2ForCausalLM: ShortConv state layers alternating with full attention."""
 
 
 @dataclass(frozen=True)
-class TinyLlamaShape:
-    """Sizes of the random-weight Llama; the defaults are the smallest model vLLM's CPU backend runs well."""
+class TinyShape:
+    """Sizes of a tiny model; the defaults are the smallest vLLM's CPU backend runs well.
+
+    ``sliding_window`` (tokens) applies to Gemma3's window layers; ``conv_kernel`` to LFM2's ShortConv layers.
+    """
 
     hidden_size: int = 128
     num_layers: int = 2
@@ -40,11 +65,13 @@ class TinyLlamaShape:
     vocab_size: int = 1024
     max_position: int = 4096
     intermediate_size: int = 512
+    sliding_window: int = 64
+    conv_kernel: int = 3
 
     def validate(self) -> None:
         """Raises ValueError naming the first size that vLLM could not build a model from."""
         for name, value in asdict(self).items():
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -56,74 +83,97 @@ class TinyLlamaShape:
             )
 
 
-def write_tiny_llama(
-    directory: Path,
-    *,
-    hidden_size: int = 128,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int = 32,
-    vocab_size: int = 1024,
-    max_position: int = 4096,
-    intermediate_size: int | None = None,
-) -> Path:
-    """Write a loadable tiny Llama (config + tokenizer, no weights) into ``directory``.
+def write_tiny_model(directory: Path, family: ModelFamily = ModelFamily.LLAMA, shape: TinyShape | None = None,
+                     *, seed: int = 0) -> Path:
+    """Write a loadable tiny checkpoint (config, seeded random weights, tokenizer) into ``directory``.
 
     Args:
         directory: created if missing; existing files of the same names are overwritten.
-        hidden_size, num_layers, num_heads, num_kv_heads, head_dim, vocab_size, max_position: model sizes.
-        intermediate_size: MLP width; defaults to ``4 * hidden_size``.
+        family: the architecture.
+        shape: model sizes (default ``TinyShape()``).
+        seed: the weights' seed; the same arguments give byte-identical files.
 
     Returns:
-        ``directory``, to pass as vLLM's ``model`` with ``load_format="dummy"``.
+        ``directory``, to pass as vLLM's ``model`` (the default load format reads the safetensors).
 
     Raises:
         ValueError: a size is not a positive int, heads do not divide, or the vocabulary is too small.
     """
-    shape = TinyLlamaShape(
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        vocab_size=vocab_size,
-        max_position=max_position,
-        intermediate_size=4 * hidden_size if intermediate_size is None else intermediate_size,
-    )
+    shape = shape or TinyShape()
     shape.validate()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    _write_json(directory / "config.json", llama_config(shape))
+    write_weights(directory, hf_config(family, shape), seed, identity_norm=_IDENTITY_NORM[family])
     build_tokenizer(shape.vocab_size).save(str(directory / "tokenizer.json"))
     _write_json(directory / "tokenizer_config.json", tokenizer_config(shape))
     return directory
 
 
-def llama_config(shape: TinyLlamaShape) -> dict[str, object]:
-    """The Hugging Face ``config.json`` of a LlamaForCausalLM of ``shape``."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+def hf_config(family: ModelFamily, shape: TinyShape) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` fields of a ``family`` model of ``shape`` (float32)."""
+    common: dict[str, Any] = {
+        "vocab_size": shape.vocab_size,
         "hidden_size": shape.hidden_size,
         "intermediate_size": shape.intermediate_size,
         "num_hidden_layers": shape.num_layers,
         "num_attention_heads": shape.num_heads,
         "num_key_value_heads": shape.num_kv_heads,
         "head_dim": shape.head_dim,
-        "vocab_size": shape.vocab_size,
         "max_position_embeddings": shape.max_position,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
         "bos_token_id": SPECIAL_TOKENS.index(BOS_TOKEN),
         "eos_token_id": SPECIAL_TOKENS.index(EOS_TOKEN),
-        "torch_dtype": "bfloat16",
+        "pad_token_id": None,
+        # float32: CPUs without bf16 instructions run bf16 matmuls many times slower.
+        "torch_dtype": "float32",
+        "tie_word_embeddings": False,
     }
+    if family is ModelFamily.LLAMA:
+        return {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+                "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
+    if family is ModelFamily.GEMMA3:
+        # Three window layers, then one full-attention layer (Gemma3 uses five to one; fewer layers here).
+        layer_types = ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(shape.num_layers)]
+        return {**common, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                "layer_types": layer_types, "sliding_window": shape.sliding_window,
+                "query_pre_attn_scalar": shape.head_dim, "rms_norm_eps": 1e-6,
+                "hidden_activation": "gelu_pytorch_tanh"}
+    # LFM2: ShortConv layers with an attention layer every other layer, starting with a conv layer.
+    layer_types = ["full_attention" if i % 2 else "conv" for i in range(shape.num_layers)]
+    del common["head_dim"]  # LFM2 derives it from hidden_size / num_attention_heads
+    return {**common, "architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2", "layer_types": layer_types,
+            "conv_L_cache": shape.conv_kernel, "conv_bias": False, "norm_eps": 1e-5,
+            "block_auto_adjust_ff_dim": False, "block_ff_dim": shape.intermediate_size}
 
 
-def tokenizer_config(shape: TinyLlamaShape) -> dict[str, object]:
+# The value of a norm's weight that makes it the identity: Gemma scales by (1 + weight), the others by weight.
+_IDENTITY_NORM = {ModelFamily.LLAMA: 1.0, ModelFamily.GEMMA3: 0.0, ModelFamily.LFM2: 1.0}
+
+
+def write_weights(directory: Path, config: dict[str, Any], seed: int, *, identity_norm: float = 1.0) -> None:
+    """Build the model of ``config`` with transformers, seed its weights, ``save_pretrained`` it as safetensors.
+
+    Matrices get N(0, 1/fan_in) (activations keep their scale through every layer, so attention neither
+    saturates nor flattens and the logits depend on every earlier token's KV); vectors (norm weights) get
+    ``identity_norm``. Parameters are filled in name order from one generator: same seed, same bytes.
+    """
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    hf = transformers.AutoConfig.for_model(**config)
+    model = transformers.AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            if param.dim() == 1:
+                param.fill_(identity_norm)
+            else:
+                std = 1.0 / math.sqrt(param.shape[-1])
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
+    model.save_pretrained(str(directory), safe_serialization=True)
+
+
+def tokenizer_config(shape: TinyShape) -> dict[str, object]:
     """``tokenizer_config.json``: lets transformers load ``tokenizer.json`` as a fast tokenizer, offline."""
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
