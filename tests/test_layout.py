@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import pytest
 import torch
 
@@ -17,6 +15,7 @@ from kvoffload.testing.layouts import (
     mamba_layout,
     padded_layout,
     shared_buffer_layout,
+    state_views,
 )
 
 SPEC = AttentionSpec(block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float16)  # 256-byte pages
@@ -27,13 +26,11 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.int8)
 
 
-def layer_block(layout: KVCacheLayout, value: torch.Tensor | Sequence[torch.Tensor], b: int) -> torch.Tensor:
-    """The bytes of engine block ``b`` of one layer, read through the engine's own tensor(s)."""
-    if isinstance(value, torch.Tensor):
-        if layout.kv_outermost:
-            return torch.cat([as_bytes(value[0, b]), as_bytes(value[1, b])])
-        return as_bytes(value[b])
-    return torch.cat([as_bytes(state[b]) for state in value])
+def layer_block(layout: KVCacheLayout, value: torch.Tensor, b: int) -> torch.Tensor:
+    """The bytes of engine block ``b`` of one layer, read through the engine's own tensor."""
+    if layout.kv_outermost:
+        return torch.cat([as_bytes(value[0, b]), as_bytes(value[1, b])])
+    return as_bytes(value[b])
 
 
 def canonical_block(kv: CanonicalKV, g: int, b: int) -> torch.Tensor:
@@ -124,15 +121,20 @@ def test_layers_sharing_a_buffer_get_one_view_and_a_ref_in_each_group() -> None:
     assert kv.group_refs[0] == kv.group_refs[1]
 
 
-def test_mamba_page_starts_at_the_first_state_and_covers_every_state() -> None:
+def test_state_page_starts_at_the_first_state_and_covers_every_state() -> None:
     layout, make = mamba_layout(num_layers=1)
     caches = make()
     kv = canonicalize(layout, caches)
-    conv, ssm = caches["mamba.0"]
+    spec = layout.groups[1].specs["mamba.0"]
+    assert isinstance(spec, StateSpec)
+    conv, ssm = state_views(spec, caches["mamba.0"])
     (ref,) = kv.group_refs[1]
     assert kv.views[ref.view].data_ptr() == conv.data_ptr()
     assert ref.nbytes == conv[0].numel() * 2 + ssm[0].numel() * 4
+    assert spec.state_range(1) == (48, ref.nbytes)
     assert torch.equal(kv.views[ref.view][5, 48:ref.nbytes], as_bytes(ssm[5]))
+    ssm[5] = 0.0  # a write through the model layer's view is a write of the canonical block
+    assert not kv.views[ref.view][5, 48:ref.nbytes].any() and kv.views[ref.view][5, :48].all()
 
 
 def test_kv_outermost_splits_each_layer_into_k_and_v_views() -> None:
@@ -235,23 +237,27 @@ def test_layers_in_different_buffers_that_overlap_are_named() -> None:
         canonicalize(one_group("x", "y"), {"x": shared, "y": shared})
 
 
-def test_state_tensors_with_different_block_strides_are_named() -> None:
+def test_state_layer_given_as_a_list_of_states_is_named() -> None:
     layout, make = mamba_layout(num_layers=1)
-    caches = make()
-    conv, _ = caches["mamba.0"]
-    caches["mamba.0"] = [conv, torch.randn(NUM_BLOCKS, 2, 4, 4)]
-    with pytest.raises(ValueError, match=r"mamba.0.*state 1"):
-        canonicalize(layout, caches)
+    caches: dict[str, object] = dict(make())
+    spec = layout.groups[1].specs["mamba.0"]
+    assert isinstance(spec, StateSpec)
+    caches["mamba.0"] = state_views(spec, make()["mamba.0"])
+    with pytest.raises(ValueError, match=r"'mamba.0'.*one tensor"):
+        canonicalize(layout, caches)  # type: ignore[arg-type]
 
 
-def test_state_tensors_not_packed_in_order_are_named() -> None:
-    spec = StateSpec([(4,), (4,)], [torch.float32, torch.float32])
-    page = torch.randn(NUM_BLOCKS, 8)
+@pytest.mark.parametrize(("pages", "problem"), [
+    (torch.zeros(NUM_BLOCKS, 1, 1, 44), "int8"),  # the page as float32 words, not its raw bytes
+    (torch.zeros(NUM_BLOCKS, 1, 1, 160, dtype=torch.int8), "spec says 176"),
+    (torch.zeros(NUM_BLOCKS, 1, 1, 352, dtype=torch.int8)[..., ::2], "gap-free"),
+    (torch.zeros(NUM_BLOCKS - 1, 1, 1, 176, dtype=torch.int8), "blocks"),
+])
+def test_inconsistent_state_pages_are_named(pages: torch.Tensor, problem: str) -> None:
+    spec = StateSpec([(3, 8), (2, 4, 4)], [torch.float16, torch.float32])
     layout = KVCacheLayout(NUM_BLOCKS, (KVGroup.uniform(["m"], spec),))
-    packed = canonicalize(layout, {"m": [page[:, :4], page[:, 4:]]})
-    assert torch.equal(packed.views[0][3], as_bytes(page[3]))
-    with pytest.raises(ValueError, match=r"'m'.*state 1"):
-        canonicalize(layout, {"m": [page[:, 4:], page[:, :4]]})
+    with pytest.raises(ValueError, match=fr"'m'.*{problem}"):
+        canonicalize(layout, {"m": pages})
 
 
 def test_cross_layer_layer_out_of_place_is_named() -> None:

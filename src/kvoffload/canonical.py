@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +60,7 @@ class CanonicalKV:
 # ------------------------------------------------------------------------------------------------------------
 # canonicalize(): engine tensors -> CanonicalKV
 
-KVCaches = Mapping[str, torch.Tensor | Sequence[torch.Tensor]]
+KVCaches = Mapping[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class _Strip:
 
 
 def canonicalize(layout: KVCacheLayout, kv_caches: KVCaches) -> CanonicalKV:
-    """Turn the engine's ``{layer: tensor or list of tensors}`` into aliasing int8 views and group refs.
+    """Turn the engine's ``{layer: tensor}`` into aliasing int8 views and group refs.
 
     Raises:
         ValueError: a tensor disagrees with ``layout`` (names, block count, dtype, page size, strides, memory
@@ -117,10 +117,13 @@ def _check_names(layout: KVCacheLayout, kv_caches: KVCaches) -> None:
 
 
 def _layer_strips(layout: KVCacheLayout, name: str, spec: LayerSpec, value: object) -> list[_Strip]:
-    if isinstance(spec, StateSpec):
-        return [_state_strip(layout.num_blocks, name, spec, value)]
     if not isinstance(value, torch.Tensor):
-        raise ValueError(f"layer {name!r}: an attention layer needs one tensor, got {type(value).__name__}")
+        raise ValueError(f"layer {name!r}: needs one tensor, got {type(value).__name__}")
+    if isinstance(spec, StateSpec):
+        # vLLM 0.32 hands a state layer over as its raw pages, whatever the states' own dtypes.
+        if value.dtype != torch.int8:
+            raise ValueError(f"layer {name!r}: a state layer's tensor must be its int8 pages, got {value.dtype}")
+        return [_strip(name, value, 0, layout.num_blocks, spec.page_bytes)]
     _check_dtype(name, value, spec.dtype)
     if not layout.kv_outermost:
         return [_strip(name, value, 0, layout.num_blocks, spec.page_bytes)]
@@ -162,28 +165,6 @@ def _strip(name: str, tensor: torch.Tensor, block_dim: int, num_blocks: int, pag
     if stride < page_bytes:
         raise ValueError(f"layer {name!r}: block stride {stride} is smaller than the page of {page_bytes}")
     return _Strip(name, tensor, tensor.data_ptr(), stride, page_bytes)
-
-
-def _state_strip(num_blocks: int, name: str, spec: StateSpec, value: object) -> _Strip:
-    """The page of a state layer starts at its first tensor; the others follow it, packed, in order."""
-    if isinstance(value, torch.Tensor) or not isinstance(value, Sequence) or len(value) != len(spec.shapes):
-        raise ValueError(f"layer {name!r}: a state layer needs a list of {len(spec.shapes)} tensors")
-    parts: list[_Strip] = []
-    for i, tensor in enumerate(value):
-        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape[1:]) != spec.shapes[i]:
-            raise ValueError(f"layer {name!r}: state {i} is not a [num_blocks, {spec.shapes[i]}] tensor")
-        _check_dtype(f"{name}[{i}]", tensor, spec.dtypes[i])
-        parts.append(_strip(f"{name}[{i}]", tensor, 0, num_blocks, spec.state_bytes(i)))
-    first, offset = parts[0], 0
-    for i, part in enumerate(parts):
-        if part.stride != first.stride:
-            raise ValueError(f"layer {name!r}: state {i} has block stride {part.stride}, not {first.stride}")
-        if part.address - first.address != offset:
-            raise ValueError(f"layer {name!r}: state {i} does not start where state {i - 1} ends")
-        offset += part.nbytes
-    if first.stride < offset:
-        raise ValueError(f"layer {name!r}: block stride {first.stride} is smaller than the page of {offset}")
-    return _Strip(name, first.tensor, first.address, first.stride, offset)
 
 
 def _buffer_strips(layout: KVCacheLayout, i: int, names: list[str],

@@ -22,8 +22,11 @@ group; by default each group then gets one such buffer.
   (vLLM CPU: ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``). With ``kv_outermost``:
   ``[2, num_blocks, ...]``, dim 0 being K and V; a K/V dim that lies physically inside each block (a
   permuted view of block-first memory) counts as block-first.
-- ``StateSpec``: a list of tensors ``[num_blocks, *shapes[i]]`` of ``dtypes[i]``: strided views into one
-  page per block, packed in order from the first tensor's address (Mamba's ``[conv_state, ssm_state]``).
+- ``StateSpec``: one int8 tensor ``[num_blocks, ...]`` of the layer's raw pages, its other dims tiling the
+  ``page_bytes`` of a block densely (vLLM 0.32, GPU and CPU: ``[num_blocks, 1, 1, page_bytes]``, rows
+  ``page_size_padded`` apart or as far apart as the buffer's block stride). Inside a page the states lie packed
+  in order from byte 0 (``state_range``), as vLLM's ``MambaBase.bind_kv_cache`` slices them (Mamba2's
+  ``conv_state`` then ``ssm_state``).
 - cross-layer: each layer's view of the shared tensor ``t`` (``{name_i: t[:, i]}`` for a
   ``[num_blocks, num_layers, ...]`` tensor).
 
@@ -113,7 +116,11 @@ class AttentionSpec:
 
 @dataclass(frozen=True, init=False)
 class StateSpec:
-    """A Mamba-style layer's block: several typed state tensors packed, in order, into one page."""
+    """A state layer's block (Mamba2, ShortConv, gated delta net): typed states packed, in order, into one page.
+
+    ``page_size_padded``: the page's bytes with padding (vLLM pads a state page to the attention page so both
+    can share one buffer); only ``page_bytes`` are copied.
+    """
 
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[torch.dtype, ...]
@@ -135,6 +142,11 @@ class StateSpec:
     def state_bytes(self, i: int) -> int:
         """Bytes of state ``i`` in one block."""
         return math.prod(self.shapes[i]) * self.dtypes[i].itemsize
+
+    def state_range(self, i: int) -> tuple[int, int]:
+        """Byte range ``[start, end)`` of state ``i`` inside a block's page: the states are packed in order."""
+        start = sum(self.state_bytes(j) for j in range(i))
+        return start, start + self.state_bytes(i)
 
     @property
     def page_bytes(self) -> int:

@@ -14,7 +14,7 @@ Semantics of vLLM's original ``OffloadingConnectorWorker``, plus failures end to
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 
@@ -55,7 +55,7 @@ class ConnectorWorker:
         self._stats = TransferStats()
         self._fenced: ConnectorMetadata | None = None
 
-    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]) -> None:
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Canonicalize the engine's KV tensors, allocate the host pool and start the handlers."""
         self.kv = canonicalize(self.layout, kv_caches)
         on_cuda = self.kv.views[0].is_cuda

@@ -7,7 +7,8 @@ largest padded page of its layers; cross-layer: the sum of their pages), viewed 
 
 - attention: ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (vLLM CPU);
   with ``kv_outermost``: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (K rows, then V rows);
-- state: a list of ``[num_blocks, *shapes[i]]`` views, packed in order into each block's page;
+- state: one int8 ``[num_blocks, 1, 1, page_bytes]`` view of the raw pages, as vLLM 0.32 registers it
+  (``state_views`` slices it into the typed per-state views a model layer computes with);
 - cross-layer: each layer's view starts at its offset inside the shared row.
 
 Bytes are seeded random values in [1, 63]: never 0 (a block nobody wrote stands out) and never a NaN or inf in
@@ -23,7 +24,7 @@ import torch
 
 from kvoffload.layout import AttentionSpec, KVBuffer, KVCacheLayout, KVGroup, LayerSpec, StateSpec
 
-EngineKV = dict[str, torch.Tensor | list[torch.Tensor]]
+EngineKV = dict[str, torch.Tensor]
 Made = tuple[KVCacheLayout, Callable[[], EngineKV]]
 """A layout and a factory of engine tensors for it: each call allocates fresh tensors (same seed, same bytes),
 so each simulated worker gets its own KV cache."""
@@ -64,19 +65,26 @@ def _view(raw: torch.Tensor, dtype: torch.dtype, outer: list[tuple[int, int]], i
 
 
 def _layer_tensors(layout: KVCacheLayout, spec: LayerSpec, raw: torch.Tensor, row: int,
-                   offset: int) -> torch.Tensor | list[torch.Tensor]:
+                   offset: int) -> torch.Tensor:
     nb = layout.num_blocks
     if isinstance(spec, StateSpec):
-        states, start = [], offset
-        for i, (shape, dtype) in enumerate(zip(spec.shapes, spec.dtypes, strict=True)):
-            states.append(_view(raw, dtype, [(nb, row)], shape, start))
-            start += spec.state_bytes(i)
-        return states
+        return _view(raw, torch.int8, [(nb, row)], (1, 1, spec.page_bytes), offset)
     heads, block, head = spec.num_kv_heads, spec.block_size, spec.head_size
     if layout.kv_outermost:
         half = row // 2  # K of every block, then V of every block
         return _view(raw, spec.dtype, [(2, nb * half), (nb, half)], (block, heads, head), offset)
     return _view(raw, spec.dtype, [(nb, row)], (heads, block, 2 * head), offset)
+
+
+def state_views(spec: StateSpec, pages: torch.Tensor) -> list[torch.Tensor]:
+    """The typed ``[num_blocks, *shapes[i]]`` views of each state, cut from a state layer's int8 pages the way
+    vLLM's ``MambaBase.bind_kv_cache`` cuts them for the model layer."""
+    flat = pages.flatten(1)
+    views = []
+    for i, (shape, dtype) in enumerate(zip(spec.shapes, spec.dtypes, strict=True)):
+        start, end = spec.state_range(i)
+        views.append(flat[:, start:end].view(dtype).view(-1, *shape))
+    return views
 
 
 def _attention(block_size: int, dtype: torch.dtype = torch.float16, padded: int | None = None,

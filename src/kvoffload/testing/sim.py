@@ -33,7 +33,7 @@ from kvoffload.keys import BlockHash, Namespace, hash_block
 from kvoffload.layout import KVCacheLayout
 from kvoffload.testing.block_pool import NULL_BLOCK, BlockPool
 
-KVCaches = Mapping[str, torch.Tensor | Sequence[torch.Tensor]]
+KVCaches = Mapping[str, torch.Tensor]
 
 NULL_SENTINEL = 0x5A
 """Every byte of the null block, on every worker: no write may change it."""
