@@ -8,6 +8,11 @@ Block order and groups: a spec lists the blocks of KV-cache group 0 first, then 
 host and on disk one entry is one offload block, which holds ``factor`` consecutive engine blocks (sub-blocks).
 A load may begin inside an offload block whose first sub-blocks the engine already holds: ``skip_sub_blocks`` says
 how many leading sub-blocks of each group's first entry are not copied.
+
+Holes: a load's ``DeviceBlocks`` entry may be ``NO_BLOCK``, a position that is not copied. The scheduler half puts
+one wherever the engine's block table holds its null block (vLLM's block 0 stands in for the blocks a sliding-window
+group dropped; nothing may write it). A hole keeps its position, so the entries after it still pair with their
+host sub-blocks. Stores never have holes: an offload block with a dropped sub-block is not stored.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from typing import NewType
 from kvoffload.keys import OffloadKey
 
 JobId = NewType("JobId", int)
+
+NO_BLOCK = -1
+"""A hole in a load's ``DeviceBlocks``: this position is not copied."""
 
 
 class Medium(enum.Enum):
@@ -34,7 +42,7 @@ def _check_groups(name: str, entries: int, group_sizes: tuple[int, ...]) -> None
 
 @dataclass(frozen=True)
 class DeviceBlocks:
-    """Engine blocks in the device KV cache (one entry per engine block)."""
+    """Engine blocks in the device KV cache (one entry per engine block; ``NO_BLOCK`` for a hole in a load)."""
 
     block_ids: tuple[int, ...]
     group_sizes: tuple[int, ...]
@@ -43,6 +51,11 @@ class DeviceBlocks:
 
     def __post_init__(self) -> None:
         _check_groups("DeviceBlocks", len(self.block_ids), self.group_sizes)
+
+    @property
+    def real_block_ids(self) -> tuple[int, ...]:
+        """The block ids that are copied: every entry but the holes."""
+        return tuple(b for b in self.block_ids if b != NO_BLOCK)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload.canonical import BlockRef, CanonicalKV
-from kvoffload.specs import DeviceBlocks, DiskBlocks, HostBlocks, JobId, TransferJob
+from kvoffload.specs import NO_BLOCK, DeviceBlocks, DiskBlocks, HostBlocks, JobId, TransferJob
 from kvoffload.transfer.copy_plan import CopyPlan, PlanLayout, _coalesce, build_plan, validate_job
 
 PAGE = 64
@@ -72,6 +72,8 @@ def test_sub_blocks_fill_a_slot_in_order_and_a_load_skips_the_held_ones() -> Non
     (TransferJob(JobId(1), HostBlocks((0,), (1,), skip_sub_blocks=1), DeviceBlocks((), (0,))), "below the factor"),
     (TransferJob(JobId(1), DeviceBlocks((1,), (1, 0)), HostBlocks((0,), (1, 0))), "must have 1 entries"),
     (TransferJob(JobId(1), HostBlocks((0,), (1,)), DiskBlocks((), ())), "not device<->host"),
+    (TransferJob(JobId(1), DeviceBlocks((1, NO_BLOCK), (2,)), HostBlocks((0, 1), (2,))), "store has a hole"),
+    (TransferJob(JobId(1), HostBlocks((0,), (1,)), DeviceBlocks((-2,), (1,))), "block id"),
 ])
 def test_malformed_jobs_raise_value_error_naming_the_problem(job: TransferJob, culprit: str) -> None:
     layout = _layout()
@@ -87,6 +89,28 @@ def test_a_load_of_an_empty_group_copies_nothing_for_it() -> None:
     job = TransferJob(JobId(1), HostBlocks((1, 2), (0, 2), skip_sub_blocks=1), DeviceBlocks((3, 4, 5), (0, 3)))
     validate_job(layout, job)
     assert build_plan(layout, job).nbytes == 3 * PAGE // 2
+
+
+def test_a_load_copies_nothing_to_or_from_its_holes() -> None:
+    layout = _layout(factor=2)
+    load = TransferJob(JobId(2), HostBlocks((6, 0), (2,)), DeviceBlocks((NO_BLOCK, 3, NO_BLOCK, 5), (4,)))
+    validate_job(layout, load)
+    plan = build_plan(layout, load)
+    # Holes keep their positions: block 3 is sub-block 1 of slot 6, block 5 sub-block 1 of slot 0.
+    assert sorted(_copies(plan)) == [(0, 3 * PAGE, 13 * PAGE, PAGE), (0, 5 * PAGE, PAGE, PAGE)]
+    assert plan.nbytes == 2 * PAGE
+
+
+def test_a_load_group_of_only_holes_copies_nothing() -> None:
+    kv = CanonicalKV((torch.zeros((8, PAGE), dtype=torch.int8),),
+                     ((BlockRef(0, PAGE),), (BlockRef(0, PAGE // 2),)), 8)
+    layout = PlanLayout.of(kv, 4, 2 * PAGE, factor=2)
+    job = TransferJob(JobId(1), HostBlocks((1, 2, 3), (2, 1), skip_sub_blocks=1),
+                      DeviceBlocks((4, 5, 6, NO_BLOCK), (3, 1)))
+    validate_job(layout, job)
+    plan = build_plan(layout, job)
+    assert _copies(plan) == [(0, 4 * PAGE, 3 * PAGE, 3 * PAGE)]  # slot 1 sub-block 1, then slot 2: one run
+    assert plan.nbytes == 3 * PAGE
 
 
 @settings(max_examples=60, deadline=None)

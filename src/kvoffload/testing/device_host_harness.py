@@ -3,7 +3,8 @@
 The KV cache is the hybrid layout of ``testing.layouts.mamba_layout``: two groups of different block sizes
 sharing padded buffers, so jobs exercise multi-ref blocks, padding and per-group slot offsets. Block ids and slots
 are shuffled, so jobs copy scattered blocks. Jobs are cut from ``MAX_OUTSTANDING + 3`` disjoint regions taken in
-turn; a load job with an odd id skips the first sub-block of each group. ``verify`` re-derives the mapping of a
+turn; a load job with an odd id skips the first sub-block of each group, and one whose id is a multiple of 3 has a
+hole (``NO_BLOCK``, the engine's null block) at the start of each group. ``verify`` re-derives the mapping of a
 job block by block, independently of the handler's vectorized plan. Other handlers' harnesses can follow the
 same shape: a region allocator, fresh source bytes per job, an independent oracle and a fault-injecting
 subclass.
@@ -16,7 +17,7 @@ import random
 import torch
 
 from kvoffload.canonical import CanonicalKV, canonicalize
-from kvoffload.specs import DeviceBlocks, HostBlocks, JobId, TransferJob
+from kvoffload.specs import NO_BLOCK, DeviceBlocks, HostBlocks, JobId, TransferJob
 from kvoffload.testing.conformance import MAX_OUTSTANDING, HandlerHarness
 from kvoffload.testing.layouts import mamba_layout
 from kvoffload.transfer.base import TransferHandler
@@ -106,7 +107,10 @@ class DeviceHostHarness(HandlerHarness):
         block_ids: list[int] = []
         start = 0
         for m in OFFLOAD_BLOCKS:
-            block_ids += blocks[start:start + m * self.factor - skip]
+            group = blocks[start:start + m * self.factor - skip]
+            if not self.store and job_id % 3 == 0:
+                group[0] = NO_BLOCK
+            block_ids += group
             start += m * self.factor
         device = DeviceBlocks(tuple(block_ids), tuple(m * self.factor - skip for m in OFFLOAD_BLOCKS))
         host = HostBlocks(tuple(slots), OFFLOAD_BLOCKS, skip_sub_blocks=skip)
@@ -123,13 +127,16 @@ class DeviceHostHarness(HandlerHarness):
                 self.pool.buffer[slot, at:at + nbytes] = fresh
 
     def _mapping(self, job: TransferJob) -> list[tuple[int, int, int, int, int]]:
-        """(view, block id, nbytes, slot, byte offset in slot) for every ref of every device block of ``job``."""
+        """(view, block id, nbytes, slot, byte offset in slot) for every ref of every device block of ``job``
+        (holes copy nothing)."""
         device, host = (job.src, job.dst) if self.store else (job.dst, job.src)
         assert isinstance(device, DeviceBlocks) and isinstance(host, HostBlocks)
         out = []
         d0 = h0 = 0
         for g, (dn, hn) in enumerate(zip(device.group_sizes, host.group_sizes, strict=True)):
             for k in range(dn):
+                if device.block_ids[d0 + k] == NO_BLOCK:
+                    continue
                 position = k + host.skip_sub_blocks
                 slot = host.slots[h0 + position // self.factor]
                 at = (position % self.factor) * self.kv.group_block_bytes(g)

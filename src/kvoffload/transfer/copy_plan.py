@@ -6,7 +6,9 @@ and its place in a host-pool slot. Offsets are relative to the start of each vie
 buffer, so one plan serves raw pointer copies on CPU and tensor-slice copies on CUDA. Copies that continue
 each other on both sides (runs of consecutive block ids landing in consecutive slots) are merged into one,
 which is what makes large jobs run near memcpy speed. Copies of one job run in no particular order (and
-split across threads). Building a plan is vectorized with numpy: no Python work per block.
+split across threads). Building a plan is vectorized with numpy: no Python work per block. A load's holes
+(``specs.NO_BLOCK``: the engine's null block) get no copy, and so count in no byte total; a store with a hole is
+malformed (stores are whole offload blocks).
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload.canonical import CanonicalKV
-from kvoffload.specs import DeviceBlocks, HostBlocks, Medium, TransferJob
+from kvoffload.specs import NO_BLOCK, DeviceBlocks, HostBlocks, Medium, TransferJob
 
 Int64Array = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
 
 STORE = (Medium.DEVICE, Medium.HOST)
 LOAD = (Medium.HOST, Medium.DEVICE)
@@ -118,7 +121,7 @@ def validate_job(layout: PlanLayout, job: TransferJob) -> None:
         raise ValueError(f"job {job.job_id}: transfer type {job.transfer_type} is not device<->host")
     assert isinstance(device, DeviceBlocks) and isinstance(host, HostBlocks)
     _check_sizes(layout, job, device, host)
-    # Block ids and slots are range-checked by build_plan, on the arrays it builds anyway.
+    # Block ids, holes and slots are checked by build_plan, on the arrays it builds anyway.
 
 
 def _check_sizes(layout: PlanLayout, job: TransferJob, device: DeviceBlocks, host: HostBlocks) -> None:
@@ -141,24 +144,29 @@ def build_plan(layout: PlanLayout, job: TransferJob) -> CopyPlan:
     """The coalesced copies of a job that ``validate_job`` accepted.
 
     Raises:
-        ValueError: a block id or slot out of range (the copiers write through raw addresses).
+        ValueError: a block id or slot out of range (the copiers write through raw addresses), or a hole in a store.
     """
     device, host = (job.src, job.dst) if job.transfer_type == STORE else (job.dst, job.src)
     assert isinstance(device, DeviceBlocks) and isinstance(host, HostBlocks)
-    block_ids = _in_range(job, "block id", device.block_ids, layout.num_blocks)
-    slots = _in_range(job, "slot", host.slots, layout.num_slots)
+    block_ids = np.asarray(device.block_ids, dtype=np.int64)
+    real = _real_entries(job, block_ids)
+    _in_range(job, "block id", block_ids if real is None else block_ids[real], layout.num_blocks)
+    slots = _in_range(job, "slot", np.asarray(host.slots, dtype=np.int64), layout.num_slots)
     parts: list[tuple[Int64Array, ...]] = []
     d0 = h0 = 0
     for g, (dn, hn) in enumerate(zip(device.group_sizes, host.group_sizes, strict=True)):
-        if dn:
-            # Sub-block position p of this group's run: slot p // factor, sub-block p % factor.
-            pos = np.arange(dn, dtype=np.int64) + host.skip_sub_blocks
+        # Sub-block position p of this group's run: slot p // factor, sub-block p % factor.
+        pos = np.arange(dn, dtype=np.int64) + host.skip_sub_blocks
+        ids = block_ids[d0:d0 + dn]
+        if real is not None:
+            keep = real[d0:d0 + dn]
+            pos, ids = pos[keep], ids[keep]
+        if n := len(ids):
             slot_base = (slots[h0 + pos // layout.factor] * layout.slot_stride
                          + (pos % layout.factor) * layout.group_block_bytes[g])
-            ids = block_ids[d0:d0 + dn]
             for view, ref_offset, nbytes in layout.group_refs[g]:
-                parts.append((np.full(dn, view, dtype=np.int64), ids * layout.view_row_stride[view],
-                              slot_base + ref_offset, np.full(dn, nbytes, dtype=np.int64)))
+                parts.append((np.full(n, view, dtype=np.int64), ids * layout.view_row_stride[view],
+                              slot_base + ref_offset, np.full(n, nbytes, dtype=np.int64)))
         d0, h0 = d0 + dn, h0 + hn
     if not parts:
         empty = np.zeros(0, dtype=np.int64)
@@ -171,8 +179,17 @@ def build_plan(layout: PlanLayout, job: TransferJob) -> CopyPlan:
     return _coalesce(view[order], view_offset[order], pool_offset[order], size[order])
 
 
-def _in_range(job: TransferJob, what: str, values: tuple[int, ...], end: int) -> Int64Array:
-    array = np.asarray(values, dtype=np.int64)
+def _real_entries(job: TransferJob, block_ids: Int64Array) -> BoolArray | None:
+    """Where ``block_ids`` has holes, the mask of its real entries; None when it has none (the common case)."""
+    real = block_ids != NO_BLOCK
+    if real.all():
+        return None
+    if job.transfer_type == STORE:
+        raise ValueError(f"job {job.job_id}: a store has a hole (NO_BLOCK); stores copy whole offload blocks")
+    return real
+
+
+def _in_range(job: TransferJob, what: str, array: Int64Array, end: int) -> Int64Array:
     if array.size and (array.min() < 0 or array.max() >= end):
         raise ValueError(f"job {job.job_id}: a {what} is outside [0, {end})")
     return array
