@@ -8,7 +8,7 @@ from kvoffload.connector.requests import ScheduledRequest, StepSchedule
 from kvoffload.connector.scheduler import ConnectorScheduler
 from kvoffload.keys import Namespace
 from kvoffload.layout import AttentionSpec, KVCacheLayout, KVGroup
-from kvoffload.specs import DeviceBlocks, HostBlocks
+from kvoffload.specs import NO_BLOCK, DeviceBlocks, HostBlocks
 
 BLOCK = 16
 SPEC = AttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype="float16")  # 1 KiB pages
@@ -181,6 +181,31 @@ def test_offload_blocks_holding_the_engines_null_block_are_never_stored():
     sched.update_state_after_alloc(a, ids, 0)
     (job,) = sched.build_connector_meta(StepSchedule((ScheduledRequest("a", ids, 32),))).store_jobs
     assert job.src == DeviceBlocks((5, 6, 7), (1, 2))
+
+
+def test_a_load_leaves_holes_where_a_sliding_window_group_holds_the_null_block():
+    sched = make_scheduler(groups=2)
+    sched.null_block_id = 0
+    complete(sched, run_prefill(sched, Req("a", list(range(64))), first_block=1, num_groups=2))
+    b = Req("b", list(range(80)))
+    assert sched.get_num_new_matched_tokens(b, 0) == (64, True)
+    # Group 1 is a sliding window: vLLM put its null block where the window no longer reaches.
+    sched.update_state_after_alloc(b, [[10, 11, 12, 13, 14], [0, 0, 22, 23, 24]], 64)
+    (load,) = sched.build_connector_meta(StepSchedule(())).load_jobs
+    assert load.job.dst == DeviceBlocks((10, 11, 12, 13, NO_BLOCK, NO_BLOCK, 22, 23), (4, 4))
+    assert len(load.job.src.slots) == 8  # positions kept: hole i still pairs with host slot i
+
+
+def test_a_load_starting_inside_an_offload_block_keeps_holes_in_place():
+    sched = make_scheduler(factor=2, groups=2)
+    sched.null_block_id = 0
+    complete(sched, run_prefill(sched, Req("a", list(range(64))), first_block=1, num_groups=2))
+    b = Req("b", list(range(65)))
+    assert sched.get_num_new_matched_tokens(b, 16) == (48, True)
+    sched.update_state_after_alloc(b, [[5, 6, 7, 8, 9], [0, 0, 17, 18, 19]], 48)
+    (load,) = sched.build_connector_meta(StepSchedule(())).load_jobs
+    assert load.job.src.skip_sub_blocks == 1
+    assert load.job.dst == DeviceBlocks((6, 7, 8, NO_BLOCK, 17, 18), (3, 3))
 
 
 def test_a_second_alloc_without_a_lookup_is_not_counted_twice():

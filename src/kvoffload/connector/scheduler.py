@@ -30,7 +30,7 @@ from kvoffload.connector.tiers import build_manager, offload_factor
 from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.layout import KVCacheLayout
 from kvoffload.manager.base import OffloadEvent, ResidencyManager, TierTransfer, TierUsage
-from kvoffload.specs import BlockSpec, DeviceBlocks, HostBlocks, JobId, TransferJob
+from kvoffload.specs import NO_BLOCK, BlockSpec, DeviceBlocks, HostBlocks, JobId, TransferJob
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,8 @@ class ConnectorScheduler:
                  namespace: Namespace, manager: ResidencyManager | None = None,
                  null_block_id: int | None = None, flush_stores_next_step: bool = False) -> None:
         """``null_block_id``: the engine's placeholder block (vLLM's block 0 stands in for blocks a sliding-window
-        group has dropped); offload blocks that contain it are never stored.
+        group has dropped); offload blocks that contain it are never stored, and loads leave a hole (``NO_BLOCK``)
+        where it stands, so they never write it.
 
         ``flush_stores_next_step``: the engine may reuse or rewrite a block of a running request in the very
         next step (a sliding-window block that left the window, a Mamba state updated in place), so every store
@@ -144,6 +145,8 @@ class ConnectorScheduler:
         first_engine_block = computed // self.engine_block_size
         last_engine_block = plan.end * self.factor
         device_ids = tuple(b for ids in state.block_ids for b in ids[first_engine_block:last_engine_block])
+        if self.null_block_id in device_ids:  # a window group dropped these blocks: nothing may write the null block
+            device_ids = tuple(NO_BLOCK if b == self.null_block_id else b for b in device_ids)
         per_group = last_engine_block - first_engine_block
         dst = DeviceBlocks(device_ids, (per_group,) * self.num_groups)
         job = self._new_job(JobKind.LOAD, (request.request_id,), flat_keys)
