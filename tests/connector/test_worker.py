@@ -4,7 +4,7 @@ from kvoffload.config import OffloadConfig
 from kvoffload.connector.metadata import ConnectorMetadata, LoadJob
 from kvoffload.connector.worker import ConnectorWorker
 from kvoffload.keys import Namespace
-from kvoffload.specs import DeviceBlocks, HostBlocks, JobId, TransferJob
+from kvoffload.specs import NO_BLOCK, DeviceBlocks, HostBlocks, JobId, TransferJob
 from kvoffload.testing.layouts import attention_layout
 
 
@@ -53,6 +53,15 @@ def test_a_failed_load_reports_its_request_and_device_blocks():
     assert worker.get_block_ids_with_load_errors() == {6}
     assert worker.get_failed_loads() == {"r"}
     assert worker.build_connector_worker_meta().failed == {0: 1}
+
+
+def test_a_failed_load_never_reports_a_hole_as_a_bad_block():
+    worker = make_worker(inject_load_failures=1)
+    job = TransferJob(JobId(0), HostBlocks((0, 1), (2,)), DeviceBlocks((NO_BLOCK, 6), (2,)))
+    worker.start_kv_transfers(ConnectorMetadata(load_jobs=(LoadJob("r", job),)))
+    worker.wait_all()
+    assert worker.get_block_ids_with_load_errors() == {6}
+    assert worker.get_failed_loads() == {"r"}
 
 
 def test_flushing_waits_for_the_deferred_stores_of_a_finished_request():

@@ -156,5 +156,5 @@ class ConnectorWorker:
             req_id, dst = load
             self._finished_loads.add(req_id)
             if not success:
-                self._load_errors.update(dst.block_ids)
+                self._load_errors.update(dst.real_block_ids)  # holes (the null block) are no block to recompute
                 self._failed_loads.add(req_id)
