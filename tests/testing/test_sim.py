@@ -7,7 +7,10 @@ import pytest
 
 from kvoffload.config import OffloadConfig
 from kvoffload.testing import layouts
+from kvoffload.testing.block_pool import NULL_BLOCK
 from kvoffload.testing.sim import SimEngine, Status
+from kvoffload.transfer import host
+from kvoffload.transfer.copy_plan import LOAD, build_plan
 
 BLOCK = 4
 LAYOUTS = {
@@ -21,11 +24,12 @@ LAYOUTS = {
 }
 
 
-def make_engine(layout="attention", factor=1, num_blocks=48, host_blocks=256, workers=1, **config):
+def make_engine(layout="attention", factor=1, num_blocks=48, host_blocks=256, workers=1, windows=None, **config):
     layout_, make_kv = LAYOUTS[layout](num_blocks=num_blocks, block_size=BLOCK)
     slot = factor * max(layout_.group_block_bytes(g) for g in range(len(layout_.groups)))
     raw = {"offload_block_tokens": factor * BLOCK, "host_bytes": host_blocks * slot, **config}
-    return SimEngine(layout_, make_kv, OffloadConfig.from_dict(raw), block_size=BLOCK, num_workers=workers)
+    return SimEngine(layout_, make_kv, OffloadConfig.from_dict(raw), block_size=BLOCK, num_workers=workers,
+                     sliding_windows=windows)
 
 
 def tokens(n, seed):
@@ -173,4 +177,61 @@ def test_host_tier_smaller_than_the_workload_evicts_and_stays_consistent():
         run_checked(engine)
     used = engine.scheduler.usage()[0]
     assert used.used_blocks <= used.capacity_blocks == 6
+    assert_drained(engine)
+
+
+def record_loads(engine, monkeypatch):
+    """Per load, in order: the real (non-null) destination blocks the engine allocated, and the blocks copied."""
+    real, copied = [], []
+    block_bytes = engine.kvs[0].group_block_bytes(0)
+    assert all(kv.group_block_bytes(g) == block_bytes for kv in engine.kvs for g in range(engine.num_groups))
+    allocated = engine.scheduler.update_state_after_alloc
+
+    def alloc(req, block_ids, external):
+        if external:
+            first, last = req.num_computed_tokens // BLOCK, (req.num_computed_tokens + external) // BLOCK
+            real.append(sum(b != NULL_BLOCK for ids in block_ids for b in ids[first:last]))
+        allocated(req, block_ids, external)
+
+    def plan(layout, job):
+        built = build_plan(layout, job)
+        if job.transfer_type == LOAD:
+            copied.append(built.nbytes // block_bytes)
+        return built
+
+    monkeypatch.setattr(engine.scheduler, "update_state_after_alloc", alloc)
+    monkeypatch.setattr(host, "build_plan", plan)
+    return real, copied
+
+
+@pytest.mark.parametrize("factor", [1, 4])
+def test_sliding_window_loads_copy_only_real_blocks_and_never_write_the_null_block(monkeypatch, factor):
+    engine = make_engine("shared_buffer", factor, num_blocks=40, windows={1: 2 * BLOCK})
+    real, copied = record_loads(engine, monkeypatch)
+    history = {c: tokens(24, seed=30 + c) for c in range(3)}
+    for turn in range(3):
+        for c in history:
+            req = engine.add_request(f"{c}-{turn}", history[c], max_new_tokens=3)
+            run_checked(engine)  # after every step: bit-exact blocks, and the null block still holds its sentinel
+            history[c] = req.all_token_ids + tokens(8, seed=100 * turn + c)
+    loaded = sum(r.loaded_tokens for r in engine.requests.values())
+    assert loaded > 0 and engine.verified_blocks == loaded // BLOCK
+    assert copied == real
+    assert sum(real) < 2 * loaded // BLOCK  # the window did drop blocks from these loads
+    stats = engine.workers[0].get_kv_connector_stats()
+    assert stats is not None
+    assert stats.by_type["host_to_device"].bytes == sum(real) * engine.kvs[0].group_block_bytes(0)
+    assert_drained(engine)
+
+
+def test_a_failed_sliding_window_load_is_recomputed_whole_without_writing_the_null_block():
+    engine = make_engine("shared_buffer", windows={1: 2 * BLOCK}, inject_load_failures=1)
+    prompt = tokens(40, seed=8)
+    engine.add_request("a", prompt)
+    run_checked(engine)
+    engine.pool.drop_cache()
+    b = engine.add_request("b", [*prompt, 1])
+    run_checked(engine)
+    assert b.loaded_tokens == 0 and b.status is Status.FINISHED
+    assert engine.null_block_intact()
     assert_drained(engine)
