@@ -46,7 +46,12 @@ class UnsupportedKVCacheError(ValueError):
 def layer_spec(name: str, spec: vkv.KVCacheSpec) -> LayerSpec:
     """Our description of one layer's page, from vLLM's spec for it."""
     if isinstance(spec, vkv.MambaSpec):
-        return StateSpec(spec.shapes, spec.dtypes, spec.page_size_padded)
+        state = StateSpec(spec.shapes, spec.dtypes, spec.page_size_padded)
+        # vLLM views a state page as [num_blocks, num_heads, num_states, state bytes]
+        # (kv_cache_interface.compute_layer_kv_cache_shape_bytes); every MambaBase layer has one of each, and
+        # only then is a block's page the states packed from byte 0 (MambaBase.bind_kv_cache).
+        if spec.num_heads == 1 and spec.num_states == 1 and state.page_bytes == spec.real_page_size_bytes:
+            return state
     if isinstance(spec, vkv.AttentionSpec) and not isinstance(spec, vkv.MLAAttentionSpec):
         ours = AttentionSpec(spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype,
                              spec.page_size_padded)
@@ -58,19 +63,78 @@ def layer_spec(name: str, spec: vkv.KVCacheSpec) -> LayerSpec:
 
 
 def _group(group: vkv.KVCacheGroupSpec) -> KVGroup:
+    return KVGroup(tuple(group.layer_names), {name: layer_spec(name, spec) for name, spec in _layer_specs(group)})
+
+
+def _layer_specs(group: vkv.KVCacheGroupSpec) -> Iterable[tuple[str, vkv.KVCacheSpec]]:
     spec = group.kv_cache_spec
     if isinstance(spec, vkv.UniformTypeKVCacheSpecs):
-        specs = {name: layer_spec(name, spec.kv_cache_specs[name]) for name in group.layer_names}
-    else:
-        specs = {name: layer_spec(name, spec) for name in group.layer_names}
-    return KVGroup(tuple(group.layer_names), specs)
+        return ((name, spec.kv_cache_specs[name]) for name in group.layer_names)
+    return ((name, spec) for name in group.layer_names)
+
+
+def check_state_layers(vllm_config: VllmConfig, kv_cache_config: vkv.KVCacheConfig) -> None:
+    """Refuse state layers (Mamba2, ShortConv, gated delta net) whose offloaded blocks could not be restored.
+
+    kvoffload stores engine block ``p`` of a state group under the key of tokens ``[0, (p + 1) * block_size)``
+    and loads it back as the state after exactly those tokens, so block ``p`` must hold that state once it is
+    full, and never change after. In vLLM 0.32 that holds only in ``mamba_cache_mode`` "align" (the default
+    when prefix caching is on: ``MambaModelConfig.verify_and_update_config`` in
+    model_executor/models/config.py), without speculative decoding and without sub-block prefix hits:
+
+    - "align": a step's kernels write the state into block-table column ``(seq_len - 1) // block_size``
+      (``mamba_get_block_table_tensor`` in v1/attention/backends/utils.py), the scheduler ends every chunk
+      but a prompt's last on a block boundary ("slot p holds the state after exactly (p + 1) * block_size
+      tokens": ``Scheduler._mamba_block_aligned_split``), and a request moving past a block starts a new one
+      from a copy (``MambaManager.allocate_new_blocks``). Columns that no chunk ended in are vLLM's null
+      block; kvoffload never stores a block run that contains it.
+    - "none" (prefix caching off): one block per request (block size ``max_model_len``) holds the running
+      state, rewritten every step: no block holds the state of a prefix.
+    - speculative decoding (``MambaSpec.num_speculative_blocks``, EAGLE): ``_relocate_speculative_block``
+      moves state blocks between columns, and an EAGLE checkpoint lands one block early
+      (``get_mamba_prefill_checkpoint_position(drop_eagle_block=True)``).
+    - a hash block smaller than the state block (``prefix_match_unit``; ``partial_hash_hits_enabled`` in
+      v1/core/kv_cache_utils.py): vLLM checkpoints a block's state at a boundary inside it
+      (``compute_mamba_prefill_checkpoints`` in model_executor/layers/mamba/checkpoint.py).
+
+    Raises:
+        UnsupportedKVCacheError: naming the first state layer that cannot be restored and what to change.
+    """
+    hash_block_size: int | None = None
+    for group in kv_cache_config.kv_cache_groups:
+        for name, spec in _layer_specs(group):
+            if not isinstance(spec, vkv.MambaSpec):
+                continue
+            if spec.mamba_cache_mode != "align":
+                raise UnsupportedKVCacheError(
+                    f"layer {name!r}: mamba_cache_mode {spec.mamba_cache_mode!r} keeps no state per block (one "
+                    "running state per request, rewritten every step), so kvoffload could not restore one; "
+                    "enable prefix caching (enable_prefix_caching=True, vLLM then uses mamba_cache_mode 'align')")
+            if spec.num_speculative_blocks or vllm_config.speculative_config is not None:
+                raise UnsupportedKVCacheError(
+                    f"layer {name!r}: with speculative decoding vLLM moves state blocks between block-table "
+                    "columns, so a block may not hold the state after its own tokens; turn speculative "
+                    "decoding off (speculative_config=None) to use kvoffload with this model")
+            if hash_block_size is None:
+                from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+                hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)[1]
+            if hash_block_size < spec.block_size:
+                raise UnsupportedKVCacheError(
+                    f"layer {name!r}: prefix-cache hashes every {hash_block_size} tokens inside "
+                    f"{spec.block_size}-token state blocks let vLLM checkpoint a state inside a block; unset "
+                    f"prefix_match_unit (or set it to {spec.block_size}) to use kvoffload with this model")
 
 
 def blocks_change_while_running(kv_cache_config: vkv.KVCacheConfig) -> bool:
     """True when vLLM may reuse or rewrite a running request's full block in the next step.
 
-    Only full-attention blocks stay as written until the request ends: a sliding-window or chunked-local block
-    is freed once it leaves the window, and a Mamba state block is updated in place.
+    Only full-attention blocks stay as written until the request ends. A sliding-window or chunked-local block
+    is freed once it leaves the window. A state block ("align" mode, the only one ``check_state_layers``
+    admits) is not rewritten once full, but vLLM frees it once the next block has taken over the running state
+    (``MambaManager.remove_skipped_blocks``, one step after that copy at the earliest) and may give it to
+    another request: stores must be done before that, which flushing them at the start of the next step
+    (``handle_preemptions``, before vLLM's mamba pre-processing copies state) ensures.
     """
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec

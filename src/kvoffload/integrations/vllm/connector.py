@@ -8,7 +8,9 @@ talk only through the metadata vLLM carries between them (``KVOffloadMetadata`` 
 
 Configuration: ``kv_connector_extra_config`` goes to ``OffloadConfig.from_dict`` and nowhere else; a bad key
 stops start-up with one ``ConfigError`` naming every culprit, as does an ``offload_block_tokens`` that is not
-a multiple of vLLM's block size. Hybrid models (several KV-cache groups) are supported (``SupportsHMA``).
+a multiple of vLLM's block size. Hybrid models (several KV-cache groups) are supported (``SupportsHMA``);
+state layers only where their blocks can be restored (``adapters.check_state_layers``), else start-up stops
+with ``UnsupportedKVCacheError``.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         config = OffloadConfig.from_dict(self._kv_transfer_config.kv_connector_extra_config)
+        adapters.check_state_layers(vllm_config, kv_cache_config)
         layout_name = kv_cache_config.kv_cache_layout or vllm_config.cache_config.kv_cache_layout
         layout = adapters.kv_cache_layout(kv_cache_config, layout_name)
         block_size = adapters.engine_block_size(kv_cache_config, vllm_config.cache_config.block_size)
