@@ -30,6 +30,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 from kvoffload.canonical import CanonicalKV, canonicalize
 from kvoffload.integrations.vllm import adapters
 from kvoffload.layout import StateSpec
+from kvoffload.testing.layouts import GDN_DTYPES, GDN_SHAPES
 
 NUM_BLOCKS = 6
 KERNEL_ALIGNMENT = 32  # vLLM's CPU attention takes block sizes that are multiples of 32
@@ -177,6 +178,13 @@ def test_a_load_through_the_canonical_views_is_what_the_model_layer_reads(family
             expected = torch.arange(start, end, dtype=torch.int64).remainder(97).to(torch.int8)
             assert torch.equal(state[4].reshape(-1).view(torch.int8), expected)
             assert not state[3].view(torch.int8).any()  # the neighbour block is untouched
+
+
+def test_the_simulated_engines_gdn_layout_has_the_states_vllm_computes() -> None:
+    shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(
+        tp_world_size=1, num_k_heads=1, num_v_heads=2, head_k_dim=4, head_v_dim=4, conv_kernel_size=4)
+    assert shapes == GDN_SHAPES
+    assert MambaStateDtypeCalculator.gated_delta_net_state_dtype(torch.bfloat16, "auto", "float32") == GDN_DTYPES
 
 
 # ---- which state layers kvoffload accepts -------------------------------------------------------------------

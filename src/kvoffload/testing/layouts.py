@@ -152,6 +152,27 @@ def mamba_layout(num_layers: int = 2, *, num_blocks: int = 8, block_size: int = 
     return _made(KVCacheLayout(num_blocks, (attn, mamba), buffers), device, seed)
 
 
+GDN_SHAPES = ((3, 16), (2, 4, 4))
+"""A gated delta net layer's states (Qwen3-Next), as vLLM's ``gated_delta_net_state_shape`` gives them for 1 key
+head and 2 value heads of 4 dims and a conv kernel of 4: a conv state ``(kernel - 1, 2 * k_dim + v_dim)`` and a
+recurrent state ``(num_v_heads, head_v_dim, head_k_dim)``."""
+GDN_DTYPES = (torch.bfloat16, torch.float32)
+"""bf16 conv state, float32 recurrent state (vLLM CPU resets the SSM cache dtype to float32)."""
+
+
+def gdn_layout(num_layers: int = 3, *, num_blocks: int = 8, block_size: int = 4,
+               device: str | torch.device = "cpu", seed: int = 0) -> Made:
+    """A Qwen3-Next-like hybrid: gated delta net layers ``gdn.i`` (group 0) and bf16 full attention ``attn.i``
+    (group 1) sharing buffer i. The GDN page (96 + 128 bytes) is padded to the attention page (256 bytes at the
+    default block size), as vLLM pads a hybrid model's state pages."""
+    state = StateSpec(GDN_SHAPES, GDN_DTYPES)
+    page = max(_attention(block_size, torch.bfloat16).page_bytes, state.page_bytes)
+    gdn = KVGroup.uniform(_names("gdn", num_layers), StateSpec(GDN_SHAPES, GDN_DTYPES, page))
+    attn = KVGroup.uniform(_names("attn", num_layers), _attention(block_size, torch.bfloat16, padded=page))
+    buffers = tuple(KVBuffer(num_blocks * page, (f"gdn.{i}", f"attn.{i}")) for i in range(num_layers))
+    return _made(KVCacheLayout(num_blocks, (gdn, attn), buffers), device, seed)
+
+
 def cross_layer_layout(num_layers: int = 3, *, num_blocks: int = 8, block_size: int = 4,
                        device: str | torch.device = "cpu", seed: int = 0) -> Made:
     """One group whose layers ``attn.i`` sit side by side in one buffer: row b holds every layer's block b."""
@@ -166,6 +187,7 @@ ALL_LAYOUTS: dict[str, Callable[..., Made]] = {
     "shared_buffer": shared_buffer_layout,
     "multi_group": multi_group_layout,
     "mamba": mamba_layout,
+    "gdn": gdn_layout,
     "cross_layer": cross_layer_layout,
 }
 """Every ready-made layout by name; each takes ``num_blocks``, ``block_size``, ``device`` and ``seed``."""
