@@ -1,10 +1,10 @@
 """Shared set-up for the end-to-end tests: tiny real-weight models, engines, a prefix-sharing workload, metrics.
 
 Every comparison here can fail. The models are real checkpoints (seeded random weights in safetensors, loaded by
-vLLM's normal loader), and every plain-vLLM baseline carries its control: the same prompts with one token changed
-inside the first block (a block kvoffload loads) must move plain vLLM's outputs by at least ``CONTROL_FACTOR``
-times the tolerance of ``assert_same_outputs``; a baseline whose control fails makes every test using it fail.
-test_connector_inprocess.py also shows the comparison failing on a deliberately corrupted load.
+vLLM's normal loader), and every plain-vLLM baseline carries its control (kvoffload.testing.outputs): the same
+prompts with one token changed inside the first block (a block kvoffload loads) must move plain vLLM's outputs by
+at least ``CONTROL_FACTOR`` times the tolerance of ``assert_same_outputs``; a baseline whose control fails makes
+every test using it fail. test_wrong_load_is_caught.py shows the comparison failing on a corrupted load.
 
 vLLM must be importable here (the Makefile set-up installs it): a missing vLLM fails these tests, never skips them.
 Engines are costly (seconds each on two cores), so test modules share them through module-scoped fixtures.
@@ -13,7 +13,6 @@ Engines are costly (seconds each on two cores), so test modules share them throu
 from __future__ import annotations
 
 import gc
-import math
 import os
 import random
 from collections.abc import Iterator, Sequence
@@ -27,6 +26,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import vllm
 
 from kvoffload.integrations.vllm.model import ModelFamily, TinyShape, write_tiny_model
+from kvoffload.testing.outputs import TOLERANCE, TOP_LOGPROBS, control, divergence, with_changed_token
 
 BLOCK_SIZE = 32
 DEVICE_BLOCKS = 16  # 15 usable: two 200-token prompts fit, four do not
@@ -34,8 +34,6 @@ MAX_MODEL_LEN = 448
 PREFIX_TOKENS = 200
 NUM_PREFIXES = 4
 MAX_TOKENS = 8
-TOLERANCE = 1e-3  # abs, on the logprob of each generated token
-CONTROL_FACTOR = 100
 CHANGED_POSITION = 5  # inside the first block, which every hit loads
 CONNECTOR = {"kv_connector": "KVOffloadConnector", "kv_connector_module_path": "kvoffload.integrations.vllm",
              "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
@@ -44,7 +42,8 @@ CONNECTOR = {"kv_connector": "KVOffloadConnector", "kv_connector_module_path": "
 @dataclass(frozen=True)
 class Result:
     tokens: tuple[int, ...]
-    logprobs: tuple[float, ...]
+    logprobs: tuple[dict[int, float], ...]
+    """Per generated position, the top ``TOP_LOGPROBS`` token ids and their logprobs."""
     cached_tokens: int
 
 
@@ -60,23 +59,14 @@ def prompts(tail: Sequence[int]) -> list[list[int]]:
 
 def generate(llm: vllm.LLM, prompt_ids: list[list[int]]) -> list[Result]:
     """Greedy, one request at a time (so earlier prompts get evicted from the device cache by later ones)."""
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1)
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS)
     results = []
     for ids in prompt_ids:
         out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
         completion = out.outputs[0]
-        chosen = tuple(lp[t].logprob for lp, t in zip(completion.logprobs or [], completion.token_ids, strict=False))
-        results.append(Result(tuple(completion.token_ids), chosen, out.num_cached_tokens or 0))
+        top = tuple({t: lp.logprob for t, lp in position.items()} for position in completion.logprobs or [])
+        results.append(Result(tuple(completion.token_ids), top, out.num_cached_tokens or 0))
     return results
-
-
-def divergence(got: Sequence[Result], want: Sequence[Result]) -> float:
-    """How far two runs' outputs are apart: infinite where any generated token differs, else the largest
-    difference between the logprobs of the generated tokens."""
-    if [r.tokens for r in got] != [r.tokens for r in want]:
-        return math.inf
-    return max((abs(a - b) for g, w in zip(got, want, strict=True)
-                for a, b in zip(g.logprobs, w.logprobs, strict=True)), default=0.0)
 
 
 def assert_same_outputs(got: Sequence[Result], want: Sequence[Result]) -> None:
@@ -84,21 +74,18 @@ def assert_same_outputs(got: Sequence[Result], want: Sequence[Result]) -> None:
     assert apart <= TOLERANCE, f"outputs differ from plain vLLM's by {apart} (tolerance {TOLERANCE})"
 
 
-def with_changed_token(prompt_ids: list[list[int]]) -> list[list[int]]:
+def with_changed_tokens(prompt_ids: list[list[int]]) -> list[list[int]]:
     """The same prompts with the token at ``CHANGED_POSITION`` replaced."""
-    changed = [list(p) for p in prompt_ids]
-    for p in changed:
-        p[CHANGED_POSITION] = 10 + (p[CHANGED_POSITION] + 1) % 990
-    return changed
+    return [with_changed_token(p, CHANGED_POSITION, vocab_size=1000, low=10) for p in prompt_ids]
 
 
 def assert_kv_sensitive(plain: Sequence[Result], changed: Sequence[Result]) -> None:
     """The control: for every prompt, one changed token inside a loaded block moves plain vLLM's outputs by at
     least ``CONTROL_FACTOR`` x the tolerance, so ``assert_same_outputs`` would catch a wrong loaded block."""
-    apart = [divergence([p], [c]) for p, c in zip(plain, changed, strict=True)]
-    assert min(apart) >= CONTROL_FACTOR * TOLERANCE, (
-        f"control failed: a changed token moved plain vLLM's outputs by only {apart}; the model's outputs do not "
-        "depend on the KV, so no comparison with it can catch a wrong load")
+    outcome = control(plain, changed)
+    assert outcome.holds, (
+        f"control failed: a changed token moved plain vLLM's outputs by only {outcome.shift}; the model's outputs "
+        "do not depend on the KV, so no comparison with it can catch a wrong load")
 
 
 def metric(llm: vllm.LLM, name: str, **labels: str) -> float:
@@ -153,7 +140,7 @@ def plain_baseline(llm: vllm.LLM, rounds: dict[str, list[list[int]]]) -> Baselin
     """Plain vLLM's outputs for ``rounds`` (name -> prompts), after checking the control on the last round."""
     outputs = {name: generate(llm, ids) for name, ids in rounds.items()}
     last = list(rounds)[-1]
-    assert_kv_sensitive(outputs[last], generate(llm, with_changed_token(rounds[last])))
+    assert_kv_sensitive(outputs[last], generate(llm, with_changed_tokens(rounds[last])))
     return Baseline(outputs)
 
 

@@ -25,6 +25,8 @@ from tests.e2e.conftest import (
     prompts,
 )
 
+from kvoffload.testing.outputs import TOP_LOGPROBS
+
 pytestmark = pytest.mark.e2e
 
 START_TIMEOUT_S = 240
@@ -44,13 +46,18 @@ def _get(url: str) -> str:
 def _complete(base: str, prompt: list[int]) -> tuple[Result, dict]:
     """A greedy completion as a ``Result`` (token ids and their logprobs), and the response's usage."""
     body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                       "logprobs": 1, "return_tokens_as_token_ids": True}).encode()
+                       "logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True}).encode()
     req = urllib.request.Request(f"{base}/v1/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:
         response = json.loads(r.read())
     logprobs = response["choices"][0]["logprobs"]
-    tokens = tuple(int(t.removeprefix("token_id:")) for t in logprobs["tokens"])
-    return Result(tokens, tuple(logprobs["token_logprobs"]), 0), dict(response["usage"])
+    tokens = tuple(_token_id(t) for t in logprobs["tokens"])
+    top = tuple({_token_id(t): lp for t, lp in position.items()} for position in logprobs["top_logprobs"])
+    return Result(tokens, top, 0), dict(response["usage"])
+
+
+def _token_id(token: str) -> int:
+    return int(token.removeprefix("token_id:"))
 
 
 @pytest.fixture(scope="module")

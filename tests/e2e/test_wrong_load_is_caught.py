@@ -13,17 +13,17 @@ import pytest
 import vllm
 from tests.e2e.conftest import (
     ROUNDS,
-    TOLERANCE,
     Baseline,
     assert_kv_sensitive,
     assert_same_outputs,
     close,
-    divergence,
     generate,
     make_llm,
     metric,
     prompts,
 )
+
+from kvoffload.testing.outputs import TOLERANCE, divergence
 
 pytestmark = pytest.mark.e2e
 

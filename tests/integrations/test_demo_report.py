@@ -12,12 +12,17 @@ from kvoffload.integrations.vllm.demo_report import (
     summarize,
     user_turns,
 )
+from kvoffload.testing.outputs import Control
+
+HOLDS, FAILS = Control(0.5), Control(0.0)
 
 
-def turn(conv: int, t: int, ttft: float, offload_hit: int = 0, output: tuple[int, ...] = (5, 6)) -> TurnResult:
+def turn(conv: int, t: int, ttft: float, offload_hit: int = 0, output: tuple[int, ...] = (5, 6),
+         logprobs: tuple[float, ...] = (-1.0, -2.0)) -> TurnResult:
+    top = tuple({o: lp} for o, lp in zip(output, logprobs, strict=False))
     return TurnResult(conversation=conv, turn=t, prompt_tokens=100, ttft_s=ttft, device_hit_tokens=0,
                       offload_hit_tokens=offload_hit, bytes_loaded=offload_hit * 10, bytes_stored=50,
-                      output_ids=output)  # fmt: skip
+                      tokens=output, logprobs=top)  # fmt: skip
 
 
 def test_user_turns_open_with_system_prompt_and_long_message() -> None:
@@ -47,7 +52,7 @@ def test_workload_rejects_non_positive_sizes() -> None:
 def test_ratio_pairs_hit_turns_with_the_same_turns_without_kvoffload() -> None:
     off = RunResult("off", (turn(0, 0, 1.0), turn(0, 1, 2.0), turn(0, 2, 4.0)), wall_s=7.0)
     on = RunResult("on", (turn(0, 0, 1.02), turn(0, 1, 0.2, offload_hit=64), turn(0, 2, 0.4, offload_hit=96)), 2.0)
-    summary = summarize(off, on)
+    summary = summarize(off, on, HOLDS)
     assert summary["hit_turns"] == 2 and summary["miss_turns"] == 1
     assert summary["ttft_ratio_hit_turns"] == pytest.approx(0.3 / 3.0)
     assert summary["ttft_ratio_miss_turns"] == pytest.approx(1.02)
@@ -60,7 +65,7 @@ def test_ratio_pairs_hit_turns_with_the_same_turns_without_kvoffload() -> None:
 def test_different_generated_tokens_are_reported_by_turn() -> None:
     off = RunResult("off", (turn(0, 0, 1.0), turn(1, 0, 1.0)), wall_s=2.0)
     on = RunResult("on", (turn(0, 0, 1.0), turn(1, 0, 1.0, output=(9,))), wall_s=2.0)
-    summary = summarize(off, on)
+    summary = summarize(off, on, HOLDS)
     assert summary["outputs_match"] is False
     assert summary["mismatched_turns"] == [[1, 0]]
     assert "NO" in format_report(summary)
@@ -68,11 +73,37 @@ def test_different_generated_tokens_are_reported_by_turn() -> None:
 
 def test_no_hit_turns_gives_no_ratio() -> None:
     off = RunResult("off", (turn(0, 0, 1.0),), wall_s=1.0)
-    summary = summarize(off, RunResult("on", (turn(0, 0, 1.0),), wall_s=1.0))
+    summary = summarize(off, RunResult("on", (turn(0, 0, 1.0),), wall_s=1.0), None)
     assert summary["ttft_ratio_hit_turns"] is None
     assert summary["targets"]["ttft_ratio_hit_turns<=0.25"] is False
 
 
 def test_runs_of_different_turns_are_rejected() -> None:
     with pytest.raises(ValueError, match="different turns"):
-        summarize(RunResult("off", (turn(0, 0, 1.0),), 1.0), RunResult("on", (turn(1, 0, 1.0),), 1.0))
+        summarize(RunResult("off", (turn(0, 0, 1.0),), 1.0), RunResult("on", (turn(1, 0, 1.0),), 1.0), HOLDS)
+
+
+def test_logprobs_beyond_the_tolerance_are_a_mismatch() -> None:
+    off = RunResult("off", (turn(0, 0, 1.0),), wall_s=1.0)
+    on = RunResult("on", (turn(0, 0, 1.0, logprobs=(-1.0, -2.01)),), wall_s=1.0)
+    assert summarize(off, on, HOLDS)["mismatched_turns"] == [[0, 0]]
+    near = RunResult("on", (turn(0, 0, 1.0, logprobs=(-1.0, -2.0005)),), wall_s=1.0)
+    assert summarize(off, near, HOLDS)["outputs_match"] is True
+
+
+def test_outputs_match_is_not_claimed_when_the_control_failed() -> None:
+    off = RunResult("off", (turn(0, 0, 1.0, offload_hit=64),), wall_s=1.0)
+    summary = summarize(off, RunResult("on", (turn(0, 0, 1.0, offload_hit=64),), wall_s=1.0), FAILS)
+    assert summary["outputs_match"] is None
+    assert summary["targets"]["outputs_match"] is False
+    assert summary["control"]["holds"] is False
+    report = format_report(summary)
+    assert "not meaningful" in report
+    assert "generated tokens match" not in report
+
+
+def test_a_turn_with_a_load_names_a_position_inside_the_loaded_run() -> None:
+    t = TurnResult(conversation=0, turn=1, prompt_tokens=300, ttft_s=0.1, device_hit_tokens=64,
+                   offload_hit_tokens=128, bytes_loaded=1, bytes_stored=0, tokens=(1,), logprobs=({1: -1.0},))
+    assert 64 <= t.loaded_position() < 64 + 128  # type: ignore[operator]
+    assert turn(0, 0, 1.0).loaded_position() is None

@@ -6,4 +6,6 @@
 - ``layouts``: ready-made KV cache layouts (attention, padded, shared buffer, multi-group, Mamba-style).
 - ``conformance``: checks any ``TransferHandler`` must pass.
 - ``simulate``: the ``kvoffload simulate`` workload.
+- ``outputs``: comparing an engine's outputs with and without kvoffload, with the control that makes the
+  comparison able to fail (the e2e tests and ``kvoffload demo`` use it).
 """

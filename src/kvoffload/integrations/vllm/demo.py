@@ -1,10 +1,12 @@
 """``kvoffload demo``: real vLLM (CPU backend) on a multi-turn chat, without kvoffload and with it.
 
-Data flow: write a random-weight Llama (``model.write_tiny_llama``) -> build the workload
+Data flow: write a real-weight Llama checkpoint (``model.write_tiny_model``) -> build the workload
 (``demo_report.user_turns``) -> start two engines in child processes (``demo_engine``: one without, one with
 kvoffload) -> send both the same conversations round-robin, turn by turn, request by request, alternating
-which engine goes first, so each pair of TTFTs is measured under the same machine load -> pair the results
-(``demo_report.summarize``) -> table, JSON, PNG chart.
+which engine goes first, so each pair of TTFTs is measured under the same machine load -> the control: the
+plain engine serves the last hit turn again with one token changed inside the run kvoffload loaded, which must
+move its outputs (``kvoffload.testing.outputs``), or the "outputs match" verdict would prove nothing -> pair the
+results (``demo_report.summarize``) -> table, JSON, PNG chart.
 
 The device cache (``num_gpu_blocks_override``) holds about one conversation, so without kvoffload every later
 turn recomputes its whole history; with it, the history is loaded from the host tier.
@@ -36,14 +38,15 @@ from kvoffload.integrations.vllm.demo_report import (
     user_turns,
     write_chart,
 )
-from kvoffload.integrations.vllm.model import TinyLlamaShape, write_tiny_llama
+from kvoffload.integrations.vllm.model import ModelFamily, TinyShape, write_tiny_model
+from kvoffload.testing.outputs import CONTROL_FACTOR, TOLERANCE, Control, control, with_changed_token
 
 Progress = Callable[[str], None]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's flags: output, workload size, model size, engine knobs."""
-    w, m = Workload(), TinyLlamaShape(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=2, head_dim=64)
+    w, m = Workload(), TinyShape(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=2, head_dim=64)
     parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
     parser.add_argument("--out", type=Path, default=Path("out"), help="directory for demo.json and the chart")
     parser.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
@@ -55,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--user-tokens", type=int, default=w.user_tokens, help="each later user message")
     g.add_argument("--reply-tokens", type=int, default=w.reply_tokens, help="generated per turn")
     g.add_argument("--seed", type=int, default=w.seed)
-    g = parser.add_argument_group("model (random weights)")
+    g = parser.add_argument_group("model (a Llama with seeded random weights, written as a real checkpoint)")
     g.add_argument("--hidden-size", type=int, default=m.hidden_size)
     g.add_argument("--layers", type=int, default=m.num_layers)
     g.add_argument("--heads", type=int, default=m.num_heads)
@@ -83,16 +86,17 @@ def run(args: argparse.Namespace) -> int:
     progress = _stderr_progress
     with contextlib.ExitStack() as stack:
         model_dir = args.model_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvoffload-")))
-        write_tiny_llama(model_dir, hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
-                         num_kv_heads=args.kv_heads, head_dim=args.head_dim)
+        shape = TinyShape(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
+                          num_kv_heads=args.kv_heads, head_dim=args.head_dim, intermediate_size=4 * args.hidden_size)
+        write_tiny_model(model_dir, ModelFamily.LLAMA, shape, seed=args.seed)
         settings = [EngineSettings(model_dir, workload, with_kvoffload, args.dtype, args.block_size,
                                    args.device_blocks, args.host_gib) for with_kvoffload in (False, True)]
         try:
-            off, on = serve_both(settings, progress)
+            off, on, check = serve_both(settings, progress)
         except EngineError as e:
             progress(f"kvoffload demo: {e}")
             return 1
-    summary = summarize(off, on, extra=_settings(workload, args))
+    summary = summarize(off, on, check, extra=_settings(workload, args))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "demo.json").write_text(json.dumps(summary, indent=2) + "\n")
     if not args.no_chart:
@@ -151,8 +155,10 @@ class _Engine:
             self.process.join()
 
 
-def serve_both(settings: list[EngineSettings], progress: Progress) -> tuple[RunResult, RunResult]:
-    """Serve the workload on both engines, request by request, alternating which engine goes first.
+def serve_both(settings: list[EngineSettings], progress: Progress
+               ) -> tuple[RunResult, RunResult, Control | None]:
+    """Serve the workload on both engines, request by request, alternating which engine goes first, then run
+    the control on the plain engine (None when no turn loaded anything).
 
     Conversations are served round-robin, turn by turn; each engine keeps its own histories (its own replies).
     """
@@ -166,19 +172,41 @@ def serve_both(settings: list[EngineSettings], progress: Progress) -> tuple[RunR
         messages = user_turns(workload, _vocab_size(settings[0].model_dir))
         histories: dict[str, list[list[int]]] = {e.name: [[] for _ in messages] for e in engines}
         results: dict[str, list[TurnResult]] = {e.name: [] for e in engines}
+        plain_prompts: list[list[int]] = []
         for i, (conv, turn) in enumerate(_schedule(workload)):
             for engine in engines if i % 2 == 0 else engines[::-1]:
                 history = histories[engine.name][conv]
                 history += messages[conv][turn]
+                if engine is engines[0]:
+                    plain_prompts.append(list(history))
                 result = engine.serve(conv, turn, history)
-                history += result.output_ids
+                history += result.tokens
                 results[engine.name].append(result)
                 progress(format_turn(engine.name, result))
+        check = run_control(engines[0], results, plain_prompts, _vocab_size(settings[0].model_dir), progress)
     finally:
         for engine in engines:
             engine.stop()
     off, on = (RunResult(e.name, tuple(results[e.name]), e.busy_s) for e in engines)
-    return off, on
+    return off, on, check
+
+
+def run_control(plain: _Engine, results: dict[str, list[TurnResult]], plain_prompts: list[list[int]],
+                vocab_size: int, progress: Progress) -> Control | None:
+    """Serve the last hit turn's prompt on the plain engine with one token changed inside the run kvoffload
+    loaded for it: the outputs must move, or comparing the two engines' outputs proves nothing."""
+    hits = [(i, p) for i, t in enumerate(results["on"]) if (p := t.loaded_position()) is not None]
+    if not hits:
+        return None
+    i, position = hits[-1]
+    original = results["off"][i]
+    changed = plain.serve(original.conversation, original.turn,
+                          with_changed_token(plain_prompts[i], position, vocab_size))
+    outcome = control([original], [changed])
+    progress(f"control: prompt token {position} of conv {original.conversation} turn {original.turn} changed; "
+             f"plain vLLM's outputs moved by {outcome.shift:.3f} (needs {CONTROL_FACTOR * TOLERANCE}): "
+             f"{'holds' if outcome.holds else 'FAILED'}")
+    return outcome
 
 
 def _schedule(workload: Workload) -> list[tuple[int, int]]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload.integrations.vllm.demo_report import TurnResult, Workload, user_turns
+from kvoffload.testing.outputs import TOP_LOGPROBS
 
 CONNECTOR = {"kv_connector": "KVOffloadConnector", "kv_connector_module_path": "kvoffload.integrations.vllm",
              "kv_role": "kv_both"}
@@ -80,7 +81,7 @@ def build_llm(settings: EngineSettings) -> Any:
     kwargs: dict[str, Any] = {"dtype": settings.dtype}
     if settings.with_kvoffload:
         kwargs["kv_transfer_config"] = {**CONNECTOR, "kv_connector_extra_config": {"host_gib": settings.host_gib}}
-    return LLM(model=str(settings.model_dir), load_format="dummy", seed=settings.workload.seed,
+    return LLM(model=str(settings.model_dir), seed=settings.workload.seed,
                block_size=settings.block_size, max_model_len=max_len,
                num_gpu_blocks_override=blocks, enable_prefix_caching=True, disable_log_stats=False, **kwargs)
 
@@ -101,10 +102,12 @@ def serve_turn(llm: Any, conv: int, turn: int, prompt: list[int], reply_tokens: 
     """One greedy request; TTFT is vLLM's first-token latency (arrival to first token, loads included)."""
     from vllm import SamplingParams, TokensPrompt
 
-    params = SamplingParams(max_tokens=reply_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=reply_tokens, temperature=0.0, ignore_eos=True, logprobs=TOP_LOGPROBS)
     before = counters(llm)
     output = llm.generate([TokensPrompt(prompt_token_ids=list(prompt))], params, use_tqdm=False)[0]
     delta = {k: v - before.get(k, 0.0) for k, v in counters(llm).items()}
+    completion = output.outputs[0]
+    tokens = tuple(completion.token_ids)
     return TurnResult(
         conversation=conv,
         turn=turn,
@@ -114,7 +117,8 @@ def serve_turn(llm: Any, conv: int, turn: int, prompt: list[int], reply_tokens: 
         offload_hit_tokens=int(delta.get(OFFLOAD_HITS, 0)),
         bytes_loaded=int(delta.get(f"{BYTES}/{LOADED}", 0)),
         bytes_stored=int(delta.get(f"{BYTES}/{STORED}", 0)),
-        output_ids=tuple(output.outputs[0].token_ids),
+        tokens=tokens,
+        logprobs=tuple({t: lp.logprob for t, lp in position.items()} for position in completion.logprobs or []),
     )
 
 
