@@ -5,7 +5,7 @@ and seeded random weights in ``model.safetensors``, written by transformers' ``s
 with its normal loader, and a byte-level BPE tokenizer trained locally on a generated text. The tokenizer's
 vocabulary is exactly ``vocab_size`` ids, so every id the model samples decodes.
 
-Why real weights: vLLM's ``load_format="dummy"`` gives flat logits, and on the CPU backend vLLM packs the linear
+Why real weights: vLLM's dummy load format gives flat logits, and on the CPU backend vLLM packs the linear
 layers at load time and empties their parameters, so weights re-seeded after a dummy load change nothing: the
 outputs then never depend on the KV cache, and no comparison of outputs could catch a wrong load. With these
 weights, changing one prompt token moves the logprobs by tenths (the e2e tests check that as their control).
