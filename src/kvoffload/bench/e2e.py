@@ -71,7 +71,11 @@ def run_demo(demo: ModuleType, text: str) -> dict[str, Any]:
 def summary_row(run: int, summary: dict[str, Any]) -> dict[str, Any]:
     """Median TTFT (ms) of hit and miss turns, with and without kvoffload, from one demo summary."""
     turns = summary["turns"]
-    row: dict[str, Any] = {"run": run, "outputs_match": summary.get("outputs_match")}
+    control = summary.get("control") or {}
+    row: dict[str, Any] = {"run": run, "outputs_match": summary.get("outputs_match"),
+                           "control_shift": "tokens" if control.get("tokens_changed") else control.get(
+                               "max_logprob_shift"),
+                           "control_holds": control.get("holds")}
     for kind, hit in (("hit", True), ("miss", False)):
         chosen = [t for t in turns if (t["offload_hit_tokens"] > 0) == hit]
         off = statistics.median(t["ttft_off_s"] * 1e3 for t in chosen) if chosen else None
@@ -99,12 +103,14 @@ def run(args: argparse.Namespace) -> int:
 
 def report(rows: list[dict[str, Any]], last: dict[str, Any], args: argparse.Namespace) -> Report:
     headers = ("run", "hit turns", "TTFT off ms", "TTFT on ms", "ratio", "miss turns", "TTFT off ms", "TTFT on ms",
-               "ratio", "outputs match")
+               "ratio", "control shift", "outputs match")
     keys = ("run", "hit_turns", "hit_ttft_ms_off", "hit_ttft_ms_on", "hit_ratio", "miss_turns", "miss_ttft_ms_off",
-            "miss_ttft_ms_on", "miss_ratio", "outputs_match")
+            "miss_ttft_ms_on", "miss_ratio", "control_shift", "outputs_match")
     table = format_table(headers, [[r[k] for k in keys] for r in rows])
     notes = ("median TTFT per run over hit turns (kvoffload loaded tokens) and miss turns; off = vLLM alone, "
              "on = vLLM + kvoffload, same prompts, two engines side by side taking turns per request",
+             "control shift: how far one prompt token changed inside a loaded run moved plain vLLM's top-20 "
+             "logprobs ('tokens': the generated tokens changed); outputs match is None unless it is >= 0.1",
              f"demo options: {args.demo_args or '(defaults)'}")
     settings = {"runs": args.runs, "demo_args": args.demo_args, "demo_turns_last_run": last.get("turns", [])}
     return Report("e2e", rows, table, notes, settings)

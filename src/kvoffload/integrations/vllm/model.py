@@ -149,12 +149,21 @@ def hf_config(family: ModelFamily, shape: TinyShape) -> dict[str, Any]:
 _IDENTITY_NORM = {ModelFamily.LLAMA: 1.0, ModelFamily.GEMMA3: 0.0, ModelFamily.LFM2: 1.0}
 
 
+ATTENTION_GAIN = 2.0
+"""Queries and keys are scaled by this, so attention logits have a spread of about 4 instead of 1: attention then
+concentrates on a few positions, as in trained models, and one changed token moves the outputs clearly even in a
+prompt of thousands of tokens (with a spread of 1 a 1,700-token prompt's outputs moved by as little as 0.03)."""
+_QK_PROJECTIONS = ("q_proj", "k_proj")
+_QK_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
+
+
 def write_weights(directory: Path, config: dict[str, Any], seed: int, *, identity_norm: float = 1.0) -> None:
     """Build the model of ``config`` with transformers, seed its weights, ``save_pretrained`` it as safetensors.
 
-    Matrices get N(0, 1/fan_in) (activations keep their scale through every layer, so attention neither
-    saturates nor flattens and the logits depend on every earlier token's KV); vectors (norm weights) get
-    ``identity_norm``. Parameters are filled in name order from one generator: same seed, same bytes.
+    Matrices get N(0, 1/fan_in), so activations keep their scale through every layer; vectors (norm weights) get
+    ``identity_norm``. Query and key projections, or the norms applied to queries and keys where the model has
+    them, are scaled by ``ATTENTION_GAIN``. Parameters are filled in name order from one generator: same seed,
+    same bytes.
     """
     import torch
     import transformers
@@ -164,12 +173,13 @@ def write_weights(directory: Path, config: dict[str, Any], seed: int, *, identit
     model = transformers.AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for _, param in sorted(model.named_parameters()):
+        for name, param in sorted(model.named_parameters()):
             if param.dim() == 1:
-                param.fill_(identity_norm)
+                qk_norm = any(part in name for part in _QK_NORMS)
+                param.fill_(identity_norm + (ATTENTION_GAIN - 1.0) if qk_norm else identity_norm)
             else:
-                std = 1.0 / math.sqrt(param.shape[-1])
-                param.copy_(torch.randn(param.shape, generator=gen) * std)
+                gain = ATTENTION_GAIN if any(part in name for part in _QK_PROJECTIONS) else 1.0
+                param.copy_(torch.randn(param.shape, generator=gen) * (gain / math.sqrt(param.shape[-1])))
     model.save_pretrained(str(directory), safe_serialization=True)
 
 
