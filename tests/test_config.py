@@ -46,3 +46,22 @@ def test_exclusive_and_dependent_keys():
 def test_booleans_are_not_integers():
     with pytest.raises(ConfigError, match="offload_block_tokens"):
         OffloadConfig.from_dict({"offload_block_tokens": True})
+
+
+@pytest.mark.parametrize("key", ["host_gib", "disk_gib", "disk_read_deadline_ms", "disk_breaker_cooldown_s"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), -float("inf")])
+def test_non_finite_numbers_are_a_config_error_naming_the_key(key, value):
+    raw = {key: value} if key == "host_gib" else {"disk_path": "/tmp/kv", key: value}
+    with pytest.raises(ConfigError, match=key):
+        OffloadConfig.from_dict(raw)
+
+
+def test_a_size_too_large_to_count_in_bytes_is_a_config_error():
+    with pytest.raises(ConfigError, match="host_gib"):
+        OffloadConfig.from_dict({"host_gib": 1e300})
+
+
+@pytest.mark.parametrize("raw", [["host_gib", 1], "host_gib=1", 7])
+def test_a_config_that_is_not_a_mapping_is_a_config_error(raw):
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        OffloadConfig.from_dict(raw)

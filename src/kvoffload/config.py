@@ -8,6 +8,7 @@ accepted ones. Every other module receives the typed values below. docs/configur
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +71,12 @@ class OffloadConfig:
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None) -> OffloadConfig:
         """Build and validate the tree from flat keys; raise ``ConfigError`` naming every problem."""
-        return _Parser(dict(raw or {})).parse()
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"kvoffload configuration must be a mapping of keys to values, got "
+                              f"{type(raw).__name__}. Accepted keys: " + ", ".join(sorted(KEYS)))
+        return _Parser(dict(raw)).parse()
 
 
 def _positive_int(v: Any) -> int:
@@ -86,13 +92,17 @@ def _non_negative_int(v: Any) -> int:
 
 
 def _positive_float(v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
-        raise ValueError("must be a positive number")
+    # NaN compares false with everything, so "v <= 0" alone would let it through (and disable a deadline).
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+        raise ValueError("must be a finite positive number")
     return float(v)
 
 
 def _gib(v: Any) -> int:
-    return int(_positive_float(v) * GIB)
+    size = _positive_float(v) * GIB
+    if not math.isfinite(size):
+        raise ValueError("is too large")
+    return int(size)
 
 
 def _enum(kind: type[enum.Enum]) -> Callable[[Any], Any]:
