@@ -238,3 +238,19 @@ def test_engines_that_rewrite_running_blocks_get_every_store_flushed_next_step()
     meta = run_prefill(sched, Req("a", list(range(64))))
     assert meta.jobs_to_flush == frozenset()
     assert sched.build_connector_meta(StepSchedule(())).jobs_to_flush == {meta.store_jobs[0].job_id}
+
+
+def test_a_second_live_request_with_the_same_id_gets_no_hits_and_stores_nothing():
+    sched = make_scheduler()
+    complete(sched, run_prefill(sched, Req("x", list(range(64)))))
+    sched.request_finished("x")
+    first = Req("a", [*list(range(64)), 1, 1])
+    assert sched.get_num_new_matched_tokens(first, 0) == (64, True)  # its hashes are now cached
+    twin = Req("a", [7] * 66, extra_keys=("salt:other",))  # same id, other tokens and salt, still live
+    assert sched.get_num_new_matched_tokens(twin, 0) == (0, False)  # not the first request's hits
+    sched.update_state_after_alloc(twin, [list(range(5))], 0)
+    step = StepSchedule((ScheduledRequest("a", (tuple(range(5)),), 66),))
+    assert sched.build_connector_meta(step).store_jobs == ()
+    sched.request_finished("a")
+    again = Req("a", [*list(range(64)), 9, 9])  # the id is free again: served normally
+    assert sched.get_num_new_matched_tokens(again, 0) == (64, True)

@@ -80,6 +80,8 @@ class RequestState:
     """Tokens asked for by the last lookup, until counted in the stats (once per lookup)."""
     jobs: set[JobId] = field(default_factory=set)
     """Jobs in flight that read or write this request's device blocks."""
+    ambiguous: bool = False
+    """Another live request had the same id: no loads or stores for this id until it is finished."""
 
     def block_hashes(self, num_blocks: int) -> list[BlockHash]:
         """Hashes of the first ``num_blocks`` offload blocks (computed once, as tokens arrive)."""

@@ -101,6 +101,8 @@ class ConnectorScheduler:
         state.planned_load = None
         num_tokens = len(request.all_token_ids)
         state.query_tokens = max(0, num_tokens - num_computed_tokens)
+        if state.ambiguous:
+            return 0, False
         # The engine must compute at least the last prompt token itself, to sample from its logits.
         end = (num_tokens - 1) // self.offload_tokens
         first = num_computed_tokens // self.offload_tokens
@@ -181,8 +183,9 @@ class ConnectorScheduler:
     def _collect_stores(self, scheduled: ScheduledRequest, out: list[_StoreCandidate]) -> None:
         """Track the request's new blocks; add its offload blocks that became full in this step to ``out``."""
         state = self._requests.get(scheduled.req_id)
-        if state is None:
-            logger.debug("scheduled request %s was never looked up; not storing it", scheduled.req_id)
+        if state is None or state.ambiguous:
+            logger.debug("scheduled request %s was never looked up or shares its id; not storing it",
+                         scheduled.req_id)
             return
         if state.scheduled and not scheduled.resumed:
             for ids, new in zip(state.block_ids, scheduled.new_block_ids, strict=True):  # hot: every step
@@ -299,6 +302,12 @@ class ConnectorScheduler:
         if state is None:
             state = RequestState(request, self._root, self.offload_tokens, self.num_groups)
             self._requests[request.request_id] = state
+        elif state.request is not request and state.request != request and not state.ambiguous:
+            # Another live request with this id: its hashes (tokens, salt) are not this one's, and the engine's
+            # schedule names requests by id alone, so neither's blocks can be told apart. Until the id is
+            # finished, nothing is loaded into or stored from either of them.
+            logger.warning("two live requests share the id %r; kvoffload skips both", request.request_id)
+            state.ambiguous = True
         return state
 
     def _new_job(self, kind: JobKind, req_ids: tuple[str, ...], keys: tuple[OffloadKey, ...],
