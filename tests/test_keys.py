@@ -37,7 +37,8 @@ def test_partial_block_is_not_hashed():
 
 
 @pytest.mark.parametrize("field,value", [("model", "other"), ("dtype", "fp8"), ("layout", "pages=8192"),
-                                         ("world_size", 2), ("format_version", 99)])
+                                         ("world_size", 2), ("format_version", 99),
+                                         ("weights", "quant=awq")])
 def test_namespace_fields_change_the_keys(field, value):
     tokens = list(range(16))
     assert hash_blocks(ns().chain_root(), tokens, 16) != hash_blocks(ns(**{field: value}).chain_root(), tokens, 16)

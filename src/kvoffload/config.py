@@ -62,6 +62,8 @@ class OffloadConfig:
     disk: DiskTierConfig | None = None
     model_id: str | None = None
     """Overrides the model name used in the key namespace (engines sharing a tier must agree on it)."""
+    model_version: str | None = None
+    """Names the weights in the key namespace when the model config cannot tell two checkpoints apart."""
     inject_load_failures: int = 0
     """Testing knob: the first N load jobs of each worker fail (exercises the recompute path end to end)."""
     inject_load_corruption: int = 0
@@ -143,6 +145,7 @@ KEYS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "disk_breaker_errors": (_positive_int, "consecutive disk errors that switch the disk tier off"),
     "disk_breaker_cooldown_s": (_positive_float, "how long the disk tier stays off after tripping"),
     "model_id": (_text, "model name in the key namespace (default: the engine's model)"),
+    "model_version": (_text, "weights version in the key namespace, for checkpoints whose configs are the same"),
     "inject_load_failures": (_non_negative_int, "testing: the first N load jobs fail, forcing recompute"),
     "inject_load_corruption": (_non_negative_int,
                                "testing: the first N load jobs load a zeroed block yet succeed (wrong KV)"),
@@ -204,6 +207,7 @@ class _Parser:
             host=host,
             disk=disk,
             model_id=v.get("model_id"),
+            model_version=v.get("model_version"),
             inject_load_failures=v.get("inject_load_failures", 0),
             inject_load_corruption=v.get("inject_load_corruption", 0),
         )

@@ -2,7 +2,8 @@
 
 A block's key is a chained content hash: the hash of its parent block, its token ids and any extra keys (LoRA
 adapter, multimodal input hashes), rooted in a namespace fingerprint that covers everything that changes the bytes
-of a KV page (model, dtype, page layout, tensor-parallel rank and world size, format version). The key of a block in
+of a KV page (model and what decides its weights, dtype, page layout, tensor-parallel rank and world size, format
+version). The key of a block in
 KV-cache group ``g`` is derived from the block hash and ``g``.
 
 Keys use BLAKE2b with fixed parameters: no Python ``hash()``, no seeds, no process state. The same tokens in the same
@@ -39,6 +40,9 @@ class Namespace:
     rank: int = 0
     world_size: int = 1
     format_version: int = FORMAT_VERSION
+    weights: str = ""
+    """What else decides the weights: the model config's KV-relevant fields, quantization, revision and the
+    user's model version (an engine adapter builds it; two checkpoints it cannot tell apart need a version)."""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -49,7 +53,7 @@ class Namespace:
     def fingerprint(self) -> bytes:
         """A 16-byte digest of the namespace; the root of every hash chain in it."""
         fields = (self.model, self.dtype, self.layout, str(self.rank), str(self.world_size),
-                  str(self.format_version))
+                  str(self.format_version), self.weights)
         return _digest(b"kvoffload-namespace", *(f.encode() for f in fields))
 
     def chain_root(self) -> bytes:

@@ -16,6 +16,7 @@ Nothing here keeps state; every function is a pure translation.
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1 import kv_cache_interface as vkv
 
+from kvoffload.config import OffloadConfig
 from kvoffload.connector.requests import ScheduledRequest, StepSchedule
 from kvoffload.keys import Namespace
 from kvoffload.layout import AttentionSpec, KVBuffer, KVCacheLayout, KVGroup, LayerSpec, StateSpec
@@ -192,13 +194,41 @@ def engine_block_size(kv_cache_config: vkv.KVCacheConfig, default: int) -> int:
     return sizes.pop() if sizes else default
 
 
-def namespace(vllm_config: VllmConfig, layout: KVCacheLayout, model_id: str | None, rank: int) -> Namespace:
-    """The key namespace: model, dtypes, page layout and this process's rank among all workers."""
+def namespace(vllm_config: VllmConfig, layout: KVCacheLayout, config: OffloadConfig, rank: int) -> Namespace:
+    """The key namespace: model and what decides its weights, dtypes, page layout, this process's rank."""
     model_config = vllm_config.model_config
     cache_dtype = vllm_config.cache_config.cache_dtype
     dtype = f"{model_config.dtype}/{cache_dtype}"
-    return Namespace(model=model_id or model_config.model, dtype=dtype, layout=layout.describe(), rank=rank,
-                     world_size=vllm_config.parallel_config.world_size)
+    return Namespace(model=config.model_id or model_config.model, dtype=dtype, layout=layout.describe(), rank=rank,
+                     world_size=vllm_config.parallel_config.world_size,
+                     weights=weights_identity(model_config, config.model_version))
+
+
+# Hugging Face config fields that never change a KV page: where the files are, tool versions, output switches.
+_NOT_KV_FIELDS = frozenset({
+    "_name_or_path", "_commit_hash", "transformers_version", "_attn_implementation_autoset",
+    "_attn_implementation", "attn_implementation", "use_cache", "return_dict", "output_attentions",
+    "output_hidden_states", "torchscript", "id2label", "label2id", "dtype", "torch_dtype",
+})
+
+
+def weights_identity(model_config: Any, model_version: str | None) -> str:
+    """Everything of the model config that decides the weights, and so the KV of a prompt, as stable text.
+
+    The Hugging Face config after vLLM applied ``hf_overrides`` (architecture, sizes, rope scaling, sliding
+    windows, the checkpoint's quantization config, ...) less ``_NOT_KV_FIELDS``; vLLM's ``quantization``,
+    ``revision`` and ``code_revision``; the user's ``model_version``, for checkpoints whose configs are the
+    same. The dtypes are in the namespace already.
+    """
+    hf = {k: v for k, v in model_config.hf_config.to_dict().items() if k not in _NOT_KV_FIELDS}
+    parts = {
+        "hf_config": hf,
+        "quantization": model_config.quantization,
+        "revision": model_config.revision,
+        "code_revision": model_config.code_revision,
+        "model_version": model_version,
+    }
+    return json.dumps(parts, sort_keys=True, default=str, separators=(",", ":"))
 
 
 # ---- requests and blocks -----------------------------------------------------------------------------------
@@ -208,9 +238,10 @@ def namespace(vllm_config: VllmConfig, layout: KVCacheLayout, model_id: str | No
 class VllmRequest:
     """A vLLM ``Request`` as the scheduler half's ``EngineRequest``.
 
-    ``extra_keys``: everything besides token ids that changes the KV of a prefix: the LoRA adapter, the cache
-    salt and multimodal inputs. They apply to the whole request (vLLM applies multimodal keys only to the
-    blocks that hold the input; ours are stricter, which costs hits but never correctness).
+    ``extra_keys``: everything besides token ids that changes the KV of a prefix: the LoRA adapter (name and
+    path), the cache salt and multimodal inputs (hash, offset and length in the prompt). They apply to the whole
+    request (vLLM applies multimodal keys only to the blocks that hold the input; ours are stricter, which
+    costs hits but never correctness).
     """
 
     request: Request
@@ -229,10 +260,13 @@ class VllmRequest:
         keys: list[str] = []
         lora = self.request.lora_request
         if lora is not None:
-            keys.append(f"lora:{lora.lora_name}")
+            # Name and path, as vLLM keys its own prefix cache: a name re-pointed at other weights is another key.
+            keys.append(f"lora:{lora.lora_name}:{lora.lora_path}")
         if self.request.cache_salt:
             keys.append(f"salt:{self.request.cache_salt}")
-        keys.extend(f"mm:{f.identifier}" for f in self.request.mm_features or ())
+        # Each input with its place in the prompt: the same image at another position gives other KV.
+        keys.extend(f"mm:{f.identifier}@{f.mm_position.offset}+{f.mm_position.length}"
+                    for f in self.request.mm_features or ())
         return keys
 
 

@@ -65,13 +65,13 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             events = vllm_config.kv_events_config
             publish = bool(events is not None and events.enable_kv_cache_events)
-            ns = adapters.namespace(vllm_config, layout, config.model_id, 0)
+            ns = adapters.namespace(vllm_config, layout, config, 0)
             self._scheduler = SchedulerSide(config, layout, block_size, ns, publish,
                                             adapters.blocks_change_while_running(kv_cache_config))
         else:
             rank = _worker_rank()
             self._worker = WorkerSide(config, layout, block_size,
-                                      adapters.namespace(vllm_config, layout, config.model_id, rank))
+                                      adapters.namespace(vllm_config, layout, config, rank))
         logger.info("kvoffload %s role: %d KV-cache group(s), block size %d, offload block %d tokens",
                     role.name.lower(), len(layout.groups), block_size,
                     (config.offload_block_tokens or block_size))
