@@ -24,6 +24,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import (
 )
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec
 from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -234,3 +235,31 @@ def test_state_pages_in_another_shape_are_refused_by_the_adapter() -> None:
     spec = replace(shortconv_spec(), num_heads=2)
     with pytest.raises(adapters.UnsupportedKVCacheError, match="'m'"):
         adapters.layer_spec("m", spec)
+
+
+# ---- which blocks of a state model are stored ---------------------------------------------------------------
+
+
+def test_models_with_state_layers_store_prompt_blocks_only() -> None:
+    attn = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    assert adapters.stores_prompt_blocks_only(vllm_kv_cache(engine_config(), hybrid_specs(gdn_spec()))[0])
+    assert not adapters.stores_prompt_blocks_only(vllm_kv_cache(engine_config(), {"layers.0.attn": attn})[0])
+
+
+def decode_step(req_id: str, computed_before: int) -> SchedulerOutput:
+    out = SchedulerOutput.make_empty()
+    cached = CachedRequestData.make_empty()
+    cached.req_ids.append(req_id)
+    cached.new_block_ids.append(None)
+    cached.num_computed_tokens.append(computed_before)
+    cached.num_output_tokens.append(computed_before - 300)
+    out.scheduled_cached_reqs = cached
+    out.num_scheduled_tokens = {req_id: 1}
+    return out
+
+
+def test_store_limit_caps_the_computed_tokens_a_decode_step_reports() -> None:
+    out = decode_step("r", computed_before=383)
+    (capped,) = adapters.step_schedule(out, num_groups=2, store_limits={"r": 302}).scheduled
+    (free,) = adapters.step_schedule(out, num_groups=2).scheduled
+    assert (capped.num_computed_tokens, free.num_computed_tokens) == (302, 384)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -126,6 +126,23 @@ def check_state_layers(vllm_config: VllmConfig, kv_cache_config: vkv.KVCacheConf
                     f"layer {name!r}: prefix-cache hashes every {hash_block_size} tokens inside "
                     f"{spec.block_size}-token state blocks let vLLM checkpoint a state inside a block; unset "
                     f"prefix_match_unit (or set it to {spec.block_size}) to use kvoffload with this model")
+
+
+def stores_prompt_blocks_only(kv_cache_config: vkv.KVCacheConfig) -> bool:
+    """True when only blocks that hold prompt tokens may be stored: models with state layers.
+
+    A state block is right to load only if it holds what plain vLLM would compute for its tokens, which is a
+    prefill chunk ending on the block's boundary. A state block that fills while the request decodes is
+    written by the decode kernels instead, and on vLLM 0.32's CPU backend that state differs from the
+    prefill's (LFM2: the ShortConv states after an attention layer differ by whole units, and outputs of a
+    request loading it differ from plain vLLM's; tests/e2e/test_state_model.py). vLLM itself does not reuse
+    such blocks by default: ``MambaManager.cache_blocks`` keeps, under ``prefix_cache_retention_interval``
+    0, only the prompt's boundary states (``reachable_block_mask``). So for these models every group's
+    blocks past the prompt are never stored; a later turn recomputes its previous output once, by prefill,
+    and stores it then.
+    """
+    return any(isinstance(spec, vkv.MambaSpec) for group in kv_cache_config.kv_cache_groups
+               for _, spec in _layer_specs(group))
 
 
 def blocks_change_while_running(kv_cache_config: vkv.KVCacheConfig) -> bool:
@@ -283,14 +300,21 @@ def block_ids_per_group(block_ids: Sequence[Sequence[int]] | None,
     return tuple(tuple(ids) for ids in block_ids)
 
 
-def step_schedule(out: SchedulerOutput, num_groups: int) -> StepSchedule:
+def step_schedule(out: SchedulerOutput, num_groups: int,
+                  store_limits: Mapping[str, int] | None = None) -> StepSchedule:
     """This step's scheduled requests: blocks they gained and the tokens whose KV is computed after the step.
 
-    Speculative tokens are left out of the computed count: the engine may reject them.
+    Speculative tokens are left out of the computed count: the engine may reject them. ``store_limits``
+    (request id -> tokens) caps a request's count, so that no block past the cap is ever stored
+    (``stores_prompt_blocks_only``).
     """
+    limits = store_limits or {}
+
     def computed(req_id: str, before: int) -> int:
         spec = len(out.scheduled_spec_decode_tokens.get(req_id, ()))
-        return before + out.num_scheduled_tokens.get(req_id, 0) - spec
+        done = before + out.num_scheduled_tokens.get(req_id, 0) - spec
+        limit = limits.get(req_id)
+        return done if limit is None else min(done, limit)
 
     scheduled = [ScheduledRequest(new.req_id, block_ids_per_group(new.block_ids, num_groups),
                                   computed(new.req_id, new.num_computed_tokens))

@@ -67,7 +67,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             publish = bool(events is not None and events.enable_kv_cache_events)
             ns = adapters.namespace(vllm_config, layout, config, 0)
             self._scheduler = SchedulerSide(config, layout, block_size, ns, publish,
-                                            adapters.blocks_change_while_running(kv_cache_config))
+                                            adapters.blocks_change_while_running(kv_cache_config),
+                                            adapters.stores_prompt_blocks_only(kv_cache_config))
         else:
             rank = _worker_rank()
             self._worker = WorkerSide(config, layout, block_size,
