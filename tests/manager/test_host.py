@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import tracemalloc
 
 import pytest
 from hypothesis import settings
@@ -224,12 +225,12 @@ def test_spec_factory_builds_the_specs_of_another_medium() -> None:
 
 
 @pytest.mark.parametrize("corrupt, message", [
-    (lambda m: m._free.append(m._free[0]), "add up"),
+    (lambda m: m._free.append(0), "add up"),
     (lambda m: m._ready.__setitem__(key(1), 1), "slots are repeated"),
     (lambda m: m._pins.__setitem__(key(9), 1), "pin counts"),
     (lambda m: m._pins.__setitem__(key(1), 0), "pin counts"),
     (lambda m: m._policy.remove(key(1)), "policy tracks"),
-    (lambda m: m._in_flight.__setitem__(key(1), m._free.pop()), "two states"),
+    (lambda m: m._in_flight.__setitem__(key(1), m._take(1)[0]), "two states"),
 ])
 def test_check_integrity_raises_on_corrupted_bookkeeping(corrupt, message) -> None:  # type: ignore[no-untyped-def]
     manager = stored(HostTierManager(4), 1, 2)
@@ -399,3 +400,16 @@ TestHostTierLRU = HostTierMachine.TestCase
 TestHostTierLRU.settings = _SETTINGS
 TestHostTierARC = ARCHostTierMachine.TestCase
 TestHostTierARC.settings = _SETTINGS
+
+
+def test_a_hundred_million_slot_tier_allocates_little_until_its_slots_are_used() -> None:
+    tracemalloc.start()
+    try:
+        manager = HostTierManager(100_000_000)
+        stored(manager, 1, 2, 3)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 1024
+    assert manager.usage() == [TierUsage(Medium.HOST, 3, 100_000_000)]
+    manager.check_integrity()

@@ -15,8 +15,10 @@ A pin count per key counts the loads in progress. Conservation law, checked by `
 slots + ready + in flight + doomed == capacity.
 
 Cost: every call is O(len(keys)) plus, for ``prepare_store``, the victims the policy skips; ``reset`` and
-``check_integrity`` are O(capacity). ``lookup`` runs over a whole prompt's keys on every scheduler step, so
-state is plain dicts of key -> slot with no per-key objects.
+``check_integrity`` are O(slots in use). ``lookup`` runs over a whole prompt's keys on every scheduler step, so
+state is plain dicts of key -> slot with no per-key objects. Nothing is allocated per slot up front: slots never
+used yet are a counter, and only slots given back are listed (a 64 GiB disk tier of small blocks has a hundred
+million slots, which as a list cost 4 GB and seconds before the engine served anything).
 
 Other tiers reuse this index with their own spec type through ``spec_factory`` (the disk tier names files by
 key).
@@ -65,7 +67,7 @@ class HostTierManager(ResidencyManager):
         ValueError: ``num_slots`` is not a positive integer.
     """
 
-    __slots__ = ("_doomed", "_events", "_free", "_in_flight", "_pins", "_policy", "_ready", "_spec",
+    __slots__ = ("_doomed", "_events", "_free", "_fresh", "_in_flight", "_pins", "_policy", "_ready", "_spec",
                  "capacity", "medium")
 
     def __init__(
@@ -81,8 +83,10 @@ class HostTierManager(ResidencyManager):
         self.medium = medium
         self._spec = spec_factory
         self._policy = make_policy(policy, num_slots)
-        # Popped from the end: slot 0 is handed out first, which keeps small pools easy to read in tests.
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        # Slots given back, reused last in first out; then never-used slots from ``_fresh`` up, so slot 0 is
+        # handed out first, which keeps small pools easy to read in tests.
+        self._free: list[int] = []
+        self._fresh = 0
         self._ready: dict[OffloadKey, int] = {}
         self._in_flight: dict[OffloadKey, int] = {}
         self._doomed: dict[OffloadKey, int] = {}
@@ -141,11 +145,10 @@ class HostTierManager(ResidencyManager):
         # once its last load completes and drops it.
         new = [key for key in dict.fromkeys(keys) if key not in ready and key not in in_flight
                and key not in doomed]
-        evicted = self._evict(len(new) - len(self._free), keys)
+        evicted = self._evict(len(new) - self._num_free(), keys)
         if evicted is None:
             return None
-        free = self._free
-        slots = [free.pop() for _ in new]
+        slots = self._take(len(new))
         for key, slot in zip(new, slots, strict=True):
             in_flight[key] = slot
         return PrepareStoreOutput(tuple(new), self._spec(new, slots), tuple(evicted))
@@ -181,22 +184,23 @@ class HostTierManager(ResidencyManager):
             self._emit(EventKind.REMOVED, removed)
 
     def usage(self) -> list[TierUsage]:
-        return [TierUsage(self.medium, self.capacity - len(self._free), self.capacity)]
+        return [TierUsage(self.medium, self._fresh - len(self._free), self.capacity)]
 
     def check_integrity(self) -> None:
         """Check the laws below; raise ``IntegrityError`` naming the first that does not hold.
 
         - free + ready + in flight + doomed == capacity (pinned keys are among ready and doomed);
-        - every slot in [0, capacity) appears exactly once among free and held slots; no key in two states;
+        - every slot ever handed out appears exactly once among given-back and held slots; no key in two states;
         - pins are positive and only on ready or doomed keys; every doomed key is pinned;
         - the policy tracks exactly the ready keys (pinned ones included; in-flight and doomed ones not).
         """
         ready, in_flight, doomed, free = self._ready, self._in_flight, self._doomed, self._free
-        counts = f"free {len(free)}, ready {len(ready)}, in flight {len(in_flight)}, doomed {len(doomed)}"
-        if len(free) + len(ready) + len(in_flight) + len(doomed) != self.capacity:
+        counts = (f"free {self._num_free()}, ready {len(ready)}, in flight {len(in_flight)}, "
+                  f"doomed {len(doomed)}")
+        if len(free) + len(ready) + len(in_flight) + len(doomed) != self._fresh or self._fresh > self.capacity:
             raise IntegrityError(f"{self.medium.value} tier: {counts} do not add up to {self.capacity} slots")
         slots = [*free, *ready.values(), *in_flight.values(), *doomed.values()]
-        if sorted(slots) != list(range(self.capacity)):
+        if sorted(slots) != list(range(self._fresh)):
             raise IntegrityError(f"{self.medium.value} tier: slots are repeated or out of range ({counts})")
         if len(ready.keys() | in_flight.keys() | doomed.keys()) != len(ready) + len(in_flight) + len(doomed):
             raise IntegrityError(f"{self.medium.value} tier: a key is in two states ({counts})")
@@ -219,6 +223,18 @@ class HostTierManager(ResidencyManager):
             raise IntegrityError(f"{self.medium.value} tier: policy tracks {len(policy)} keys, "
                                  f"not the {len(self._ready)} ready ones")
         policy.check_integrity()
+
+    def _num_free(self) -> int:
+        return len(self._free) + self.capacity - self._fresh
+
+    def _take(self, n: int) -> list[int]:
+        """``n`` free slots (the caller checked there are enough): given-back ones first, then never-used ones."""
+        free = self._free
+        slots = [free.pop() for _ in range(min(n, len(free)))]
+        fresh = self._fresh
+        self._fresh = fresh + n - len(slots)
+        slots.extend(range(fresh, self._fresh))
+        return slots
 
     def _evict(self, n: int, storing: Sequence[OffloadKey]) -> list[OffloadKey] | None:
         """Evict ``n`` ready, unpinned keys not in ``storing``; None (no change) when there are too few."""
