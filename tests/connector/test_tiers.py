@@ -1,0 +1,22 @@
+"""Sizing the tiers from the configuration (both halves call these)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvoffload.config import ConfigError, OffloadConfig
+from kvoffload.connector.tiers import host_num_slots
+from kvoffload.testing import layouts
+
+
+def test_a_host_tier_larger_than_the_available_memory_is_a_config_error_naming_host_bytes() -> None:
+    layout, _ = layouts.attention_layout(num_blocks=8, block_size=4)
+    config = OffloadConfig.from_dict({"host_bytes": 1 << 60})
+    with pytest.raises(ConfigError, match=r"host_bytes.*MemAvailable"):
+        host_num_slots(config, layout, 1)
+
+
+def test_a_host_tier_that_fits_in_memory_is_sized_in_slots() -> None:
+    layout, _ = layouts.attention_layout(num_blocks=8, block_size=4)
+    slot = layout.group_block_bytes(0)
+    assert host_num_slots(OffloadConfig.from_dict({"host_bytes": 10 * slot}), layout, 1) == 10
