@@ -18,7 +18,6 @@ prefix only if it holds every block of it in every group, so each prefill chunk 
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,7 +26,16 @@ from typing import Any
 
 import pytest
 import vllm
-from tests.e2e.conftest import Result, assert_kv_sensitive, assert_same_outputs, close, generate, make_llm, metric
+from tests.e2e.conftest import (
+    Result,
+    assert_kv_sensitive,
+    assert_same_outputs,
+    close,
+    generate,
+    make_llm,
+    metric,
+    with_changed_tokens,
+)
 
 from kvoffload.integrations.vllm.model import ModelFamily, TinyShape, write_tiny_model
 
@@ -38,7 +46,6 @@ PREFIX_TOKENS = 300  # two full blocks, then a partial one
 NUM_PREFIXES = 2
 LOADED_TOKENS = PREFIX_TOKENS // BLOCK_SIZE * BLOCK_SIZE
 CONTINUATION_TOKENS = 100  # from 302 prompt tokens past 384: block 2 fills during decode
-CHANGED_POSITION = 5  # inside block 0, which every hit loads
 ENGINE: dict[str, Any] = {
     "dtype": "float32",
     "block_size": None,  # vLLM's choice
@@ -50,19 +57,6 @@ ENGINE: dict[str, Any] = {
 }
 
 
-def write_lfm2(directory: Path) -> Path:
-    """The tiny LFM2 checkpoint, plus the ``conv_dim`` / ``block_dim`` that vLLM 0.32's lfm2.py reads from
-    config.json (real LFM2 checkpoints carry them; transformers' Lfm2Config writes neither): both the hidden
-    size, which is what the weights transformers built have."""
-    write_tiny_model(directory, ModelFamily.LFM2, TinyShape(num_layers=4, max_position=1024))
-    path = directory / "config.json"
-    config = json.loads(path.read_text())
-    config.setdefault("conv_dim", config["hidden_size"])
-    config.setdefault("block_dim", config["hidden_size"])
-    path.write_text(json.dumps(config, indent=2))
-    return directory
-
-
 def prefixes() -> list[list[int]]:
     rng = random.Random(99)
     return [[rng.randrange(10, 1000) for _ in range(PREFIX_TOKENS)] for _ in range(NUM_PREFIXES)]
@@ -70,13 +64,6 @@ def prefixes() -> list[list[int]]:
 
 def prompts(tail: Sequence[int]) -> list[list[int]]:
     return [p + list(tail) for p in prefixes()]
-
-
-def with_changed_token(prompt_ids: list[list[int]]) -> list[list[int]]:
-    changed = [list(p) for p in prompt_ids]
-    for p in changed:
-        p[CHANGED_POSITION] = 10 + (p[CHANGED_POSITION] + 1) % 990
-    return changed
 
 
 @dataclass(frozen=True)
@@ -102,14 +89,15 @@ def run_workload(llm: vllm.LLM, control: bool) -> Run:
     second = generate(llm, prompts((9, 10, 11)))
     assert llm.reset_prefix_cache()
     follow_up = generate(llm, [long_prompt + list(continuation) + [12]])
-    changed = generate(llm, with_changed_token(prompts((9, 10, 11)))) if control else None
+    changed = generate(llm, with_changed_tokens(prompts((9, 10, 11)))) if control else None
     return Run(cache.block_size, str(cache.mamba_cache_mode), first, continuation, second, follow_up, changed,
                metric(llm, "vllm:kvoffload_hit_tokens"))
 
 
 @pytest.fixture(scope="module")
 def lfm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_lfm2(tmp_path_factory.mktemp("tiny-lfm2"))
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-lfm2"), ModelFamily.LFM2,
+                            TinyShape(num_layers=4, max_position=1024))
 
 
 @pytest.fixture(scope="module")

@@ -76,6 +76,8 @@ def test_hybrid_families_mix_their_layer_kinds(tmp_path: Path, family: ModelFami
     assert config["architectures"] == [architecture]
     assert config["layer_types"] == layer_types
     assert weights(directory)  # a checkpoint, not a config alone
+    if family is ModelFamily.LFM2:  # vLLM's lfm2.py reads these two; transformers does not write them
+        assert config["conv_dim"] == config["block_dim"] == SHAPE.hidden_size
 
 
 def test_tokenizer_has_exactly_the_model_vocabulary(model_dir: Path) -> None:

@@ -140,9 +140,12 @@ def hf_config(family: ModelFamily, shape: TinyShape) -> dict[str, Any]:
     # LFM2: ShortConv layers with an attention layer every other layer, starting with a conv layer.
     layer_types = ["full_attention" if i % 2 else "conv" for i in range(shape.num_layers)]
     del common["head_dim"]  # LFM2 derives it from hidden_size / num_attention_heads
+    # conv_dim and block_dim: vLLM's lfm2.py reads them (real LFM2 checkpoints carry them, transformers'
+    # Lfm2Config does not write them); both are the hidden size, which is what transformers builds.
     return {**common, "architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2", "layer_types": layer_types,
             "conv_L_cache": shape.conv_kernel, "conv_bias": False, "norm_eps": 1e-5,
-            "block_auto_adjust_ff_dim": False, "block_ff_dim": shape.intermediate_size}
+            "block_auto_adjust_ff_dim": False, "block_ff_dim": shape.intermediate_size,
+            "conv_dim": shape.hidden_size, "block_dim": shape.hidden_size}
 
 
 # The value of a norm's weight that makes it the identity: Gemma scales by (1 + weight), the others by weight.
