@@ -6,6 +6,7 @@ import random
 import pytest
 
 from kvoffload.config import OffloadConfig
+from kvoffload.layout import StateSpec
 from kvoffload.testing import layouts
 from kvoffload.testing.block_pool import NULL_BLOCK
 from kvoffload.testing.sim import SimEngine, Status
@@ -21,6 +22,7 @@ LAYOUTS = {
     "multi_group": layouts.multi_group_layout,
     "mamba": layouts.mamba_layout,
     "cross_layer": layouts.cross_layer_layout,
+    "gdn": layouts.gdn_layout,
 }
 
 
@@ -50,6 +52,14 @@ def assert_drained(engine):
     assert engine.corrupt_blocks == []
 
 
+def test_the_gdn_layout_is_a_gated_delta_net_state_group_beside_full_attention():
+    layout, _ = layouts.gdn_layout()
+    state = layout.groups[0].specs["gdn.0"]
+    assert isinstance(state, StateSpec)
+    assert (state.shapes, state.dtypes) == (layouts.GDN_SHAPES, layouts.GDN_DTYPES)
+    assert state.page_bytes == 3 * 16 * 2 + 2 * 4 * 4 * 4 < state.padded_page_bytes
+
+
 @pytest.mark.parametrize("factor", [1, 4])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_evicted_prefix_comes_back_bit_exact_and_skips_exactly_the_stored_tokens(layout, factor):
@@ -70,7 +80,7 @@ def test_evicted_prefix_comes_back_bit_exact_and_skips_exactly_the_stored_tokens
 
 
 @pytest.mark.parametrize("factor", [1, 4])
-@pytest.mark.parametrize("layout", ["attention", "multi_group", "mamba"])
+@pytest.mark.parametrize("layout", ["attention", "multi_group", "mamba", "gdn"])
 def test_multi_turn_chat_with_a_small_device_cache_stays_correct(layout, factor):
     engine = make_engine(layout, factor, num_blocks=40)
     rng = random.Random(7)
@@ -127,9 +137,10 @@ def test_abort_during_a_store_is_safe_and_reused_blocks_are_not_corrupted():
     assert_drained(engine)
 
 
-def test_a_corrupted_load_is_caught_by_the_bit_exact_check():
+@pytest.mark.parametrize("layout", ["attention", "gdn"])  # gdn: the zeroed first block is a state block
+def test_a_corrupted_load_is_caught_by_the_bit_exact_check(layout):
     # The control for every simulated-engine test: a load that succeeds with wrong bytes must not go unseen.
-    engine = make_engine(inject_load_corruption=1)
+    engine = make_engine(layout, inject_load_corruption=1)
     prompt = tokens(40, seed=8)
     engine.add_request("a", prompt)
     run_checked(engine)
