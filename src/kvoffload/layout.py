@@ -239,6 +239,13 @@ class KVCacheLayout:
                      for g in self.groups for name, spec in g.specs.items())
 
     @property
+    def state_groups(self) -> tuple[int, ...]:
+        """Groups whose layers all keep a running state (Mamba-style): block ``p`` holds the state after block
+        ``p``'s tokens, so a prefix needs only its last block of such a group, not all of them."""
+        return tuple(g for g, group in enumerate(self.groups)
+                     if all(isinstance(spec, StateSpec) for spec in group.specs.values()))
+
+    @property
     def layer_specs(self) -> dict[str, LayerSpec]:
         """Every grouped layer's spec."""
         return {name: spec for g in self.groups for name, spec in g.specs.items()}

@@ -7,7 +7,7 @@ from kvoffload.connector.metadata import ConnectorMetadata, WorkerMetadata
 from kvoffload.connector.requests import ScheduledRequest, StepSchedule
 from kvoffload.connector.scheduler import ConnectorScheduler
 from kvoffload.keys import Namespace
-from kvoffload.layout import AttentionSpec, KVCacheLayout, KVGroup
+from kvoffload.layout import AttentionSpec, KVCacheLayout, KVGroup, StateSpec
 from kvoffload.specs import NO_BLOCK, DeviceBlocks, HostBlocks
 
 BLOCK = 16
@@ -254,3 +254,26 @@ def test_a_second_live_request_with_the_same_id_gets_no_hits_and_stores_nothing(
     sched.request_finished("a")
     again = Req("a", [*list(range(64)), 9, 9])  # the id is free again: served normally
     assert sched.get_num_new_matched_tokens(again, 0) == (64, True)
+
+
+def test_a_state_group_needs_only_the_last_block_of_a_hit_and_loads_only_that_one():
+    state_spec = StateSpec([(256,)], ["int8"])  # one state page per block, like a ShortConv layer's
+    layout = KVCacheLayout(num_blocks=128, groups=(KVGroup.uniform(["attn.l0"], SPEC),
+                                                   KVGroup.uniform(["conv.l0"], state_spec)))
+    config = OffloadConfig.from_dict({"host_bytes": 64 * SPEC.page_bytes})
+    sched = ConnectorScheduler(config, layout, BLOCK, Namespace("m", "fp16", layout.describe()), null_block_id=0)
+    a = Req("a", list(range(64)))
+    assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+    # vLLM keeps a state only where a prefill chunk ended (here after block 2); other columns hold the null block.
+    table = ([1, 2, 3, 4], [0, 0, 12, 0])
+    sched.update_state_after_alloc(a, table, 0)
+    complete(sched, sched.build_connector_meta(StepSchedule((ScheduledRequest("a", tuple(map(tuple, table)), 64),))))
+
+    b = Req("b", [*list(range(64)), 9, 9])
+    assert sched.get_num_new_matched_tokens(b, 0) == (48, True)  # attention holds 4 blocks, the state only block 2
+    sched.update_state_after_alloc(b, ([20, 21, 22, 23, 24], [0, 0, 30, 0, 0]), 48)
+    (load,) = sched.build_connector_meta(StepSchedule(())).load_jobs
+    assert load.job.dst == DeviceBlocks((20, 21, 22, NO_BLOCK, NO_BLOCK, 30), (3, 3))
+    assert isinstance(load.job.src, HostBlocks) and load.job.src.group_sizes == (3, 3)
+    state_slots = load.job.src.slots[3:]
+    assert len(set(state_slots)) == 1 and state_slots[0] not in load.job.src.slots[:3]

@@ -11,9 +11,10 @@ told to keep it, gives other outputs than recomputing), so kvoffload must serve 
 
 The settings are those kvoffload needs for state layers (adapters.check_state_layers): prefix caching on, so
 vLLM keeps one state per block (``mamba_cache_mode`` "align"), no speculative decoding. vLLM picks the block
-size (128 tokens for this model). vLLM keeps a state only where a chunk of prefill ends, and kvoffload serves a
-prefix only if it holds every block of it in every group, so each prefill chunk is one block
-(``max_num_batched_tokens`` = the block size); with larger chunks outputs stay right but nothing is loaded.
+size (128 tokens for this model). vLLM keeps a state only where a chunk of prefill ends, so a prefix is served
+when kvoffload holds every attention block of it and the state block where it ends: chunks of two blocks here
+(``max_num_batched_tokens``), so each 302-token prompt leaves a state after block 1 only, and the 256 tokens of
+blocks 0-1 are what kvoffload serves (with state block 0 never stored).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ ENGINE: dict[str, Any] = {
     "dtype": "float32",
     "block_size": None,  # vLLM's choice
     "max_model_len": 1024,
-    "max_num_batched_tokens": BLOCK_SIZE,
+    "max_num_batched_tokens": 2 * BLOCK_SIZE,
     "max_num_seqs": 4,
     "num_gpu_blocks_override": 64,
     "enable_prefix_caching": True,

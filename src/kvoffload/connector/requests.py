@@ -55,7 +55,7 @@ class StepSchedule:
 @dataclass(frozen=True)
 class PlannedLoad:
     """A hit found by ``get_num_new_matched_tokens``: offload blocks ``[first, end)`` and their keys, group 0's
-    first (kept so the load does not hash them again)."""
+    first, a state group's being only block ``end - 1`` (kept so the load does not hash them again)."""
 
     first: int
     end: int

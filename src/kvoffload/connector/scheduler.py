@@ -55,6 +55,8 @@ class _PendingJob:
     req_ids: tuple[str, ...]
     keys: tuple[OffloadKey, ...] = ()
     transfer_id: int = -1
+    blocks: int = 0
+    """A load's offload blocks per group (its tokens, once multiplied by the offload block size)."""
     ok: int = 0
     failed: int = 0
 
@@ -75,6 +77,7 @@ class ConnectorScheduler:
         self.engine_block_size = engine_block_size
         self.offload_tokens = self.factor * engine_block_size
         self.num_groups = len(layout.groups)
+        self.state_groups = frozenset(layout.state_groups)
         self.world_size = namespace.world_size
         self.manager = manager or build_manager(config, layout, self.factor, namespace)
         self.null_block_id = null_block_id
@@ -109,22 +112,41 @@ class ConnectorScheduler:
         if first >= end:
             return 0, False
         hits, pending = end - first, False
-        group_keys = []
+        group_keys: dict[int, list[OffloadKey]] = {}
         for group in range(self.num_groups):
+            if group in self.state_groups:
+                continue
             keys = state.keys(first, first + hits, group)
-            group_keys.append(keys)
+            group_keys[group] = keys
             result = self.manager.lookup(keys)
             if result.hits < hits:
                 # The group with the shortest run decides, and whether its next block is on its way.
                 hits, pending = result.hits, result.pending
         if pending:
             return None, False
+        if self.state_groups:
+            hits = self._state_hit(state, first, hits)
         hit_tokens = (first + hits) * self.offload_tokens - num_computed_tokens
         if hits == 0 or hit_tokens <= 0:
             return 0, False
-        planned_keys = tuple(k for keys in group_keys for k in keys[:hits])
+        planned_keys = tuple(k for g in range(self.num_groups)
+                             for k in (state.keys(first + hits - 1, first + hits, g) if g in self.state_groups
+                                       else group_keys[g][:hits]))
         state.planned_load = PlannedLoad(first, first + hits, planned_keys)
         return hit_tokens, True
+
+    def _state_hit(self, state: RequestState, first: int, hits: int) -> int:
+        """The longest run, at most ``hits`` blocks from ``first``, whose last block every state group holds.
+
+        A state block is the state after its tokens, so a state group needs only the block where the loaded run
+        ends (as vLLM's own prefix cache does: it keeps states only where a prefill chunk ended).
+        """
+        while hits > 0:
+            keys = [state.keys(first + hits - 1, first + hits, g)[0] for g in sorted(self.state_groups)]
+            if self.manager.lookup(keys).hits == len(keys):
+                return hits
+            hits -= 1
+        return 0
 
     def update_state_after_alloc(self, request: EngineRequest, block_ids: Sequence[Sequence[int]],
                                  num_external_tokens: int) -> None:
@@ -146,20 +168,38 @@ class ConnectorScheduler:
         n = plan.end - plan.first
         first_engine_block = computed // self.engine_block_size
         last_engine_block = plan.end * self.factor
-        device_ids = tuple(b for ids in state.block_ids for b in ids[first_engine_block:last_engine_block])
-        if self.null_block_id in device_ids:  # a window group dropped these blocks: nothing may write the null block
-            device_ids = tuple(NO_BLOCK if b == self.null_block_id else b for b in device_ids)
         per_group = last_engine_block - first_engine_block
-        dst = DeviceBlocks(device_ids, (per_group,) * self.num_groups)
-        job = self._new_job(JobKind.LOAD, (request.request_id,), flat_keys)
-        src = _regroup(src, (n,) * self.num_groups)
-        if skip:
-            if not isinstance(src, HostBlocks):
-                raise TypeError(f"loads come from host slots, not {type(src).__name__}")
-            src = dataclasses.replace(src, skip_sub_blocks=skip)
+        device_ids = [b for ids in state.block_ids for b in ids[first_engine_block:last_engine_block]]
+        for g in self.state_groups:  # only the run's last block holds a state worth loading
+            start = g * per_group
+            device_ids[start:start + max(0, per_group - self.factor)] = [NO_BLOCK] * max(0, per_group - self.factor)
+        if self.null_block_id in device_ids:  # a window group dropped these blocks: nothing may write the null block
+            device_ids = [NO_BLOCK if b == self.null_block_id else b for b in device_ids]
+        dst = DeviceBlocks(tuple(device_ids), (per_group,) * self.num_groups)
+        job = self._new_job(JobKind.LOAD, (request.request_id,), flat_keys, blocks=n)
+        src = self._load_source(src, n, skip)
         self._new_loads.append(LoadJob(request.request_id, TransferJob(job, src, dst)))
         state.jobs.add(job)
         self._stats.hit_tokens += num_external_tokens
+
+    def _load_source(self, src: BlockSpec, n: int, skip: int) -> BlockSpec:
+        """The host side of a load of ``n`` offload blocks per group, from ``prepare_load``'s one entry per key.
+
+        A state group has one key (its run's last block): it is repeated ``n`` times, so every group lists ``n``
+        entries; the device side leaves holes where those repeats stand, so only the last one is copied.
+        """
+        if not self.state_groups and not skip:
+            return _regroup(src, (n,) * self.num_groups)
+        if not isinstance(src, HostBlocks):
+            raise TypeError(f"loads come from host slots, not {type(src).__name__}")
+        slots: list[int] = []
+        at = 0
+        for g in range(self.num_groups):
+            taken = 1 if g in self.state_groups else n
+            group_slots = src.slots[at:at + taken]
+            slots.extend(group_slots * n if g in self.state_groups else group_slots)
+            at += taken
+        return HostBlocks(tuple(slots), (n,) * self.num_groups, skip_sub_blocks=skip)
 
     # ---- each step -------------------------------------------------------------------------------------------
 
@@ -260,7 +300,7 @@ class ConnectorScheduler:
         if job.kind is JobKind.LOAD:
             self.manager.complete_load(job.keys, success)
             if not success:
-                self._stats.failed_load_tokens += len(job.keys) // self.num_groups * self.offload_tokens
+                self._stats.failed_load_tokens += job.blocks * self.offload_tokens
         elif job.kind is JobKind.STORE:
             self.manager.complete_store(job.keys, success)
         else:
@@ -311,9 +351,9 @@ class ConnectorScheduler:
         return state
 
     def _new_job(self, kind: JobKind, req_ids: tuple[str, ...], keys: tuple[OffloadKey, ...],
-                 transfer_id: int = -1) -> JobId:
+                 transfer_id: int = -1, blocks: int = 0) -> JobId:
         job_id = JobId(next(self._job_ids))
-        self._jobs[job_id] = _PendingJob(kind, req_ids, tuple(keys), transfer_id)
+        self._jobs[job_id] = _PendingJob(kind, req_ids, tuple(keys), transfer_id, blocks=blocks)
         return job_id
 
 

@@ -11,7 +11,9 @@ computation would hold (``check_device_blocks``), whether it was computed or loa
 
 Sliding-window groups work as in vLLM: block 0 is the null block, and a window group's blocks that no token still
 to compute attends to are freed and replaced by it in the block table (``_drop_outside_window``). The null block
-holds a sentinel pattern on every worker, and ``check_all`` raises if anything wrote it.
+holds a sentinel pattern on every worker, and ``check_all`` raises if anything wrote it. State groups (Mamba-style
+layers, ``KVCacheLayout.state_groups``) work as vLLM's ``MambaManager``: a window of one block, since the next
+token needs only the state after the last computed block.
 """
 
 from __future__ import annotations
@@ -81,7 +83,8 @@ class StepReport:
 class SimEngine:
     """Engine block pool + both connector halves (one scheduler, ``num_workers`` workers with their own KV).
 
-    ``sliding_windows``: KV-cache group -> its sliding window in tokens, for the groups that have one.
+    ``sliding_windows``: KV-cache group -> its sliding window in tokens, for the groups that have one; a state
+    group's is one block.
     """
 
     def __init__(self, layout: KVCacheLayout, make_kv_caches: Callable[[], KVCaches], config: OffloadConfig,
@@ -92,7 +95,7 @@ class SimEngine:
         self.num_groups = len(layout.groups)
         self.vocab_size = vocab_size
         self.max_batch_tokens = max_batch_tokens
-        self.sliding_windows = dict(sliding_windows or {})
+        self.sliding_windows = {**dict.fromkeys(layout.state_groups, block_size), **(sliding_windows or {})}
         ns = Namespace(model="sim", dtype="int8", layout=layout.describe(), world_size=num_workers)
         # Window blocks are freed while their request runs: stores must finish before the next forward pass.
         self.scheduler = ConnectorScheduler(config, layout, block_size, ns, null_block_id=NULL_BLOCK,
