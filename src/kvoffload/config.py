@@ -8,6 +8,7 @@ accepted ones. Every other module receives the typed values below. docs/configur
 from __future__ import annotations
 
 import enum
+import grp
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -50,6 +51,8 @@ class DiskTierConfig:
     read_deadline_s: float = 2.0
     breaker_errors: int = 8
     breaker_cooldown_s: float = 30.0
+    shared_group: int | None = None
+    """gid of the group whose members share the directory (group-writable tree); None: private to the user."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,20 @@ def _path(v: Any) -> Path:
     return Path(v).expanduser()
 
 
+def _group(v: Any) -> int:
+    """A group name or gid, as a gid (names are resolved here, once)."""
+    if isinstance(v, str) and v and not v.isdigit():
+        try:
+            return grp.getgrnam(v).gr_gid
+        except KeyError:
+            raise ValueError(f"no group named {v!r} on this machine") from None
+    if isinstance(v, str) and v:
+        return int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError("must be a group name or a non-negative gid")
+    return v
+
+
 def _text(v: Any) -> str:
     if not isinstance(v, str) or not v:
         raise ValueError("must be a non-empty string")
@@ -144,6 +161,8 @@ KEYS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "disk_read_deadline_ms": (_positive_float, "a disk read slower than this counts as a miss"),
     "disk_breaker_errors": (_positive_int, "consecutive disk errors that switch the disk tier off"),
     "disk_breaker_cooldown_s": (_positive_float, "how long the disk tier stays off after tripping"),
+    "disk_shared_group": (_group, "group (name or gid) allowed to share disk_path: its tree is made group-"
+                                  "writable for that group only; default: private to the user"),
     "model_id": (_text, "model name in the key namespace (default: the engine's model)"),
     "model_version": (_text, "weights version in the key namespace, for checkpoints whose configs are the same"),
     "inject_load_failures": (_non_negative_int, "testing: the first N load jobs fail, forcing recompute"),
@@ -201,6 +220,7 @@ class _Parser:
                 read_deadline_s=deadline_ms / 1000 if deadline_ms else DiskTierConfig.read_deadline_s,
                 breaker_errors=v.get("disk_breaker_errors", DiskTierConfig.breaker_errors),
                 breaker_cooldown_s=v.get("disk_breaker_cooldown_s", DiskTierConfig.breaker_cooldown_s),
+                shared_group=v.get("disk_shared_group"),
             )
         return OffloadConfig(
             offload_block_tokens=v.get("offload_block_tokens"),

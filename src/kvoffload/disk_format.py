@@ -1,8 +1,8 @@
 """The disk tier's on-disk format: where a block's file lives, its fixed binary header, and the start-up scan.
 
 Shared by both halves: the worker's ``DiskHandler`` writes and reads files in this format, the scheduler's
-``DiskTierManager`` rebuilds its index from file names with ``scan_directory`` (no payload is read). This
-module imports no torch and does no block I/O; docs/disk-format.md is its prose twin: change them together.
+``DiskTierManager`` rebuilds its index from file names (``disk_tree.scan``: no payload is read). This module
+imports no torch and does no block I/O; docs/disk-format.md is its prose twin: change them together.
 
 A file is ``HEADER`` (64 bytes, little-endian) followed by the raw payload bytes::
 
@@ -19,7 +19,7 @@ A file is ``HEADER`` (64 bytes, little-endian) followed by the raw payload bytes
 
 Paths: ``<disk_path>/<chain root hex[:16]>/rank<r>/<key hex[:2]>/<key hex>.kvb``. A file is written under
 a temporary name in the same directory (``<key hex>.<pid>-<n>.tmp``) and renamed into place, so a final name
-never points at a half-written block.
+never points at a half-written block. ``disk_tree`` creates, checks and scans the directories.
 """
 
 from __future__ import annotations
@@ -27,16 +27,15 @@ from __future__ import annotations
 import logging
 import os
 import struct
-import time
 import zlib
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
 import crc32c
 
-from kvoffload.keys import KEY_BYTES, Namespace, OffloadKey
+from kvoffload.keys import Namespace, OffloadKey
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +50,6 @@ DIR_MODE = 0o700
 FILE_MODE = 0o600
 STALE_TMP_S = 600.0
 """A temporary file this old is left over from a crash even if its writer's pid is alive again (pid reuse)."""
-
-_KEY_HEX = KEY_BYTES * 2
 
 
 class CorruptBlockError(ValueError):
@@ -138,89 +135,3 @@ def decode_header(raw: bytes | memoryview, fingerprint: bytes, key: OffloadKey, 
         raise CorruptBlockError(f"payload is {length} bytes, expected {payload_bytes}")
     payload_checksum: int = payload_crc
     return payload_checksum
-
-
-def make_directories(rank_dir: Path) -> None:
-    """Create ``rank_dir`` and its 256 fan-out directories, private to the user (0700).
-
-    Raises:
-        OSError: the directory cannot be created.
-    """
-    rank_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-    for i in range(256):
-        (rank_dir / f"{i:02x}").mkdir(mode=DIR_MODE, exist_ok=True)
-
-
-@dataclass(frozen=True)
-class ScanResult:
-    """What a start-up scan found: final block keys (in directory order) and temporary files it removed."""
-
-    keys: tuple[OffloadKey, ...]
-    removed_tmp: int
-    seconds: float
-
-
-def scan_directory(rank_dir: Path) -> ScanResult:
-    """List the blocks in ``rank_dir`` from file names alone, removing temporary files left by a crash.
-
-    Names that are neither a block nor a temporary file are left alone. Payloads are checked on load.
-    """
-    start = time.perf_counter()
-    keys: list[OffloadKey] = []
-    removed = 0
-    for entry in _entries(rank_dir):
-        name = entry.name
-        if name.endswith(BLOCK_SUFFIX) and len(name) == _KEY_HEX + len(BLOCK_SUFFIX):
-            try:
-                keys.append(OffloadKey(bytes.fromhex(name[:_KEY_HEX])))
-            except ValueError:
-                continue
-        elif name.endswith(TMP_SUFFIX) and _is_stale_tmp(entry):
-            removed += _remove(entry.path)
-    if removed:
-        logger.info("disk tier: removed %d temporary files left by a crash in %s", removed, rank_dir)
-    return ScanResult(tuple(keys), removed, time.perf_counter() - start)
-
-
-def _entries(rank_dir: Path) -> Iterator[os.DirEntry[str]]:
-    for i in range(256):
-        try:
-            with os.scandir(rank_dir / f"{i:02x}") as it:
-                yield from it
-        except FileNotFoundError:
-            continue
-
-
-def _is_stale_tmp(entry: os.DirEntry[str]) -> bool:
-    """A temporary file is stale when its writer (pid in its name, on this machine) is dead, or it is old.
-
-    Another live engine sharing the directory may be writing it: leave those alone.
-    """
-    try:
-        pid = int(entry.name.split(".")[1].split("-")[0])
-    except (IndexError, ValueError):
-        return True
-    if pid != os.getpid() and not _pid_alive(pid):
-        return True
-    try:
-        return time.time() - entry.stat().st_mtime > STALE_TMP_S
-    except FileNotFoundError:
-        return False
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _remove(path: str) -> int:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        return 0
-    return 1

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import errno
 import logging
 import os
+import re
 import stat
 import threading
 from collections.abc import Iterator
@@ -13,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvoffload.config import DiskTierConfig
+from kvoffload.config import ConfigError, DiskTierConfig
 from kvoffload.disk_format import block_path, rank_directory
 from kvoffload.keys import Namespace, OffloadKey, offload_key
 from kvoffload.specs import DiskBlocks, HostBlocks, JobId, Medium, TransferJob
@@ -269,3 +272,82 @@ class DiskHandlerContext:
 
     def __exit__(self, *exc: object) -> None:
         self.handler.shutdown()
+
+
+# ---- what is not a block file ----------------------------------------------------------------------------------
+
+def finishes(handler: DiskHandler, job: TransferJob, within_s: float = 30.0) -> TransferResult | None:
+    """``run``, but None instead of a hang when the job never finishes (the hang is the bug under test)."""
+    assert handler.submit(job)
+    waiter = threading.Thread(target=handler.wait, args=([job.job_id],), daemon=True)
+    waiter.start()
+    waiter.join(within_s)
+    if waiter.is_alive():
+        return None
+    (result,) = [r for r in handler.get_finished() if r.job_id == job.job_id]
+    return result
+
+
+def unblock_fifo(path: Path) -> None:
+    """Give a reader stuck opening the FIFO ``path`` its end of file (so a failing test does not hang)."""
+    with contextlib.suppress(OSError):  # no reader waiting on it
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def test_a_fifo_at_a_block_path_fails_its_load_without_blocking(
+        handler: DiskHandler, config: DiskTierConfig) -> None:
+    (key,) = keys(1)
+    fifo = path_of(config, key)
+    os.mkfifo(fifo)
+    try:
+        result = finishes(handler, load((key,), (0,)))
+    finally:
+        unblock_fifo(fifo)
+    assert result is not None and not result.success
+    assert not fifo.exists()  # not a block file: removed like a corrupt one
+
+
+def test_a_symlink_at_a_block_path_is_never_followed(handler: DiskHandler, config: DiskTierConfig,
+                                                     tmp_path: Path) -> None:
+    a, b = keys(2)
+    assert run(handler, store((0,), (a,))).success
+    target = tmp_path / "target.kvb"
+    target.write_bytes(path_of(config, a).read_bytes())
+    path_of(config, a).unlink()
+    path_of(config, a).symlink_to(target)  # a valid block, but behind a link
+    assert not run(handler, load((a,), (1,))).success
+    assert target.exists()
+    path_of(config, b).symlink_to(tmp_path / "written-through-the-link")
+    assert run(handler, store((2,), (b,))).success  # the link is replaced, never written through
+    assert not (tmp_path / "written-through-the-link").exists() and not path_of(config, b).is_symlink()
+
+
+# ---- the tier's directory tree --------------------------------------------------------------------------------
+
+def test_the_worker_refuses_a_world_writable_pre_created_tier_directory(config: DiskTierConfig) -> None:
+    config.path.mkdir()
+    config.path.chmod(0o777)
+    with pytest.raises(ConfigError, match=f"{re.escape(str(config.path))}.*writable by others"):
+        DiskHandler(config, make_pool(), NS, ENTRY)
+
+
+def test_the_worker_never_writes_into_a_symlinked_fan_out_directory(config: DiskTierConfig, tmp_path: Path) -> None:
+    (key,) = keys(1)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    fan_out = path_of(config, key).parent
+    fan_out.parent.mkdir(parents=True)
+    fan_out.symlink_to(victim, target_is_directory=True)
+    with DiskHandlerContext(config, NS) as h:
+        assert not run(h, store((0,), (key,))).success
+    assert list(victim.iterdir()) == []
+
+
+def test_a_shared_group_tier_writes_group_readable_files(config: DiskTierConfig) -> None:
+    shared = dataclasses.replace(config, shared_group=4242)
+    with DiskHandlerContext(shared, NS) as h:
+        (key,) = keys(1)
+        assert run(h, store((0,), (key,))).success
+    info = path_of(shared, key).stat()
+    assert stat.S_IMODE(info.st_mode) == 0o660 and info.st_gid == 4242
+

@@ -170,13 +170,14 @@ def _run(handler: object, job: object) -> float:
 def bench_rebuild(root: Path, blocks: int) -> float:
     """Seconds for ``DiskTierManager.create`` over ``blocks`` block files."""
     from kvoffload.config import DiskTierConfig
-    from kvoffload.disk_format import block_path, file_bytes, make_directories, rank_directory
+    from kvoffload.disk_format import block_path, file_bytes, rank_directory
+    from kvoffload.disk_tree import Access, open_tree
     from kvoffload.keys import Namespace, offload_key
     from kvoffload.manager.disk import DiskTierManager
 
     ns = Namespace(model="bench", dtype="int8", layout="rebuild")
     directory = rank_directory(root / "rebuild", ns)
-    make_directories(directory)
+    open_tree(root / "rebuild", directory, Access())
     for i in range(blocks):
         os.close(os.open(block_path(directory, offload_key(i.to_bytes(8, "little"), 0)),  # type: ignore[arg-type]
                          os.O_WRONLY | os.O_CREAT, 0o600))

@@ -3,8 +3,8 @@
 The router sends this handler the jobs of (HOST, DISK) and (DISK, HOST). Each job is split into one task per
 block, run on ``io_threads`` threads; a task writes or reads the first ``entry_bytes[g]`` bytes of a host slot
 (for an entry of KV-cache group ``g``) in the format of ``disk_format``. Files live in this rank's directory
-and carry this rank's namespace fingerprint, so a block is only loaded by the rank and namespace that wrote
-it.
+(checked at start-up by ``disk_tree.open_tree``) and carry this rank's namespace fingerprint, so a block is
+only loaded by the rank and namespace that wrote it.
 
 Failures are outcomes: a missing, corrupt or foreign file, an I/O error, or a read slower than
 ``read_deadline_s`` fails the job (its other blocks are skipped). A failed write removes the files the job
@@ -23,15 +23,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvoffload.config import DiskTierConfig
-from kvoffload.disk_format import (
-    CorruptBlockError,
-    GroupedLayout,
-    block_path,
-    entry_bytes_of,
-    make_directories,
-    rank_directory,
-    scan_directory,
-)
+from kvoffload.disk_format import CorruptBlockError, GroupedLayout, block_path, entry_bytes_of, rank_directory
+from kvoffload.disk_tree import Access, open_tree, scan
 from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.specs import DiskBlocks, HostBlocks, JobId, Medium, TransferJob
 from kvoffload.transfer.base import TransferHandler, TransferResult
@@ -53,6 +46,8 @@ class _Block:
     key: OffloadKey
     path: str
     nbytes: int
+    usable: bool
+    """False in a fan-out directory that is a symbolic link: never read or written."""
 
 
 @dataclass(eq=False)
@@ -81,7 +76,8 @@ class DiskHandler(TransferHandler):
     """Host pool <-> block files of one rank. Register it for both (HOST, DISK) and (DISK, HOST).
 
     Args:
-        config: the disk tier's settings (``path``, ``io_threads``, ``read_deadline_s``, breaker settings).
+        config: the disk tier's settings (``path``, ``io_threads``, ``read_deadline_s``, breaker settings,
+            ``shared_group``).
         pool: this worker's host pool; entries are read from and written to the start of its slots.
         namespace: this rank's namespace; its ``fingerprint()`` is written into and checked in every file.
         entry_bytes: payload bytes of one offload block of each KV-cache group
@@ -90,7 +86,8 @@ class DiskHandler(TransferHandler):
         clock: monotonic seconds, for read deadlines and the breaker's cool-down.
     Raises:
         ValueError: an entry does not fit in a host slot, or ``entry_bytes`` is empty or not positive.
-        OSError: the rank directory cannot be created.
+        ConfigError: the rank directory cannot be created, or another user could write the tree (the
+            scheduler's ``DiskTierManager`` raises the same).
     """
 
     def __init__(self, config: DiskTierConfig, pool: HostPool, namespace: Namespace,
@@ -103,10 +100,12 @@ class DiskHandler(TransferHandler):
         self._slots = slots
         self._entry_bytes = entry_bytes
         self._fingerprint = namespace.fingerprint()
-        self._directory = rank_directory(config.path, namespace)
-        make_directories(self._directory)
-        scan_directory(self._directory)  # Removes temporary files a crashed writer left here.
+        access = Access(config.shared_group)
+        self._tree = open_tree(config.path, rank_directory(config.path, namespace), access)
+        scan(self._tree)  # Removes temporary files a crashed writer left here.
         self._ops = file_ops or FileOps()
+        if self._ops.file_mode != access.file_mode:
+            self._ops.file_mode = access.file_mode
         self._clock = clock
         self._deadline_s = config.read_deadline_s
         self.breaker = CircuitBreaker(config.breaker_errors, config.breaker_cooldown_s, clock)
@@ -125,7 +124,7 @@ class DiskHandler(TransferHandler):
 
     @property
     def directory(self) -> str:
-        return str(self._directory)
+        return str(self._tree.rank_dir)
 
     def submit(self, job: TransferJob) -> bool:
         state = self._plan(job)
@@ -180,7 +179,8 @@ class DiskHandler(TransferHandler):
         if any(not 0 <= s < self._slots.shape[0] for s in host.slots):
             raise ValueError(f"job {job.job_id}: a slot of {host.slots} is outside the pool")
         groups = [g for g, n in enumerate(host.group_sizes) for _ in range(n)]
-        blocks = [_Block(s, k, block_path(self._directory, k), self._entry_bytes[g])
+        tree = self._tree
+        blocks = [_Block(s, k, block_path(tree.rank_dir, k), self._entry_bytes[g], tree.usable(k))
                   for s, k, g in zip(host.slots, disk.keys, groups, strict=True)]
         return _Job(job, blocks, remaining=len(blocks))
 
@@ -211,7 +211,7 @@ class DiskHandler(TransferHandler):
 
     def _copy(self, state: _Job, block: _Block) -> bool:
         """Move one block; False on any data-path failure (the breaker hears of all but plain misses)."""
-        if state.failed or not self.breaker.allow() or self._is_late(state):
+        if state.failed or not block.usable or not self.breaker.allow() or self._is_late(state):
             return False  # The job fails anyway (a block failed, tier off, deadline passed): skip the I/O.
         payload = self._slots[block.slot, :block.nbytes].data
         try:

@@ -1,16 +1,21 @@
 """Writing and reading one block file, through a small file-operations seam.
 
 The ``DiskHandler`` calls ``write_block`` / ``read_block`` from its I/O threads. Every system call goes
-through a ``FileOps`` object so tests can inject the operating system's failures (EIO, ENOSPC, slow reads)
-without mocking any kvoffload logic. Both functions raise ``OSError`` or ``CorruptBlockError``; the handler
-turns them into failed results.
+through a ``FileOps`` object so tests can inject the operating system's failures (EIO, ENOSPC, slow or stuck
+reads) without mocking any kvoffload logic. Both functions raise ``OSError`` or ``CorruptBlockError``; the
+handler turns them into failed results.
+
+Only regular files are ever read, and no symbolic link is followed: a FIFO, a device or a directory at a block
+path (planted, or left by an accident) is ``NotABlockFileError``, found without blocking on it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import os
+import stat
 
 from kvoffload.disk_format import (
     BLOCK_SUFFIX,
@@ -25,6 +30,13 @@ from kvoffload.disk_format import (
 from kvoffload.keys import OffloadKey
 
 _tmp_counter = itertools.count()
+# O_NONBLOCK: opening a FIFO for reading would wait for a writer forever; on a regular file it changes nothing.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class NotABlockFileError(CorruptBlockError):
+    """A block path names a symbolic link, directory, FIFO or device: never read, removed like a corrupt file."""
 
 
 class FileOps:
@@ -33,10 +45,15 @@ class FileOps:
     Thread-safety: called from several I/O threads at once; implementations must be thread-safe.
     """
 
+    file_mode = FILE_MODE
+    """Mode of new files, exactly (the ``DiskHandler`` sets 0660 for a tier shared with a group)."""
+
     def write_new(self, path: str, buffers: list[memoryview | bytes]) -> None:
-        """Create ``path`` (which must not exist), private to the user, and write ``buffers`` to it."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+        """Create ``path`` (which must not exist, not even as a link) with ``file_mode``; write ``buffers``."""
+        fd = os.open(path, _WRITE_FLAGS, self.file_mode)
         try:
+            if self.file_mode != FILE_MODE:
+                os.fchmod(fd, self.file_mode)  # the umask cut the group's bits
             total = sum(len(b) for b in buffers)
             written = os.writev(fd, buffers)
             if written != total:  # Rare short write: finish it with plain writes.
@@ -45,8 +62,12 @@ class FileOps:
             os.close(fd)
 
     def read_into(self, path: str, buffers: list[memoryview]) -> int:
-        """Fill ``buffers`` from the start of ``path``; return the bytes read (fewer at end of file)."""
-        fd = os.open(path, os.O_RDONLY)
+        """Fill ``buffers`` from the start of ``path``; return the bytes read (fewer at end of file).
+
+        Raises:
+            NotABlockFileError: ``path`` is not a regular file.
+        """
+        fd = open_regular(path)
         try:
             total = os.readv(fd, buffers)
             want = sum(len(b) for b in buffers)
@@ -65,6 +86,30 @@ class FileOps:
     def unlink(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+def open_regular(path: str) -> int:
+    """A read-only descriptor of ``path`` if it is a regular file; never blocks on it, never follows a link.
+
+    Raises:
+        NotABlockFileError: ``path`` is a symbolic link, or not a regular file.
+        OSError: it cannot be opened.
+    """
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise NotABlockFileError(f"{path}: a symbolic link, not a block file") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode  # of what was opened: nothing can be swapped in between
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise NotABlockFileError(f"{path}: not a regular file (mode {mode:o})")
+    return fd
 
 
 def _tail(buffers: list[memoryview], skip: int) -> list[memoryview]:
@@ -96,9 +141,10 @@ def write_block(ops: FileOps, path: str, fingerprint: bytes, key: OffloadKey, pa
     header = encode_header(fingerprint, key, len(payload), checksum(payload))
     try:
         ops.write_new(tmp, [header, payload])
-        ops.rename(tmp, path)
+        ops.rename(tmp, path)  # replaces a link at ``path``; never writes through it
     except BaseException:
-        ops.unlink(tmp)
+        with contextlib.suppress(OSError):  # the write's own error is the one to report
+            ops.unlink(tmp)
         raise
 
 
@@ -110,7 +156,8 @@ def read_block(ops: FileOps, path: str, fingerprint: bytes, key: OffloadKey, out
     Raises:
         FileNotFoundError: no such block.
         OSError: the read failed.
-        CorruptBlockError: the file is truncated, too long, damaged, or belongs to another namespace or key.
+        CorruptBlockError: the file is truncated, too long, damaged, or belongs to another namespace or key;
+            ``NotABlockFileError`` when it is not a regular file.
     """
     header = memoryview(bytearray(HEADER_BYTES))
     extra = memoryview(bytearray(1))  # A byte past the payload proves the file is too long.
