@@ -3,7 +3,10 @@ from disk bit-exact, with both write policies, across two workers, and after a r
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
+import os
 import random
 from pathlib import Path
 
@@ -13,6 +16,7 @@ from kvoffload.cli import main
 from kvoffload.config import OffloadConfig
 from kvoffload.testing import layouts
 from kvoffload.testing.sim import SimEngine, Status
+from kvoffload.transfer.disk import DiskHandler
 
 BLOCK = 4
 
@@ -35,9 +39,9 @@ def run_checked(engine: SimEngine) -> None:
 
 
 def push_out_of_host(engine: SimEngine) -> None:
-    """Other prompts fill the small host tier and the device cache, so the first prompt is on disk only."""
+    """Other prompts fill the small host tier (4 blocks) and the device cache, so the first prompt is on disk only."""
     for i in range(3):
-        engine.add_request(f"filler{i}", tokens(24, seed=100 + i))
+        engine.add_request(f"filler{i}", tokens(16, seed=100 + i))  # 4 blocks: each fits the host
         run_checked(engine)
     engine.pool.drop_cache()
 
@@ -89,3 +93,82 @@ def test_simulate_command_runs_with_the_disk_tier(tmp_path: Path, capsys: pytest
     summary = json.loads(capsys.readouterr().out)
     assert code == 0 and summary["corrupt_blocks"] == 0
     assert list(tmp_path.rglob("*.kvb"))
+
+
+# ---- blocks that can be neither loaded nor removed ------------------------------------------------------------
+
+STEP_BOUND = 10
+"""Steps until a request over a bad block is done (6 here; the same request over good blocks takes 4)."""
+
+
+def settled(engine: SimEngine) -> None:
+    """Each step's background jobs finish before the next step, so that step counts do not depend on timing."""
+    engine.check_all()
+    for worker in engine.workers:
+        worker.wait_all()
+
+
+def on_disk_only(engine: SimEngine, root: Path, prompt: list[int]) -> list[Path]:
+    """Run ``prompt`` and push it out of the host tier; return its block files (rank 0)."""
+    before = set(root.rglob("*.kvb"))
+    engine.add_request("a", prompt)
+    run_checked(engine)
+    engine.step()  # ships the write-through queued by the last store
+    run_checked(engine)
+    files = sorted(set(root.rglob("*.kvb")) - before)
+    push_out_of_host(engine)
+    return files
+
+
+def read_only_file_system(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
+    """The file system under ``root`` turned read-only: removing, renaming or creating files there fails."""
+    def refuse(real):  # type: ignore[no-untyped-def]
+        def call(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if str(path).startswith(str(root)):
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+            return real(path, *args, **kwargs)
+        return call
+
+    real_open = os.open
+
+    def open_(path, flags, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if flags & os.O_CREAT and str(path).startswith(str(root)):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", refuse(os.unlink))
+    monkeypatch.setattr(os, "rename", refuse(os.rename))
+    monkeypatch.setattr(os, "open", open_)
+
+
+def test_a_directory_at_a_block_path_is_recomputed_within_a_few_steps(tmp_path: Path) -> None:
+    engine = make_engine(tmp_path)
+    prompt = tokens(16, seed=4)
+    first = on_disk_only(engine, tmp_path, prompt)[0]
+    first.unlink()
+    first.mkdir()  # neither loadable nor removable
+    b = engine.add_request("b", [*prompt, 7])
+    engine.run(max_steps=STEP_BOUND, on_step=settled)
+    assert b.status is Status.FINISHED and b.loaded_tokens == 0
+    assert engine.corrupt_blocks == []
+    engine.scheduler.manager.check_integrity()
+
+
+def test_a_corrupt_block_on_a_file_system_turned_read_only_is_recomputed_within_a_few_steps(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    engine = make_engine(tmp_path)
+    prompt = tokens(16, seed=5)
+    files = on_disk_only(engine, tmp_path, prompt)
+    raw = bytearray(files[0].read_bytes())
+    raw[-1] ^= 0xFF
+    files[0].write_bytes(raw)
+    read_only_file_system(monkeypatch, tmp_path)
+    b = engine.add_request("b", [*prompt, 7])
+    with caplog.at_level(logging.DEBUG, logger="kvoffload"):
+        engine.run(max_steps=STEP_BOUND, on_step=settled)
+    assert b.status is Status.FINISHED and b.loaded_tokens == 0
+    assert engine.corrupt_blocks == []
+    assert [r for r in caplog.records if r.exc_info] == []  # no traceback: a failed removal is an I/O error
+    (disk,) = [h for h in engine.workers[0].transfers.handlers if isinstance(h, DiskHandler)]
+    assert disk.breaker.errors >= 1  # the breaker heard of the failed removal
+    assert files[0].exists()

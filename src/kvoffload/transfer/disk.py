@@ -1,26 +1,35 @@
 """Worker side of the disk tier: copies blocks between the host pool and block files, both ways.
 
 The router sends this handler the jobs of (HOST, DISK) and (DISK, HOST). Each job is split into one task per
-block, run on ``io_threads`` threads; a task writes or reads the first ``entry_bytes[g]`` bytes of a host slot
-(for an entry of KV-cache group ``g``) in the format of ``disk_format``. Files live in this rank's directory
-(checked at start-up by ``disk_tree.open_tree``) and carry this rank's namespace fingerprint, so a block is
-only loaded by the rank and namespace that wrote it.
+block, run on ``io_threads`` daemon threads (``IoThreads``); a task writes or reads the first ``entry_bytes[g]``
+bytes of a host slot (for an entry of KV-cache group ``g``) in the format of ``disk_format``. Files live in this
+rank's directory, checked at start-up (``disk_tree.open_tree``), and carry this rank's namespace fingerprint, so
+a block is only loaded by the rank and namespace that wrote it.
 
-Failures are outcomes: a missing, corrupt or foreign file, an I/O error, or a read slower than
-``read_deadline_s`` fails the job (its other blocks are skipped). A failed write removes the files the job
-wrote, so nothing unindexed stays on disk; a corrupt file is removed. Repeated errors open a
-``CircuitBreaker``: jobs then fail at once, without I/O.
+Failures are outcomes: a missing, corrupt or foreign file, something other than a regular file, an I/O error,
+or a read slower than ``read_deadline_s`` fails the job (its other blocks are skipped). A failed write removes
+the files the job wrote, so nothing unindexed stays on disk; a corrupt file is removed, and a removal that fails
+is an I/O error too. Repeated errors open a ``CircuitBreaker``: jobs then fail at once, without I/O.
+
+Reads that never return (a hung mount): a read job fails when its deadline passes, whether or not its threads
+came back (``get_finished``, ``wait`` and ``shutdown`` check the deadlines). A read lands in its thread's own
+buffer and is copied into the host slot only while its job is live, so a late read never writes a slot that the
+scheduler has since given to another block. While every I/O thread is stuck the tier is off (jobs fail at
+once). ``shutdown`` waits for reads until their deadline and for writes ``SHUTDOWN_GRACE_S`` at most, then
+fails what is left and leaves stuck threads behind (they are daemons).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Collection
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from kvoffload.config import DiskTierConfig
 from kvoffload.disk_format import CorruptBlockError, GroupedLayout, block_path, entry_bytes_of, rank_directory
@@ -30,6 +39,7 @@ from kvoffload.specs import DiskBlocks, HostBlocks, JobId, Medium, TransferJob
 from kvoffload.transfer.base import TransferHandler, TransferResult
 from kvoffload.transfer.disk_breaker import CircuitBreaker
 from kvoffload.transfer.disk_io import FileOps, read_block, write_block
+from kvoffload.transfer.io_threads import IoThreads
 
 if TYPE_CHECKING:
     from kvoffload.transfer.host_pool import HostPool
@@ -38,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 HOST_TO_DISK = (Medium.HOST, Medium.DISK)
 DISK_TO_HOST = (Medium.DISK, Medium.HOST)
+SHUTDOWN_GRACE_S = 10.0
+"""How long ``shutdown`` waits for unfinished writes before failing them (reads: until their deadline)."""
 
 
 @dataclass(frozen=True)
@@ -58,8 +70,13 @@ class _Job:
     blockers: int = 0
     """Earlier unfinished jobs with the same destinations; this job starts when they finish."""
     dependents: list[_Job] = field(default_factory=list)
-    start: float = 0.0
+    start: float | None = None
+    """The clock when it was dispatched (None while it waits for its blockers)."""
     failed: bool = False
+    finished: bool = False
+    """Its result is out (every block done, or its deadline passed): a late block changes nothing."""
+    copying: int = 0
+    """Blocks being copied from an I/O buffer into their slots right now (memory speed: never stuck)."""
     copied: int = 0
     written: list[str] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
@@ -109,12 +126,16 @@ class DiskHandler(TransferHandler):
         self._clock = clock
         self._deadline_s = config.read_deadline_s
         self.breaker = CircuitBreaker(config.breaker_errors, config.breaker_cooldown_s, clock)
-        self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvoffload-disk")
+        self._threads = IoThreads(config.io_threads, "kvoffload-disk", clock)
+        self._buffers = threading.local()
         self._lock = threading.Lock()
+        self._copied = threading.Condition(self._lock)
         self._jobs: dict[JobId, _Job] = {}
         self._last_writer: dict[object, _Job] = {}
         self._finished: list[TransferResult] = []
         self._closed = False
+        self._down = False
+        self._removal_failures = 0
 
     @classmethod
     def create(cls, config: DiskTierConfig, pool: HostPool, namespace: Namespace, layout: GroupedLayout,
@@ -144,6 +165,7 @@ class DiskHandler(TransferHandler):
         return True
 
     def get_finished(self) -> list[TransferResult]:
+        self._expire_late_reads()
         with self._lock:
             finished, self._finished = self._finished, []
         return finished
@@ -152,15 +174,22 @@ class DiskHandler(TransferHandler):
         with self._lock:
             states = [self._jobs[j] for j in job_ids if j in self._jobs]
         for state in states:
-            state.done.wait()
+            while not state.done.wait(self._wait_slice(state)):
+                self._expire_late_reads()
 
     def shutdown(self) -> None:
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
             states = list(self._jobs.values())
+        give_up = time.monotonic() + SHUTDOWN_GRACE_S
         for state in states:
-            state.done.wait()
-        self._executor.shutdown(wait=True)
+            while not state.done.wait(min(self._wait_slice(state), max(0.0, give_up - time.monotonic()))):
+                self._expire_late_reads()
+                if time.monotonic() >= give_up:
+                    self._end(state, failed=True)  # Its thread is stuck: the thread stays behind, not us.
+        self._threads.stop()
 
     def _plan(self, job: TransferJob) -> _Job:
         """Validate a job and list its blocks (a malformed job is a scheduler bug: ValueError)."""
@@ -186,12 +215,11 @@ class DiskHandler(TransferHandler):
 
     def _dispatch(self, state: _Job) -> None:
         state.start = self._clock()
-        if not state.blocks or not self.breaker.allow():
-            state.failed = bool(state.blocks)
-            self._finish(state)
+        if not state.blocks or not self.breaker.allow() or self._all_stuck():
+            self._end(state, failed=bool(state.blocks))
             return
         for block in state.blocks:
-            self._executor.submit(self._run_block, state, block)
+            self._threads.submit(functools.partial(self._run_block, state, block))
 
     def _run_block(self, state: _Job, block: _Block) -> None:
         ok = False
@@ -200,6 +228,8 @@ class DiskHandler(TransferHandler):
         except Exception:  # A data-path bug must fail the job, not kill an I/O thread silently.
             logger.exception("disk tier: unexpected error in job %d", state.job.job_id)
         with self._lock:
+            if state.finished:
+                return  # It failed at its deadline: its result is out.
             state.failed |= not ok
             state.copied += block.nbytes if ok else 0
             if ok and state.is_write:
@@ -207,47 +237,130 @@ class DiskHandler(TransferHandler):
             state.remaining -= 1
             last = state.remaining == 0
         if last:
-            self._finish(state)
+            self._end(state, failed=False)
 
     def _copy(self, state: _Job, block: _Block) -> bool:
         """Move one block; False on any data-path failure (the breaker hears of all but plain misses)."""
-        if state.failed or not block.usable or not self.breaker.allow() or self._is_late(state):
+        if state.failed or state.finished or not block.usable or not self.breaker.allow() or self._is_late(state):
             return False  # The job fails anyway (a block failed, tier off, deadline passed): skip the I/O.
-        payload = self._slots[block.slot, :block.nbytes].data
         try:
             if state.is_write:
-                write_block(self._ops, block.path, self._fingerprint, block.key, payload)
-            else:
-                read_block(self._ops, block.path, self._fingerprint, block.key, payload)
+                write_block(self._ops, block.path, self._fingerprint, block.key,
+                            self._slots[block.slot, :block.nbytes].data)
+            elif not self._read(state, block):
+                if not state.finished:
+                    self.breaker.record(False)  # Late, not yet failed by its deadline: a slow disk.
+                return False
         except FileNotFoundError:
             return False  # A miss (evicted by another engine sharing the directory), not a disk fault.
         except CorruptBlockError as e:
-            logger.warning("disk tier: removing corrupt block file: %s", e)
-            self._ops.unlink(block.path)
             self.breaker.record(False)
+            self._discard(block.path, e)
             return False
         except OSError as e:
             self._note_io_error(state, e)
             return False
-        late = self._is_late(state)
-        self.breaker.record(not late)
-        return not late
+        self.breaker.record(True)
+        return True
+
+    def _read(self, state: _Job, block: _Block) -> bool:
+        """Read into this thread's buffer, then into the slot if the job is live and on time (False if not)."""
+        buffer = self._buffer()[:block.nbytes]
+        read_block(self._ops, block.path, self._fingerprint, block.key, buffer.data)
+        with self._lock:
+            if state.finished or self._is_late(state):
+                return False
+            state.copying += 1
+        try:
+            self._slots[block.slot, :block.nbytes] = buffer
+        finally:
+            with self._lock:
+                state.copying -= 1
+                if not state.copying:
+                    self._copied.notify_all()
+        return True
+
+    def _buffer(self) -> np.ndarray:
+        buffer: np.ndarray | None = getattr(self._buffers, "buffer", None)
+        if buffer is None:
+            buffer = self._buffers.buffer = np.empty(max(self._entry_bytes), dtype=np.int8)
+        return buffer
 
     def _is_late(self, state: _Job) -> bool:
         """A read job past its deadline is a miss: the engine recomputes rather than wait on a slow disk."""
-        return not state.is_write and self._clock() - state.start > self._deadline_s
+        return (not state.is_write and state.start is not None
+                and self._clock() - state.start > self._deadline_s)
+
+    def _wait_slice(self, state: _Job) -> float:
+        """How long to wait for ``state`` before checking the deadlines again."""
+        if state.is_write or state.start is None:
+            return self._deadline_s
+        return max(0.0, self._deadline_s - (self._clock() - state.start))
+
+    def _expire_late_reads(self) -> None:
+        """Fail the read jobs past their deadline, even while their threads are stuck in a read."""
+        with self._lock:
+            late = [s for s in self._jobs.values() if not s.finished and self._is_late(s)]
+        for state in late:
+            if self._end(state, failed=True):
+                self.breaker.record(False)
+                logger.debug("disk tier: job %d failed at its %.1f s deadline", state.job.job_id, self._deadline_s)
+
+    def _all_stuck(self) -> bool:
+        """Whether every I/O thread has been stuck in one block for longer than the read deadline."""
+        down = self._threads.stuck(self._deadline_s) >= self._threads.size
+        if down != self._down:
+            self._down = down
+            if down:
+                logger.error("disk tier: all %d I/O threads are stuck for more than %.1f s; disk jobs fail at "
+                             "once until one comes back", self._threads.size, self._deadline_s)
+            else:
+                logger.warning("disk tier: an I/O thread came back; disk jobs run again")
+        return down
+
+    def _discard(self, path: str, why: Exception) -> None:
+        logger.warning("disk tier: removing corrupt block file: %s", why)
+        self._unlink(path)
+
+    def _unlink(self, path: str) -> None:
+        """Remove ``path``; failing to is an I/O error (a file system that turned read-only), logged once."""
+        try:
+            self._ops.unlink(path)
+        except OSError as e:
+            self.breaker.record(False)
+            with self._lock:
+                self._removal_failures += 1
+                first = self._removal_failures == 1
+            if first:
+                logger.warning("disk tier: cannot remove block file %s: %s (later failures are logged at debug "
+                               "level)", path, e)
+            else:
+                logger.debug("disk tier: cannot remove block file %s: %s", path, e)
 
     def _note_io_error(self, state: _Job, error: OSError) -> None:
         self.breaker.record(False)
         if not self.breaker.is_open:
             logger.debug("disk tier: job %d: %s", state.job.job_id, error)
 
+    def _end(self, state: _Job, failed: bool) -> bool:
+        """Give ``state`` its result, once; True if this call did. Copies into its slots finish first."""
+        with self._lock:
+            if state.finished:
+                return False
+            state.finished = True
+            state.failed |= failed
+            while state.copying:
+                self._copied.wait()
+        self._finish(state)
+        return True
+
     def _finish(self, state: _Job) -> None:
-        if state.failed and state.written:
+        if state.failed:
             for path in state.written:  # A failed store is never indexed: leave none of its files behind.
-                self._ops.unlink(path)
+                self._unlink(path)
+        seconds = self._clock() - state.start if state.start is not None else 0.0
         result = TransferResult(state.job.job_id, not state.failed, state.copied if not state.failed else 0,
-                                self._clock() - state.start, state.job.transfer_type)
+                                seconds, state.job.transfer_type)
         with self._lock:
             self._finished.append(result)
             del self._jobs[state.job.job_id]

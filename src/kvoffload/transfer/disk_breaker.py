@@ -33,6 +33,8 @@ class CircuitBreaker:
         self._open_until: float | None = None
         self.trips = 0
         """How many times the breaker opened (for stats and tests)."""
+        self.errors = 0
+        """Errors reported in all (for stats and tests)."""
 
     def allow(self) -> bool:
         """True when I/O may be tried (closed, or the cool-down is over, which closes it)."""
@@ -53,6 +55,7 @@ class CircuitBreaker:
                 self._errors = 0
                 return
             self._errors += 1
+            self.errors += 1
             if self._open_until is not None or self._errors < self._threshold:
                 return
             self._open_until = self._clock() + self._cooldown_s
