@@ -10,10 +10,14 @@ from __future__ import annotations
 import enum
 import grp
 import math
+import os
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvoffload.auth import MIN_SECRET_BYTES, TierSecret
 
 GIB = 1 << 30
 
@@ -52,6 +56,8 @@ class DiskTierConfig:
     breaker_errors: int = 8
     breaker_cooldown_s: float = 30.0
     shared_group: int | None = None
+    secret: TierSecret | None = None
+    """With a secret every block carries a keyed MAC and is named by it (kvoffload.auth); None: CRC only."""
     """gid of the group whose members share the directory (group-writable tree); None: private to the user."""
 
 
@@ -140,6 +146,36 @@ def _group(v: Any) -> int:
     return v
 
 
+def _secret_file(v: Any) -> TierSecret:
+    path = _path(v)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            info = os.fstat(fd)
+            value = os.read(fd, 1 << 16)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise ValueError(f"cannot read the secret file: {e.strerror}") from None
+    if not stat.S_ISREG(info.st_mode) or info.st_mode & 0o077:
+        raise ValueError("the secret file must be a regular file readable by its owner only (chmod 600)")
+    return _secret(f"file {path}", value)
+
+
+def _secret_env(v: Any) -> TierSecret:
+    name = _text(v)
+    if name not in os.environ:
+        raise ValueError("no such environment variable")
+    return _secret(f"environment variable {name}", os.environ[name].encode())
+
+
+def _secret(source: str, value: bytes) -> TierSecret:
+    value = value.removesuffix(b"\n")
+    if len(value) < MIN_SECRET_BYTES:
+        raise ValueError(f"the secret must be at least {MIN_SECRET_BYTES} bytes")
+    return TierSecret(source, value)
+
+
 def _text(v: Any) -> str:
     if not isinstance(v, str) or not v:
         raise ValueError("must be a non-empty string")
@@ -165,12 +201,14 @@ KEYS: dict[str, tuple[Callable[[Any], Any], str]] = {
                                   "writable for that group only; default: private to the user"),
     "model_id": (_text, "model name in the key namespace (default: the engine's model)"),
     "model_version": (_text, "weights version in the key namespace, for checkpoints whose configs are the same"),
+    "tier_secret_file": (_secret_file, "file (mode 0600) holding the secret that authenticates disk-tier blocks"),
+    "tier_secret_env": (_secret_env, "environment variable holding that secret; alternative to tier_secret_file"),
     "inject_load_failures": (_non_negative_int, "testing: the first N load jobs fail, forcing recompute"),
     "inject_load_corruption": (_non_negative_int,
                                "testing: the first N load jobs load a zeroed block yet succeed (wrong KV)"),
 }
 
-_EXCLUSIVE = (("host_bytes", "host_gib"), ("disk_bytes", "disk_gib"))
+_EXCLUSIVE = (("host_bytes", "host_gib"), ("disk_bytes", "disk_gib"), ("tier_secret_file", "tier_secret_env"))
 
 
 class _Parser:
@@ -191,7 +229,8 @@ class _Parser:
         for a, b in _EXCLUSIVE:
             if a in self.raw and b in self.raw:
                 self.errors.append(f"give {a} or {b}, not both")
-        disk_keys = sorted(k for k in self.raw if k.startswith("disk_") and k != "disk_path")
+        # The secret authenticates shared tiers; the disk tier is the only one so far.
+        disk_keys = sorted(k for k in self.raw if k.startswith(("disk_", "tier_secret_")) and k != "disk_path")
         if disk_keys and "disk_path" not in self.raw:
             self.errors.append(f"{', '.join(disk_keys)} given without disk_path")
         if self.errors:
@@ -221,6 +260,7 @@ class _Parser:
                 breaker_errors=v.get("disk_breaker_errors", DiskTierConfig.breaker_errors),
                 breaker_cooldown_s=v.get("disk_breaker_cooldown_s", DiskTierConfig.breaker_cooldown_s),
                 shared_group=v.get("disk_shared_group"),
+                secret=v.get("tier_secret_file", v.get("tier_secret_env")),
             )
         return OffloadConfig(
             offload_block_tokens=v.get("offload_block_tokens"),

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvoffload.config import ConfigError
-from kvoffload.disk_format import BLOCK_SUFFIX, DIR_MODE, FILE_MODE, STALE_TMP_S, TMP_SUFFIX
+from kvoffload.disk_format import BLOCK_SUFFIX, DIR_MODE, FILE_MODE, PLAIN, STALE_TMP_S, TMP_SUFFIX, BlockFormat
 from kvoffload.keys import KEY_BYTES, OffloadKey
 
 logger = logging.getLogger(__name__)
@@ -54,17 +54,19 @@ class Access:
 
 @dataclass(frozen=True)
 class Tree:
-    """A rank directory checked at start-up; ``skipped`` names its fan-out entries that must not be used."""
+    """A rank directory checked at start-up; ``skipped`` names its fan-out entries that must not be used; ``fmt``
+    how its files are named (and sealed)."""
 
     rank_dir: Path
     skipped: frozenset[str] = frozenset()
+    fmt: BlockFormat = PLAIN
 
     def usable(self, key: OffloadKey) -> bool:
         """Whether ``key``'s fan-out directory is a real one (blocks behind a symbolic link are never used)."""
-        return not self.skipped or key[:1].hex() not in self.skipped
+        return not self.skipped or self.fmt.name(key)[:2] not in self.skipped
 
 
-def open_tree(disk_path: Path, rank_dir: Path, access: Access) -> Tree:
+def open_tree(disk_path: Path, rank_dir: Path, access: Access, fmt: BlockFormat = PLAIN) -> Tree:
     """Create ``rank_dir`` (under ``disk_path``) and its fan-out directories, and check who may write them.
 
     Raises:
@@ -84,7 +86,7 @@ def open_tree(disk_path: Path, rank_dir: Path, access: Access) -> Tree:
         skipped = _fan_outs(rank_dir, access, disk_path)
     except OSError as e:
         raise ConfigError(f"disk_path={str(disk_path)!r} cannot hold the disk tier: {e}") from e
-    return Tree(rank_dir, frozenset(skipped))
+    return Tree(rank_dir, frozenset(skipped), fmt)
 
 
 def _missing_ancestors(path: Path) -> list[Path]:
@@ -165,7 +167,7 @@ class ScanResult:
 def scan(tree: Tree) -> ScanResult:
     """List the blocks of ``tree`` from their names, and remove the temporary files of dead writers.
 
-    A block counts only as a regular file (not followed) named ``<key hex>.kvb`` in fan-out ``<key hex>[:2]``,
+    A block counts only as a regular file (not followed) named ``<name hex>.kvb`` in fan-out ``<name hex>[:2]``,
     hex in lower case; anything else is left alone. Payloads are checked on load.
     """
     start = time.perf_counter()
@@ -174,7 +176,7 @@ def scan(tree: Tree) -> ScanResult:
     for fan_out, entry in _entries(tree):
         name = entry.name
         if name.endswith(BLOCK_SUFFIX):
-            key = _block_key(name, fan_out)
+            key = _block_key(name, fan_out, tree.fmt)
             if key is not None and entry.is_file(follow_symlinks=False):
                 keys.append(key)
         elif name.endswith(TMP_SUFFIX) and _is_our_stale_tmp(entry, fan_out):
@@ -196,7 +198,7 @@ def _entries(tree: Tree) -> Iterator[tuple[str, os.DirEntry[str]]]:
             continue
 
 
-def _block_key(name: str, fan_out: str) -> OffloadKey | None:
+def _block_key(name: str, fan_out: str, fmt: BlockFormat) -> OffloadKey | None:
     """The key a block file's name gives, when it is exactly the name ``block_path`` would give it here."""
     digits = name[:-len(BLOCK_SUFFIX)]
     if len(digits) != _KEY_HEX or not digits.startswith(fan_out):
@@ -205,7 +207,7 @@ def _block_key(name: str, fan_out: str) -> OffloadKey | None:
         raw = bytes.fromhex(digits)
     except ValueError:
         return None
-    return OffloadKey(raw) if raw.hex() == digits else None  # fromhex also takes upper case and spaces
+    return fmt.key_of(raw) if raw.hex() == digits else None  # fromhex also takes upper case and spaces
 
 
 def _is_our_stale_tmp(entry: os.DirEntry[str], fan_out: str) -> bool:

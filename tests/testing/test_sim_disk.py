@@ -46,9 +46,16 @@ def push_out_of_host(engine: SimEngine) -> None:
     engine.pool.drop_cache()
 
 
+@pytest.mark.parametrize("authenticated", [False, True], ids=["crc", "mac"])
 @pytest.mark.parametrize("write_policy", ["write_through", "on_evict"])
-def test_prefix_evicted_from_host_comes_back_from_disk_bit_exact(tmp_path: Path, write_policy: str) -> None:
-    engine = make_engine(tmp_path, disk_write_policy=write_policy)
+def test_prefix_evicted_from_host_comes_back_from_disk_bit_exact(tmp_path: Path, write_policy: str,
+                                                                 authenticated: bool,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    secret = {}
+    if authenticated:  # every block carries a MAC and a secret-derived name
+        monkeypatch.setenv("KVOFFLOAD_TEST_SECRET", "s" * 32)
+        secret = {"tier_secret_env": "KVOFFLOAD_TEST_SECRET"}
+    engine = make_engine(tmp_path / "disk", disk_write_policy=write_policy, **secret)
     prompt = tokens(16, seed=1)
     engine.add_request("a", prompt)
     run_checked(engine)

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvoffload.config import ConfigError, DiskTierConfig, EvictionPolicy
-from kvoffload.disk_format import block_path, rank_directories
+from kvoffload.disk_format import BlockFormat, block_path, rank_directories
 from kvoffload.disk_tree import Access, Tree, WorldLock, open_tree, scan
 from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.manager.base import (
@@ -102,9 +102,10 @@ class DiskTierManager(ResidencyManager):
         if capacity < 1:
             raise ConfigError(f"disk_bytes={config.capacity_bytes} is below one block file "
                               f"({file_bytes} bytes)")
-        directories = rank_directories(config.path, namespace)
+        fmt = BlockFormat.of(config.secret)
+        directories = rank_directories(config.path, namespace, fmt)
         access = Access(config.shared_group)
-        tree = open_tree(config.path, directories[0], access)
+        tree = open_tree(config.path, directories[0], access, fmt)
         if not os.access(directories[0], os.R_OK | os.W_OK | os.X_OK):
             raise ConfigError(f"disk_path={str(config.path)!r} is not readable and writable by this user")
         manager = cls(capacity, config.policy, directories, tree)
@@ -199,7 +200,7 @@ class DiskTierManager(ResidencyManager):
         if not self._tree.usable(key):
             return False
         try:
-            info = os.lstat(block_path(self._directories[0], key))
+            info = os.lstat(block_path(self._directories[0], key, self._tree.fmt))
         except OSError:
             return False
         if not stat.S_ISREG(info.st_mode):
@@ -227,7 +228,7 @@ class DiskTierManager(ResidencyManager):
         """Remember the files of ``keys`` that are still there after their failed load (they were not removed)."""
         for key in keys:
             try:
-                self._bad[key] = identity(os.lstat(block_path(self._directories[0], key)))
+                self._bad[key] = identity(os.lstat(block_path(self._directories[0], key, self._tree.fmt)))
             except OSError:
                 continue  # removed, by the worker or by ``_collect``: nothing left to re-adopt
         for key in list(itertools.islice(self._bad, max(0, len(self._bad) - BAD_KEYS_MAX))):
@@ -239,7 +240,7 @@ class DiskTierManager(ResidencyManager):
             for key in keys:
                 if not self._fan_out_usable(rank, key):
                     continue
-                path = block_path(directory, key)
+                path = block_path(directory, key, self._tree.fmt)
                 try:
                     os.unlink(path)
                 except FileNotFoundError:

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvoffload.config import DiskTierConfig, WritePolicy
-from kvoffload.disk_format import GroupedLayout, entry_bytes_of, file_bytes
+from kvoffload.disk_format import BlockFormat, GroupedLayout, entry_bytes_of
 from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.manager.base import (
     EventKind,
@@ -90,7 +90,7 @@ class TieredManager(ResidencyManager):
         Raises:
             ConfigError: ``disk_bytes`` is below one block file, or ``disk_path`` cannot be used.
         """
-        size = file_bytes(max(entry_bytes_of(layout, factor)))
+        size = BlockFormat.of(config.secret).file_bytes(max(entry_bytes_of(layout, factor)))
         return cls(host, DiskTierManager.create(config, namespace, size), config.write_policy)
 
     def lookup(self, keys: Sequence[OffloadKey]) -> LookupResult:

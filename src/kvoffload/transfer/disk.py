@@ -32,7 +32,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvoffload.config import DiskTierConfig
-from kvoffload.disk_format import CorruptBlockError, GroupedLayout, block_path, entry_bytes_of, rank_directory
+from kvoffload.disk_format import (
+    BlockFormat,
+    CorruptBlockError,
+    GroupedLayout,
+    UnauthenticBlockError,
+    block_path,
+    entry_bytes_of,
+    rank_directory,
+)
 from kvoffload.disk_tree import Access, open_tree, scan
 from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.specs import DiskBlocks, HostBlocks, JobId, Medium, TransferJob
@@ -118,7 +126,8 @@ class DiskHandler(TransferHandler):
         self._entry_bytes = entry_bytes
         self._fingerprint = namespace.fingerprint()
         access = Access(config.shared_group)
-        self._tree = open_tree(config.path, rank_directory(config.path, namespace), access)
+        self._fmt = BlockFormat.of(config.secret)
+        self._tree = open_tree(config.path, rank_directory(config.path, namespace, self._fmt), access, self._fmt)
         scan(self._tree)  # Removes temporary files a crashed writer left here.
         self._ops = file_ops or FileOps()
         if self._ops.file_mode != access.file_mode:
@@ -136,6 +145,8 @@ class DiskHandler(TransferHandler):
         self._closed = False
         self._down = False
         self._removal_failures = 0
+        self.unauthentic_blocks = 0
+        """Block files refused because their MAC was not this tier's secret's (never loaded)."""
 
     @classmethod
     def create(cls, config: DiskTierConfig, pool: HostPool, namespace: Namespace, layout: GroupedLayout,
@@ -209,7 +220,7 @@ class DiskHandler(TransferHandler):
             raise ValueError(f"job {job.job_id}: a slot of {host.slots} is outside the pool")
         groups = [g for g, n in enumerate(host.group_sizes) for _ in range(n)]
         tree = self._tree
-        blocks = [_Block(s, k, block_path(tree.rank_dir, k), self._entry_bytes[g], tree.usable(k))
+        blocks = [_Block(s, k, block_path(tree.rank_dir, k, tree.fmt), self._entry_bytes[g], tree.usable(k))
                   for s, k, g in zip(host.slots, disk.keys, groups, strict=True)]
         return _Job(job, blocks, remaining=len(blocks))
 
@@ -246,13 +257,17 @@ class DiskHandler(TransferHandler):
         try:
             if state.is_write:
                 write_block(self._ops, block.path, self._fingerprint, block.key,
-                            self._slots[block.slot, :block.nbytes].data)
+                            self._slots[block.slot, :block.nbytes].data, self._fmt)
             elif not self._read(state, block):
                 if not state.finished:
                     self.breaker.record(False)  # Late, not yet failed by its deadline: a slow disk.
                 return False
         except FileNotFoundError:
             return False  # A miss (evicted by another engine sharing the directory), not a disk fault.
+        except UnauthenticBlockError as e:
+            self._note_unauthentic(e)  # someone without the secret wrote it: not the disk's fault
+            self._unlink(block.path)
+            return False
         except CorruptBlockError as e:
             self.breaker.record(False)
             self._discard(block.path, e)
@@ -266,7 +281,7 @@ class DiskHandler(TransferHandler):
     def _read(self, state: _Job, block: _Block) -> bool:
         """Read into this thread's buffer, then into the slot if the job is live and on time (False if not)."""
         buffer = self._buffer()[:block.nbytes]
-        read_block(self._ops, block.path, self._fingerprint, block.key, buffer.data)
+        read_block(self._ops, block.path, self._fingerprint, block.key, buffer.data, self._fmt)
         with self._lock:
             if state.finished or self._is_late(state):
                 return False
@@ -336,6 +351,16 @@ class DiskHandler(TransferHandler):
                                "level)", path, e)
             else:
                 logger.debug("disk tier: cannot remove block file %s: %s", path, e)
+
+    def _note_unauthentic(self, error: UnauthenticBlockError) -> None:
+        with self._lock:
+            self.unauthentic_blocks += 1
+            first = self.unauthentic_blocks == 1
+        if first:
+            logger.warning("disk tier: a block failed authentication and was not loaded (%s); later ones are "
+                           "counted and logged at debug level", error)
+        else:
+            logger.debug("disk tier: %s", error)
 
     def _note_io_error(self, state: _Job, error: OSError) -> None:
         self.breaker.record(False)

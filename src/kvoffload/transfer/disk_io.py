@@ -21,8 +21,11 @@ from kvoffload.disk_format import (
     BLOCK_SUFFIX,
     FILE_MODE,
     HEADER_BYTES,
+    PLAIN,
     TMP_SUFFIX,
+    BlockFormat,
     CorruptBlockError,
+    UnauthenticBlockError,
     checksum,
     decode_header,
     encode_header,
@@ -131,16 +134,21 @@ def _write_rest(fd: int, buffers: list[memoryview | bytes], written: int) -> Non
             view = view[os.write(fd, view):]
 
 
-def write_block(ops: FileOps, path: str, fingerprint: bytes, key: OffloadKey, payload: memoryview) -> None:
-    """Write one block: header and payload to a temporary name, then rename into place (atomic on POSIX).
+def write_block(ops: FileOps, path: str, fingerprint: bytes, key: OffloadKey, payload: memoryview,
+                fmt: BlockFormat = PLAIN) -> None:
+    """Write one block: header, payload (and MAC, for an authenticated ``fmt``) to a temporary name, then rename
+    into place (atomic on POSIX).
 
     Raises:
         OSError: the write or rename failed; the temporary file is removed.
     """
     tmp = f"{path[:-len(BLOCK_SUFFIX)]}.{os.getpid()}-{next(_tmp_counter)}{TMP_SUFFIX}"
-    header = encode_header(fingerprint, key, len(payload), checksum(payload))
+    header = encode_header(fingerprint, key, len(payload), checksum(payload), fmt.algorithm)
+    parts: list[memoryview | bytes] = [header, payload]
+    if fmt.auth is not None:
+        parts.append(fmt.auth.mac(header, payload))
     try:
-        ops.write_new(tmp, [header, payload])
+        ops.write_new(tmp, parts)
         ops.rename(tmp, path)  # replaces a link at ``path``; never writes through it
     except BaseException:
         with contextlib.suppress(OSError):  # the write's own error is the one to report
@@ -148,8 +156,10 @@ def write_block(ops: FileOps, path: str, fingerprint: bytes, key: OffloadKey, pa
         raise
 
 
-def read_block(ops: FileOps, path: str, fingerprint: bytes, key: OffloadKey, out: memoryview) -> None:
-    """Read one block's payload into ``out`` (exactly its length) and verify it.
+def read_block(ops: FileOps, path: str, fingerprint: bytes, key: OffloadKey, out: memoryview,
+               fmt: BlockFormat = PLAIN) -> None:
+    """Read one block's payload into ``out`` (exactly its length) and verify it (and its MAC, for an
+    authenticated ``fmt``).
 
     ``out`` may hold garbage afterwards when this raises.
 
@@ -157,14 +167,22 @@ def read_block(ops: FileOps, path: str, fingerprint: bytes, key: OffloadKey, out
         FileNotFoundError: no such block.
         OSError: the read failed.
         CorruptBlockError: the file is truncated, too long, damaged, or belongs to another namespace or key;
-            ``NotABlockFileError`` when it is not a regular file.
+            ``NotABlockFileError`` when it is not a regular file; ``UnauthenticBlockError`` when its MAC is not
+            this secret's.
     """
     header = memoryview(bytearray(HEADER_BYTES))
+    tag = memoryview(bytearray(fmt.trailer_bytes))
     extra = memoryview(bytearray(1))  # A byte past the payload proves the file is too long.
-    got = ops.read_into(path, [header, out, extra])
-    if got != HEADER_BYTES + len(out):
-        raise CorruptBlockError(f"{path}: file is {'longer' if got > HEADER_BYTES + len(out) else 'shorter'} "
+    expected_size = fmt.file_bytes(len(out))
+    got = ops.read_into(path, [header, out, tag, extra])
+    # The header first: it says what the file claims to be (a plain block in an authenticated tier is refused
+    # as unauthentic, whatever its size); a short file fails its header checksum.
+    expected = decode_header(header, fingerprint, key, len(out), fmt.algorithm)
+    if got != expected_size:
+        raise CorruptBlockError(f"{path}: file is {'longer' if got > expected_size else 'shorter'} "
                                 f"than a {len(out)}-byte block")
-    expected = decode_header(header, fingerprint, key, len(out))
     if checksum(out) != expected:
         raise CorruptBlockError(f"{path}: payload checksum mismatch")
+    # After the CRC: a damaged file is reported as damaged, and only a well-formed one as forged.
+    if fmt.auth is not None and not fmt.auth.verify(header, out, tag):
+        raise UnauthenticBlockError(f"{path}: MAC mismatch (not written with this tier's secret)")
