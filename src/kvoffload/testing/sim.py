@@ -148,14 +148,18 @@ class SimEngine:
         return bool(self.waiting or self.running or self._loading())
 
     def run(self, max_steps: int = 10_000, on_step: Callable[[SimEngine], None] | None = None) -> None:
-        """Step until every request finished, every job completed and the tiers asked for no more jobs."""
-        idle_meta = True
+        """Step until every request finished, every job completed and the tiers asked for no more jobs.
+
+        Ends with a step that started with nothing to do and built empty metadata: a job that completes in a
+        step may queue a tier transfer (a write-through) that only the next step's metadata ships.
+        """
         for _ in range(max_steps):
-            if not self.has_work and self.scheduler.num_pending_jobs == 0 and idle_meta:
-                return
-            idle_meta = self.step().idle
+            quiet = not self.has_work and self.scheduler.num_pending_jobs == 0
+            idle = self.step().idle
             if on_step is not None:
                 on_step(self)
+            if quiet and idle:
+                return
         raise RuntimeError(f"simulation did not finish in {max_steps} steps")
 
     def reset_prefix_cache(self) -> None:

@@ -1,0 +1,203 @@
+"""A randomized state machine (hypothesis) over the simulated engine with a small host tier on a disk tier, with
+faults injected at random: corrupt, vanished, unremovable and slow blocks, EIO, a file system turned read-only.
+
+After every rule: every running request's device bytes are right, every loaded block was bit-exact, the null block
+is intact and every manager's bookkeeping holds. At the end of each run: every request finishes within a bounded
+number of steps, no job is left and no pin leaked (the tiers empty on reset). Over all runs the engine takes at
+least ``MIN_TOTAL_STEPS`` steps.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+
+from kvoffload.config import OffloadConfig
+from kvoffload.testing import layouts
+from kvoffload.testing.sim import SimEngine, Status
+from kvoffload.transfer.disk import DiskHandler
+from kvoffload.transfer.disk_io import FileOps
+
+BLOCK = 4
+PREFIXES = [[random.Random(p).randrange(1000) for _ in range(16)] for p in range(3)]
+DRAIN_STEPS = 200
+"""Every request must be done this many steps after the last rule, whatever faults stand."""
+MIN_TOTAL_STEPS = 10_000
+READ_DEADLINE_MS = 20
+STEPS = {"total": 0, "loaded_tokens": 0, "disk_errors": 0}
+"""Across all runs: engine steps, tokens loaded instead of computed, disk errors the breakers heard of."""
+
+
+class FaultyOps(FileOps):
+    """The OS, with faults the machine switches on: the next reads fail with EIO or are slower than the
+    deadline, and a read-only mode in which creating, renaming and removing files fails with EROFS."""
+
+    def __init__(self) -> None:
+        self.eio_reads = 0
+        self.slow_reads = 0
+        self.read_only = False
+
+    def read_into(self, path: str, buffers: list[memoryview]) -> int:
+        if self.eio_reads > 0:
+            self.eio_reads -= 1
+            raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+        if self.slow_reads > 0:
+            self.slow_reads -= 1
+            time.sleep(2 * READ_DEADLINE_MS / 1000)
+        return super().read_into(path, buffers)
+
+    def write_new(self, path: str, buffers: list[memoryview | bytes]) -> None:
+        self._refuse_if_read_only(path)
+        super().write_new(path, buffers)
+
+    def rename(self, src: str, dst: str) -> None:
+        self._refuse_if_read_only(dst)
+        super().rename(src, dst)
+
+    def unlink(self, path: str) -> None:
+        self._refuse_if_read_only(path)
+        super().unlink(path)
+
+    def _refuse_if_read_only(self, path: str) -> None:
+        if self.read_only:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+
+
+class FaultyDisk(RuleBasedStateMachine):
+    extra_config: dict[str, Any] = {}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.root = Path(tempfile.mkdtemp(prefix="kvoffload-faults-"))
+        layout, make_kv = layouts.attention_layout(num_blocks=48, block_size=BLOCK)
+        slot = layout.group_block_bytes(0)
+        config = OffloadConfig.from_dict({
+            "offload_block_tokens": BLOCK, "host_bytes": 4 * slot, "disk_path": str(self.root / "disk"),
+            "disk_bytes": 1 << 22, "disk_read_deadline_ms": READ_DEADLINE_MS, "disk_breaker_cooldown_s": 0.05,
+            **self.extra_config,
+        })
+        self.engine = SimEngine(layout, make_kv, config, block_size=BLOCK)
+        self.ops = FaultyOps()
+        for worker in self.engine.workers:
+            for handler in worker.transfers.handlers:
+                if isinstance(handler, DiskHandler):
+                    handler._ops = self.ops  # the system-call seam of the worker's disk tier
+        self.rng = random.Random(0)
+        self.count = 0
+
+    # ---- the workload ------------------------------------------------------------------------------------------
+
+    @rule(prefix=st.integers(0, len(PREFIXES) - 1), tail=st.lists(st.integers(0, 999), max_size=6),
+          new_tokens=st.integers(1, 3))
+    def add_request(self, prefix: int, tail: list[int], new_tokens: int) -> None:
+        self.count += 1
+        self.engine.add_request(f"r{self.count}", PREFIXES[prefix] + tail, max_new_tokens=new_tokens)
+
+    @rule(steps=st.integers(1, 40), settle=st.booleans())
+    def run_steps(self, steps: int, settle: bool) -> None:
+        for _ in range(steps):
+            self._step(settle)
+
+    @precondition(lambda self: not self.engine.has_work)
+    @rule()
+    def lose_the_device_cache(self) -> None:
+        self.engine.pool.drop_cache()
+
+    @precondition(lambda self: bool(self.engine.running or self.engine.waiting))
+    @rule(which=st.integers(0, 1 << 16))
+    def abort_a_request(self, which: int) -> None:
+        live = [r for r in self.engine.running + self.engine.waiting]
+        self.engine.abort(live[which % len(live)].request_id)
+
+    # ---- faults ------------------------------------------------------------------------------------------------
+
+    @rule(which=st.integers(0, 1 << 16), fault=st.sampled_from(["corrupt", "vanish", "unremovable"]))
+    def damage_a_block_file(self, which: int, fault: str) -> None:
+        files = sorted(p for p in self.root.rglob("*.kvb") if p.is_file())
+        if not files:
+            return
+        path = files[which % len(files)]
+        if fault == "corrupt":
+            raw = bytearray(path.read_bytes())
+            raw[len(raw) // 2] ^= 0xFF
+            path.write_bytes(bytes(raw))
+        elif fault == "vanish":
+            path.unlink()
+        else:  # a directory at the block's name: neither loadable nor removable
+            path.unlink()
+            path.mkdir()
+
+    @rule(eio=st.integers(0, 4), slow=st.integers(0, 2))
+    def fail_the_next_reads(self, eio: int, slow: int) -> None:
+        self.ops.eio_reads, self.ops.slow_reads = eio, slow
+
+    @rule(read_only=st.booleans())
+    def turn_read_only(self, read_only: bool) -> None:
+        self.ops.read_only = read_only
+
+    # ---- what must hold ----------------------------------------------------------------------------------------
+
+    @invariant()
+    def every_loaded_block_was_right_and_the_books_balance(self) -> None:
+        self.engine.check_all()
+        assert self.engine.corrupt_blocks == [], f"wrong loaded blocks: {self.engine.corrupt_blocks}"
+
+    def teardown(self) -> None:
+        try:
+            # Raises if requests, jobs or tier transfers are still going after DRAIN_STEPS steps.
+            self.engine.run(max_steps=DRAIN_STEPS, on_step=lambda _: self._after_step(settle=True))
+            assert all(r.status is Status.FINISHED for r in self.engine.requests.values()), "a request stalled"
+            assert self.engine.scheduler.num_pending_jobs == 0
+            self.engine.scheduler.reset()  # a leaked pin would keep its block
+            assert all(u.used_blocks == 0 for u in self.engine.scheduler.usage())
+            STEPS["loaded_tokens"] += sum(r.loaded_tokens for r in self.engine.requests.values())
+            STEPS["disk_errors"] += sum(h.breaker.errors for w in self.engine.workers for h in w.transfers.handlers
+                                        if isinstance(h, DiskHandler))
+        finally:
+            for worker in self.engine.workers:
+                worker.shutdown()
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def _step(self, settle: bool) -> None:
+        self.engine.step()
+        self._after_step(settle)
+
+    def _after_step(self, settle: bool) -> None:
+        STEPS["total"] += 1
+        self.engine.check_all()
+        if settle:  # otherwise background jobs overlap the next step, as they do in an engine
+            for worker in self.engine.workers:
+                worker.wait_all()
+
+
+def test_random_faults_never_give_a_wrong_block_a_stalled_request_or_a_leaked_pin() -> None:
+    STEPS.update(dict.fromkeys(STEPS, 0))
+    config: Any = settings(max_examples=120, stateful_step_count=50, deadline=None, derandomize=True,
+                           suppress_health_check=list(HealthCheck))
+    run_state_machine_as_test(FaultyDisk, settings=config)
+    assert STEPS["total"] >= MIN_TOTAL_STEPS
+    assert STEPS["loaded_tokens"] > 0 and STEPS["disk_errors"] > 0  # it served hits, and faults were met
+
+
+class CorruptingDisk(FaultyDisk):
+    """The same machine with a load that succeeds with a zeroed block: the invariants must catch it."""
+
+    extra_config: dict[str, Any] = {"inject_load_corruption": 1}
+
+
+def test_the_machine_catches_a_wrong_loaded_block() -> None:
+    config: Any = settings(max_examples=30, stateful_step_count=30, deadline=None, derandomize=True,
+                           suppress_health_check=list(HealthCheck), phases=[Phase.generate])  # no shrinking
+    with pytest.raises(AssertionError, match=r"wrong loaded blocks|wrong device bytes"):
+        run_state_machine_as_test(CorruptingDisk, settings=config)
