@@ -19,6 +19,7 @@ import torch
 from kvoffload.config import ConfigError, DiskTierConfig
 from kvoffload.disk_format import block_path, rank_directory
 from kvoffload.keys import Namespace, OffloadKey, offload_key
+from kvoffload.manager.disk import DiskTierManager
 from kvoffload.specs import DiskBlocks, HostBlocks, JobId, Medium, TransferJob
 from kvoffload.transfer.base import TransferResult
 from kvoffload.transfer.disk import DiskHandler
@@ -457,3 +458,14 @@ def test_while_every_io_thread_is_stuck_jobs_fail_at_once_and_run_again_when_one
     finally:
         ops.release.set()
         h.shutdown()
+
+
+def test_a_disk_path_that_cannot_hold_the_tier_is_the_same_config_error_in_both_halves(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"not a directory")
+    config = DiskTierConfig(path=blocker / "disk")
+    with pytest.raises(ConfigError, match=r"disk_path=.*cannot hold the disk tier") as worker:
+        DiskHandler(config, make_pool(), NS, ENTRY)
+    with pytest.raises(ConfigError, match=r"disk_path=.*cannot hold the disk tier") as scheduler:
+        DiskTierManager.create(config, NS, 1024)
+    assert str(worker.value) == str(scheduler.value)
