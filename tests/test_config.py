@@ -65,3 +65,29 @@ def test_a_size_too_large_to_count_in_bytes_is_a_config_error():
 def test_a_config_that_is_not_a_mapping_is_a_config_error(raw):
     with pytest.raises(ConfigError, match="must be a mapping"):
         OffloadConfig.from_dict(raw)
+
+
+def test_a_remote_tier_is_typed_and_its_password_never_shows():
+    config = OffloadConfig.from_dict({"remote_url": ["redis://10.0.0.1:7000", "redis://10.0.0.2:7000"],
+                                      "remote_cluster": True, "remote_username": "kv",
+                                      "remote_password": "pw-hunter2", "remote_timeout_ms": 250, "remote_gib": 2})
+    remote = config.remote
+    assert remote is not None
+    assert remote.urls == ("redis://10.0.0.1:7000", "redis://10.0.0.2:7000") and remote.cluster
+    assert remote.timeout_s == 0.25 and remote.capacity_bytes == 2 * GIB
+    assert remote.password is not None and remote.password.value == b"pw-hunter2"
+    assert "hunter2" not in repr(config)
+
+
+@pytest.mark.parametrize(("raw", "culprit"), [
+    ({"remote_url": "http://cache:80"}, "not a redis://"),
+    ({"remote_url": "redis://:pw-hunter2@cache:6379"}, "must not carry credentials"),
+    ({"remote_timeout_ms": 5}, "given without remote_url"),
+    ({"remote_url": "redis://c:1", "remote_password": "a", "remote_password_env": "B"}, "not both"),
+    ({"remote_url": "redis://c:1", "disk_path": "/tmp/kv"}, "disk_path or remote_url, not both"),
+    ({"tier_secret_env": "X"}, "without a shared tier"),
+])  # fmt: skip
+def test_bad_remote_settings_are_config_errors_that_show_no_password(raw, culprit):
+    with pytest.raises(ConfigError, match=culprit) as err:
+        OffloadConfig.from_dict(raw)
+    assert "hunter2" not in str(err.value)

@@ -56,9 +56,35 @@ class DiskTierConfig:
     breaker_errors: int = 8
     breaker_cooldown_s: float = 30.0
     shared_group: int | None = None
+    """gid of the group whose members share the directory (group-writable tree); None: private to the user."""
     secret: TierSecret | None = None
     """With a secret every block carries a keyed MAC and is named by it (kvoffload.auth); None: CRC only."""
-    """gid of the group whose members share the directory (group-writable tree); None: private to the user."""
+
+
+REMOTE_SCHEMES = ("redis", "rediss", "unix")
+
+
+@dataclass(frozen=True)
+class RemoteTierConfig:
+    """A Redis-protocol store (Redis 7+, Valkey, Redis Cluster) below the host tier, shared by many engines."""
+
+    urls: tuple[str, ...]
+    """``redis://host:port``, ``rediss://`` (TLS) or ``unix:///path``; several are a cluster's start-up nodes."""
+    cluster: bool = False
+    username: str | None = None
+    password: TierSecret | None = None
+    """The ACL password (hidden from ``repr``, never logged)."""
+    connect_timeout_s: float = 0.5
+    timeout_s: float = 1.0
+    """Per command; a slower answer is a failed job (a miss, or a skipped store)."""
+    ttl_s: int | None = None
+    capacity_bytes: int = 16 * GIB
+    """What this engine may have written there at once; the server's own ``maxmemory`` bounds the whole store."""
+    policy: EvictionPolicy = EvictionPolicy.LRU
+    breaker_errors: int = 8
+    breaker_cooldown_s: float = 30.0
+    secret: TierSecret | None = None
+    """As the disk tier's: a keyed MAC on every value, names derived from it."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +95,7 @@ class OffloadConfig:
     """Tokens per offload block; a multiple of the engine's block size. None: the engine's block size."""
     host: HostTierConfig = field(default_factory=HostTierConfig)
     disk: DiskTierConfig | None = None
+    remote: RemoteTierConfig | None = None
     model_id: str | None = None
     """Overrides the model name used in the key namespace (engines sharing a tier must agree on it)."""
     model_version: str | None = None
@@ -176,6 +203,48 @@ def _secret(source: str, value: bytes) -> TierSecret:
     return TierSecret(source, value)
 
 
+def _urls(v: Any) -> tuple[str, ...]:
+    urls = (v,) if isinstance(v, str) else tuple(v) if isinstance(v, list | tuple) else ()
+    if not urls or not all(isinstance(u, str) and u for u in urls):
+        raise ValueError("must be a URL or a list of URLs")
+    for url in urls:
+        scheme, _, rest = url.partition("://")
+        if "@" in rest.split("/", 1)[0]:  # so that no password sits in the config's repr or in a log line
+            raise ValueError("a URL must not carry credentials: give remote_username and remote_password_env "
+                             "(or remote_password_file) instead")
+        if scheme not in REMOTE_SCHEMES:
+            raise ValueError(f"{url!r} is not a {', '.join(s + '://' for s in REMOTE_SCHEMES)} URL")
+    return urls
+
+
+def _flag(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError("must be true or false")
+    return v
+
+
+def _password_text(v: Any) -> TierSecret:
+    return TierSecret("configuration", _text(v).encode())
+
+
+def _password_env(v: Any) -> TierSecret:
+    name = _text(v)
+    if not os.environ.get(name):
+        raise ValueError("no such environment variable, or it is empty")
+    return TierSecret(f"environment variable {name}", os.environ[name].encode())
+
+
+def _password_file(v: Any) -> TierSecret:
+    path = _path(v)
+    try:
+        value = path.read_bytes().removesuffix(b"\n")
+    except OSError as e:
+        raise ValueError(f"cannot read the password file: {e.strerror}") from None
+    if not value:
+        raise ValueError("the password file is empty")
+    return TierSecret(f"file {path}", value)
+
+
 def _text(v: Any) -> str:
     if not isinstance(v, str) or not v:
         raise ValueError("must be a non-empty string")
@@ -201,6 +270,20 @@ KEYS: dict[str, tuple[Callable[[Any], Any], str]] = {
                                   "writable for that group only; default: private to the user"),
     "model_id": (_text, "model name in the key namespace (default: the engine's model)"),
     "model_version": (_text, "weights version in the key namespace, for checkpoints whose configs are the same"),
+    "remote_url": (_urls, "remote tier server: redis://host:port, rediss:// (TLS) or unix:///path; a list for a "
+                          "cluster's start-up nodes; no remote tier when absent"),
+    "remote_cluster": (_flag, "true: the servers are a Redis Cluster (redis-py's cluster client)"),
+    "remote_username": (_text, "ACL user name for the remote tier"),
+    "remote_password": (_password_text, "ACL password (prefer remote_password_env or remote_password_file)"),
+    "remote_password_env": (_password_env, "environment variable holding the ACL password"),
+    "remote_password_file": (_password_file, "file holding the ACL password"),
+    "remote_connect_timeout_ms": (_positive_float, "connecting to a remote server slower than this fails"),
+    "remote_timeout_ms": (_positive_float, "a remote command slower than this fails (a miss or a skipped store)"),
+    "remote_ttl_s": (_positive_int, "expire remote values this long after they are written (default: never)"),
+    "remote_bytes": (_positive_int, "bytes this engine may have stored in the remote tier (default 16 GiB)"),
+    "remote_gib": (_gib, "the same in GiB; alternative to remote_bytes"),
+    "remote_breaker_errors": (_positive_int, "consecutive remote errors that switch the remote tier off"),
+    "remote_breaker_cooldown_s": (_positive_float, "how long the remote tier stays off after tripping"),
     "tier_secret_file": (_secret_file, "file (mode 0600) holding the secret that authenticates disk-tier blocks"),
     "tier_secret_env": (_secret_env, "environment variable holding that secret; alternative to tier_secret_file"),
     "inject_load_failures": (_non_negative_int, "testing: the first N load jobs fail, forcing recompute"),
@@ -208,7 +291,14 @@ KEYS: dict[str, tuple[Callable[[Any], Any], str]] = {
                                "testing: the first N load jobs load a zeroed block yet succeed (wrong KV)"),
 }
 
-_EXCLUSIVE = (("host_bytes", "host_gib"), ("disk_bytes", "disk_gib"), ("tier_secret_file", "tier_secret_env"))
+_EXCLUSIVE = (("host_bytes", "host_gib"), ("disk_bytes", "disk_gib"), ("tier_secret_file", "tier_secret_env"),
+              ("remote_bytes", "remote_gib"), ("remote_password", "remote_password_env"),
+              ("remote_password", "remote_password_file"), ("remote_password_env", "remote_password_file"),
+              ("disk_path", "remote_url"))
+
+
+_HIDDEN_VALUES = frozenset({"remote_password", "remote_url"})
+"""Keys whose values may hold a password: errors name the key, never the value."""
 
 
 class _Parser:
@@ -225,20 +315,44 @@ class _Parser:
             try:
                 self.values[key] = KEYS[key][0](value)
             except ValueError as e:
-                self.errors.append(f"{key}={value!r}: {e}")
+                shown = "" if key in _HIDDEN_VALUES else f"={value!r}"
+                self.errors.append(f"{key}{shown}: {e}")
         for a, b in _EXCLUSIVE:
             if a in self.raw and b in self.raw:
                 self.errors.append(f"give {a} or {b}, not both")
-        # The secret authenticates shared tiers; the disk tier is the only one so far.
-        disk_keys = sorted(k for k in self.raw if k.startswith(("disk_", "tier_secret_")) and k != "disk_path")
-        if disk_keys and "disk_path" not in self.raw:
-            self.errors.append(f"{', '.join(disk_keys)} given without disk_path")
+        for prefix, owner in (("disk_", "disk_path"), ("remote_", "remote_url")):
+            dependent = sorted(k for k in self.raw if k.startswith(prefix) and k != owner)
+            if dependent and owner not in self.raw:
+                self.errors.append(f"{', '.join(dependent)} given without {owner}")
+        secret_keys = sorted(k for k in self.raw if k.startswith("tier_secret_"))
+        if secret_keys and "disk_path" not in self.raw and "remote_url" not in self.raw:
+            self.errors.append(f"{', '.join(secret_keys)} given without a shared tier (disk_path or remote_url)")
         if self.errors:
             raise ConfigError(
                 "invalid kvoffload configuration: " + "; ".join(self.errors)
                 + ". Accepted keys: " + ", ".join(sorted(KEYS))
             )
         return self._build()
+
+    def _remote(self, policy: EvictionPolicy) -> RemoteTierConfig | None:
+        v = self.values
+        if "remote_url" not in v:
+            return None
+        connect_ms, timeout_ms = v.get("remote_connect_timeout_ms"), v.get("remote_timeout_ms")
+        return RemoteTierConfig(
+            urls=v["remote_url"],
+            cluster=v.get("remote_cluster", False),
+            username=v.get("remote_username"),
+            password=v.get("remote_password", v.get("remote_password_env", v.get("remote_password_file"))),
+            connect_timeout_s=connect_ms / 1000 if connect_ms else RemoteTierConfig.connect_timeout_s,
+            timeout_s=timeout_ms / 1000 if timeout_ms else RemoteTierConfig.timeout_s,
+            ttl_s=v.get("remote_ttl_s"),
+            capacity_bytes=v.get("remote_bytes", v.get("remote_gib", RemoteTierConfig.capacity_bytes)),
+            policy=policy,
+            breaker_errors=v.get("remote_breaker_errors", RemoteTierConfig.breaker_errors),
+            breaker_cooldown_s=v.get("remote_breaker_cooldown_s", RemoteTierConfig.breaker_cooldown_s),
+            secret=v.get("tier_secret_file", v.get("tier_secret_env")),
+        )
 
     def _build(self) -> OffloadConfig:
         v = self.values
@@ -266,6 +380,7 @@ class _Parser:
             offload_block_tokens=v.get("offload_block_tokens"),
             host=host,
             disk=disk,
+            remote=self._remote(host.policy),
             model_id=v.get("model_id"),
             model_version=v.get("model_version"),
             inject_load_failures=v.get("inject_load_failures", 0),

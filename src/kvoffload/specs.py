@@ -33,6 +33,7 @@ class Medium(enum.Enum):
     DEVICE = "device"
     HOST = "host"
     DISK = "disk"
+    REMOTE = "remote"
 
 
 def _check_groups(name: str, entries: int, group_sizes: tuple[int, ...]) -> None:
@@ -87,7 +88,20 @@ class DiskBlocks:
         _check_groups("DiskBlocks", len(self.keys), self.group_sizes)
 
 
-BlockSpec = DeviceBlocks | HostBlocks | DiskBlocks
+@dataclass(frozen=True)
+class RemoteBlocks:
+    """Values of the remote tier (a Redis-protocol store), named by key (one entry per offload block)."""
+
+    keys: tuple[OffloadKey, ...]
+    group_sizes: tuple[int, ...]
+
+    medium = Medium.REMOTE
+
+    def __post_init__(self) -> None:
+        _check_groups("RemoteBlocks", len(self.keys), self.group_sizes)
+
+
+BlockSpec = DeviceBlocks | HostBlocks | DiskBlocks | RemoteBlocks
 
 
 @dataclass(frozen=True)
