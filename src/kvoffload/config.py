@@ -31,6 +31,16 @@ class EvictionPolicy(enum.Enum):
     ARC = "arc"
 
 
+class LoadPolicy(enum.Enum):
+    """When blocks that only a tier below host holds are loaded (connector/load_cost.py)."""
+
+    AUTO = "auto"
+    """When the tier's recent speed says loading beats recomputing their tokens."""
+    ALWAYS = "always"
+    NEVER = "never"
+    """Lower tiers are written, never read back (e.g. to warm a shared tier for other engines)."""
+
+
 class WritePolicy(enum.Enum):
     WRITE_THROUGH = "write_through"
     """Every block stored to host is also written to disk."""
@@ -96,6 +106,9 @@ class OffloadConfig:
     host: HostTierConfig = field(default_factory=HostTierConfig)
     disk: DiskTierConfig | None = None
     remote: RemoteTierConfig | None = None
+    load_policy: LoadPolicy = LoadPolicy.AUTO
+    prefill_tokens_per_s: float | None = None
+    """The engine's prefill speed, for cost-aware loading; None: measured from its steps."""
     model_id: str | None = None
     """Overrides the model name used in the key namespace (engines sharing a tier must agree on it)."""
     model_version: str | None = None
@@ -268,6 +281,9 @@ KEYS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "disk_breaker_cooldown_s": (_positive_float, "how long the disk tier stays off after tripping"),
     "disk_shared_group": (_group, "group (name or gid) allowed to share disk_path: its tree is made group-"
                                   "writable for that group only; default: private to the user"),
+    "load_policy": (_enum(LoadPolicy), "auto (load a lower tier's hits only when faster than recomputing), "
+                                       "always or never"),
+    "prefill_tokens_per_s": (_positive_float, "the engine's prefill speed for load_policy auto (default: measured)"),
     "model_id": (_text, "model name in the key namespace (default: the engine's model)"),
     "model_version": (_text, "weights version in the key namespace, for checkpoints whose configs are the same"),
     "remote_url": (_urls, "remote tier server: redis://host:port, rediss:// (TLS) or unix:///path; a list for a "
@@ -381,6 +397,8 @@ class _Parser:
             host=host,
             disk=disk,
             remote=self._remote(host.policy),
+            load_policy=v.get("load_policy", LoadPolicy.AUTO),
+            prefill_tokens_per_s=v.get("prefill_tokens_per_s"),
             model_id=v.get("model_id"),
             model_version=v.get("model_version"),
             inject_load_failures=v.get("inject_load_failures", 0),

@@ -14,22 +14,15 @@ loads every ``EXPLORE_EVERY``-th run it would skip, so an estimate made while th
 
 from __future__ import annotations
 
-import enum
 from collections import deque
 from dataclasses import dataclass
 
+from kvoffload.config import LoadPolicy
 from kvoffload.specs import Medium
 
 WINDOW = 32
 MIN_SAMPLES = 2
 EXPLORE_EVERY = 32
-
-
-class LoadPolicy(enum.Enum):
-    ALWAYS = "always"
-    NEVER = "never"
-    """Lower tiers are written, never read back (e.g. to warm a shared tier for other engines)."""
-    AUTO = "auto"
 
 
 @dataclass(frozen=True)

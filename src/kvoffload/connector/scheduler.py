@@ -12,11 +12,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
 from kvoffload.config import OffloadConfig
+from kvoffload.connector.load_cost import LoadCost
 from kvoffload.connector.metadata import ConnectorMetadata, LoadJob, WorkerMetadata
 from kvoffload.connector.requests import (
     EngineRequest,
@@ -26,11 +28,11 @@ from kvoffload.connector.requests import (
     StepSchedule,
 )
 from kvoffload.connector.stats import SchedulerStats
-from kvoffload.connector.tiers import build_manager, offload_factor
+from kvoffload.connector.tiers import build_manager, host_slot_bytes, offload_factor
 from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.layout import KVCacheLayout
 from kvoffload.manager.base import OffloadEvent, ResidencyManager, TierTransfer, TierUsage
-from kvoffload.specs import NO_BLOCK, BlockSpec, DeviceBlocks, HostBlocks, JobId, TransferJob
+from kvoffload.specs import NO_BLOCK, BlockSpec, DeviceBlocks, HostBlocks, JobId, Medium, TransferJob
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,11 @@ class ConnectorScheduler:
         self.manager = manager or build_manager(config, layout, self.factor, namespace)
         self.null_block_id = null_block_id
         self.flush_stores_next_step = flush_stores_next_step
+        self.load_cost = LoadCost(config.load_policy, self.offload_tokens, host_slot_bytes(layout, self.factor),
+                                  config.prefill_tokens_per_s)
+        self.manager.set_load_cost(self.load_cost)
+        self._promotions: dict[JobId, tuple[Medium, int, float]] = {}
+        self._last_meta: tuple[float, int] | None = None
         self._root = namespace.chain_root()
         self._requests: dict[str, RequestState] = {}
         self._jobs: dict[JobId, _PendingJob] = {}
@@ -212,6 +219,7 @@ class ConnectorScheduler:
         candidates: list[_StoreCandidate] = []
         for scheduled in step.scheduled:
             self._collect_stores(scheduled, candidates)
+        self._observe_step(len(candidates))
         store = self._store_job(candidates)
         if store is not None and self.flush_stores_next_step:
             self._to_flush_next.add(store.job_id)
@@ -274,7 +282,19 @@ class ConnectorScheduler:
 
     def _tier_job(self, transfer: TierTransfer) -> TransferJob:
         job = self._new_job(JobKind.TIER, (), (), transfer.transfer_id)
+        if transfer.dst.medium is Medium.HOST:  # a promotion: timed for the tier's speed (load_cost)
+            nbytes = sum(transfer.src.group_sizes) * self.load_cost.block_bytes
+            self._promotions[job] = (transfer.src.medium, nbytes, time.monotonic())
         return TransferJob(job, transfer.src, transfer.dst)
+
+    def _observe_step(self, filled_blocks: int) -> None:
+        """The engine's prefill speed, roughly: tokens whose blocks filled in the last step over its length (from
+        one ``build_connector_meta`` to the next: that step's forward pass)."""
+        now = time.monotonic()
+        if self._last_meta is not None:
+            started, blocks = self._last_meta
+            self.load_cost.observe_step(blocks // self.num_groups * self.offload_tokens, now - started)
+        self._last_meta = (now, filled_blocks)
 
     def update_connector_output(self, report: WorkerMetadata) -> None:
         """Count worker reports; finish a job once every worker has reported it."""
@@ -305,6 +325,10 @@ class ConnectorScheduler:
             self.manager.complete_store(job.keys, success)
         else:
             self.manager.complete_transfer(job.transfer_id, success)
+            timed = self._promotions.pop(job_id, None)
+            if timed is not None and success:
+                medium, nbytes, started = timed
+                self.load_cost.observe_transfer(medium, nbytes, time.monotonic() - started)
 
     # ---- request end, resets, observability -------------------------------------------------------------------
 

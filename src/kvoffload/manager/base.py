@@ -15,6 +15,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvoffload.keys import OffloadKey
 from kvoffload.specs import BlockSpec, Medium
@@ -84,6 +85,12 @@ class TierUsage:
     capacity_blocks: int
 
 
+class LoadAdvisor(Protocol):
+    """Says whether loading blocks from a tier below host beats recomputing them (connector.load_cost)."""
+
+    def worth_loading(self, medium: Medium, blocks: int) -> bool: ...
+
+
 class ResidencyManager(ABC):
     """Index of one tier (or a stack of tiers behind one face)."""
 
@@ -148,6 +155,9 @@ class ResidencyManager(ABC):
     def take_transfers(self) -> list[TierTransfer]:
         """Background copies this tier wants run (none for a single tier)."""
         return []
+
+    def set_load_cost(self, advisor: LoadAdvisor) -> None:  # noqa: B027 (a hook: single tiers ignore it)
+        """Consult ``advisor`` before loading blocks that only a tier below host holds (a single tier has none)."""
 
     def complete_transfer(self, transfer_id: int, success: bool) -> None:
         """Outcome of a copy handed out by ``take_transfers``."""
