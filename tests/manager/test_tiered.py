@@ -62,7 +62,7 @@ def test_write_through_writes_each_stored_block_and_pins_its_host_slot_meanwhile
     assert write.src == HostBlocks((0, 1), (2,)) and write.dst == DiskBlocks(tuple(ks), (2,))
     assert m.prepare_store(keys(1, salt=1)) is None  # both host slots are pinned by the write
     m.complete_transfer(write.transfer_id, True)
-    assert m.disk.lookup(ks).hits == 2
+    assert m.lower.lookup(ks).hits == 2
     assert m.prepare_store(keys(1, salt=1)) is not None  # unpinned: evictable again
     m.check_integrity()
 
@@ -109,7 +109,7 @@ def test_failed_promotion_is_a_miss_and_forgets_the_disk_block(tmp_path: Path) -
     finish_all(m, success=False)  # e.g. the file was corrupt: the worker removed it
     assert m.lookup([old]) == m.lookup([old]) and m.lookup([old]).hits == 0
     assert not m.lookup([old]).pending
-    assert m.disk.lookup([old]).hits == 0
+    assert m.lower.lookup([old]).hits == 0
     m.check_integrity()
 
 
@@ -118,7 +118,7 @@ def test_failed_write_through_leaves_the_block_on_host_only(tmp_path: Path) -> N
     ks = keys(2)
     store(m, ks)
     finish_all(m, success=False)
-    assert m.host.lookup(ks).hits == 2 and m.disk.lookup(ks).hits == 0
+    assert m.host.lookup(ks).hits == 2 and m.lower.lookup(ks).hits == 0
     m.check_integrity()
 
 
@@ -150,7 +150,7 @@ def test_on_evict_writes_only_blocks_crowding_the_host_and_evicts_only_written_o
     assert write.dst == DiskBlocks((first[0],), (1,))  # the least recently used dirty block
     m.complete_transfer(write.transfer_id, True)
     store(m, keys(1, salt=2))  # needs room: the only evictable host block is the one on disk
-    assert m.host.lookup([first[0]]).hits == 0 and m.disk.lookup([first[0]]).hits == 1
+    assert m.host.lookup([first[0]]).hits == 0 and m.lower.lookup([first[0]]).hits == 1
     assert m.host.lookup(first[1:]).hits == 2
     m.check_integrity()
 
@@ -158,7 +158,7 @@ def test_on_evict_writes_only_blocks_crowding_the_host_and_evicts_only_written_o
 def test_on_evict_refuses_a_low_water_mark_outside_the_host(tmp_path: Path) -> None:
     config = DiskTierConfig(path=tmp_path, write_policy=WritePolicy.ON_EVICT)
     with pytest.raises(ValueError, match="low_water"):
-        TieredManager(HostTierManager(4), make(tmp_path).disk, config.write_policy, low_water=4)
+        TieredManager(HostTierManager(4), make(tmp_path).lower, config.write_policy, low_water=4)
 
 
 def test_reset_forgets_both_tiers(tmp_path: Path) -> None:

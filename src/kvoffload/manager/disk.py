@@ -121,6 +121,10 @@ class DiskTierManager(ResidencyManager):
     def capacity(self) -> int:
         return self._index.capacity
 
+    @property
+    def medium(self) -> Medium:
+        return Medium.DISK
+
     def rebuild(self, trim: bool = True) -> int:
         """Index the block files found in rank 0's directory; return how many were indexed.
 

@@ -1,19 +1,23 @@
-"""Host and disk tiers behind one ``ResidencyManager`` face: the scheduler half's index with a disk tier.
+"""The host tier over one lower tier behind one ``ResidencyManager`` face: the scheduler half's index.
 
-Only host blocks load to the device. A block found only on disk is promoted first: ``lookup`` reserves host
-slots, pins the disk files, queues a DISK -> HOST ``TierTransfer`` and answers ``pending``; the connector
-ships it (``take_transfers``) and reports its outcome (``complete_transfer``). A failed promotion drops the
-host reservation and the disk entry (a missing or corrupt file is a miss: the engine recomputes).
+The lower tier is the disk tier (``DiskTierManager``) or the remote tier (``RemoteTierManager``): anything with
+the ``LowerTier`` interface. Host RAM is the hub: a lower tier moves blocks only to and from the host pool.
 
-Blocks reach disk by one of two write policies:
+Only host blocks load to the device. A block found only in the lower tier is promoted first: ``lookup`` reserves
+host slots, pins the lower tier's entries, queues a lower -> HOST ``TierTransfer`` and answers ``pending``; the
+connector ships it (``take_transfers``) and reports its outcome (``complete_transfer``). A failed promotion
+drops the host reservation and the lower tier's entry (a missing or corrupt block is a miss: the engine
+recomputes).
 
-- write-through (default): every block whose host store completes is written to disk at once. The host
+Blocks reach the lower tier by one of two write policies:
+
+- write-through (default): every block whose host store completes is written below at once. The host
   entries stay pinned while the write runs, so their slots are not reused under it.
 - on-evict: only blocks about to leave the host are written. A block fresh on the host is *dirty*: it stays
-  pinned on the host (so the host policy cannot evict it) until it is on disk. When dirty blocks exceed
+  pinned on the host (so the host policy cannot evict it) until it is written. When dirty blocks exceed
   ``capacity - low_water`` host slots, the least recently used dirty blocks are written; once written they
   are unpinned and become ordinary, evictable host blocks. So the host only ever evicts blocks that are
-  already on disk (or whose write failed), and at least ``low_water`` host slots stay evictable for new
+  already below (or whose write failed), and at least ``low_water`` host slots stay evictable for new
   stores. A written block that becomes hot again stays on the host: "on evict" means "ahead of eviction".
 
 Not thread-safe, like every manager: the scheduler half calls it from one thread.
@@ -25,6 +29,7 @@ import enum
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 from kvoffload.config import DiskTierConfig, WritePolicy
 from kvoffload.disk_format import BlockFormat, GroupedLayout, entry_bytes_of
@@ -41,7 +46,7 @@ from kvoffload.manager.base import (
 )
 from kvoffload.manager.disk import DiskTierManager
 from kvoffload.manager.host import HostTierManager
-from kvoffload.specs import BlockSpec, DiskBlocks, HostBlocks
+from kvoffload.specs import BlockSpec, HostBlocks, Medium
 
 
 class _Kind(enum.Enum):
@@ -55,28 +60,65 @@ class _Transfer:
     keys: tuple[OffloadKey, ...]
 
 
-class TieredManager(ResidencyManager):
-    """The host tier with the disk tier under it.
+class LowerTier(Protocol):
+    """The index of a tier under host, as ``TieredManager`` uses it (``DiskTierManager``, ``RemoteTierManager``).
+
+    The methods mean what they mean on ``ResidencyManager``, with the keys of one tier transfer at a time:
+    ``lookup`` counts the leading keys a promotion can read now (its ``pending`` is not used); ``prepare_load``
+    pins them for a promotion and returns the promotion's source spec (this tier's medium, one entry per key,
+    one group); ``prepare_store`` reserves room for a write. Like every manager, none of them raises on a data-path
+    failure: an unreachable tier is a miss, or a store refused with None.
+    """
+
+    @property
+    def medium(self) -> Medium: ...
+
+    def lookup(self, keys: Sequence[OffloadKey]) -> LookupResult: ...
+
+    def prepare_load(self, keys: Sequence[OffloadKey]) -> BlockSpec: ...
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None: ...
+
+    def complete_load(self, keys: Sequence[OffloadKey], success: bool = True) -> None: ...
+
+    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None: ...
+
+    def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None: ...
+
+    def take_events(self) -> list[OffloadEvent]: ...
+
+    def reset(self) -> None: ...
+
+    def check_integrity(self) -> None: ...
+
+    def usage(self) -> list[TierUsage]: ...
+
+
+Lower = TypeVar("Lower", bound=LowerTier)
+
+
+class TieredManager(ResidencyManager, Generic[Lower]):
+    """The host tier with one lower tier under it.
 
     Args:
         host: the host tier's index (its capacity is the host pool's slot count).
-        disk: the disk tier's index.
-        write_policy: when blocks are written to disk.
+        lower: the lower tier's index.
+        write_policy: when blocks are written to the lower tier.
         low_water: on-evict only: host slots kept evictable (default: an eighth of the host, at least 1).
     Raises:
         ValueError: ``low_water`` is not in [1, host capacity).
     """
 
-    def __init__(self, host: HostTierManager, disk: DiskTierManager,
+    def __init__(self, host: HostTierManager, lower: Lower,
                  write_policy: WritePolicy = WritePolicy.WRITE_THROUGH, low_water: int | None = None) -> None:
         low_water = max(1, host.capacity // 8) if low_water is None else low_water
         if write_policy is WritePolicy.ON_EVICT and not 1 <= low_water < host.capacity:
             raise ValueError(f"TieredManager: low_water {low_water} must be in [1, {host.capacity})")
         self.host = host
-        self.disk = disk
+        self.lower = lower
         self.write_policy = write_policy
         self._dirty_max = host.capacity - low_water
-        self._dirty: dict[OffloadKey, int] = {}  # on-evict: host-pinned, not yet on disk; oldest first
+        self._dirty: dict[OffloadKey, int] = {}  # on-evict: host-pinned, not yet written below; oldest first
         self._transfers: dict[int, _Transfer] = {}
         self._queued: list[TierTransfer] = []
         self._ids = itertools.count()
@@ -84,22 +126,22 @@ class TieredManager(ResidencyManager):
 
     @classmethod
     def create(cls, config: DiskTierConfig, host: HostTierManager, namespace: Namespace,
-               layout: GroupedLayout, factor: int) -> TieredManager:
+               layout: GroupedLayout, factor: int) -> TieredManager[DiskTierManager]:
         """The scheduler's index with a disk tier; the disk index is rebuilt from the files already there.
 
         Raises:
             ConfigError: ``disk_bytes`` is below one block file, or ``disk_path`` cannot be used.
         """
         size = BlockFormat.of(config.secret).file_bytes(max(entry_bytes_of(layout, factor)))
-        return cls(host, DiskTierManager.create(config, namespace, size), config.write_policy)
+        return TieredManager(host, DiskTierManager.create(config, namespace, size), config.write_policy)
 
     def lookup(self, keys: Sequence[OffloadKey]) -> LookupResult:
         found = self.host.lookup(keys)
         if found.pending or found.hits == len(keys):
             return found
-        on_disk = self.disk.lookup(keys[found.hits:])
+        below = self.lower.lookup(keys[found.hits:])
         # The host hits go along so that the promotion's evictions cannot take them (they are held).
-        if on_disk.hits and self._promote(keys[:found.hits + on_disk.hits]):
+        if below.hits and self._promote(keys[:found.hits + below.hits]):
             return LookupResult(found.hits, pending=True)
         return LookupResult(found.hits)
 
@@ -108,7 +150,7 @@ class TieredManager(ResidencyManager):
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self.host.touch(keys)
-        self.disk.touch(keys)
+        self.lower.touch(keys)
         dirty = self._dirty
         if dirty:
             for key in keys:
@@ -147,13 +189,13 @@ class TieredManager(ResidencyManager):
             raise KeyError(f"unknown tier transfer {transfer_id}")
         if transfer.kind is _Kind.PROMOTE:
             self.host.complete_store(transfer.keys, success)
-            self.disk.complete_load(transfer.keys, success)
+            self.lower.complete_load(transfer.keys, success)
         else:
-            self.disk.complete_store(transfer.keys, success)
+            self.lower.complete_store(transfer.keys, success)
             self.host.complete_load(transfer.keys)  # the host copy is intact either way
 
     def take_events(self) -> list[OffloadEvent]:
-        events = self._events + self.host.take_events() + self.disk.take_events()
+        events = self._events + self.host.take_events() + self.lower.take_events()
         self._events = []
         return events
 
@@ -161,12 +203,12 @@ class TieredManager(ResidencyManager):
         dropped, self._dirty = list(self._dirty), {}
         self.host.complete_load(dropped, success=False)  # dirty pins go, and their blocks with them
         self.host.reset()
-        self.disk.reset()
+        self.lower.reset()
 
     def check_integrity(self) -> None:
         """Both tiers' laws, and: a key is in at most one tier transfer, and a dirty key in none."""
         self.host.check_integrity()
-        self.disk.check_integrity()
+        self.lower.check_integrity()
         moving = [k for t in self._transfers.values() for k in t.keys]
         if len(moving) != len(set(moving)):
             raise IntegrityError("tiered: a key is in two tier transfers at once")
@@ -174,10 +216,10 @@ class TieredManager(ResidencyManager):
             raise IntegrityError("tiered: a dirty key is also in a tier transfer")
 
     def usage(self) -> list[TierUsage]:
-        return self.host.usage() + self.disk.usage()
+        return self.host.usage() + self.lower.usage()
 
     def _promote(self, keys: Sequence[OffloadKey]) -> bool:
-        """Queue a DISK -> HOST copy of the keys of ``keys`` not on the host (those are ready on disk).
+        """Queue a lower -> HOST copy of the keys of ``keys`` not on the host (those are ready below).
 
         False when the host has no room for them.
         """
@@ -186,19 +228,18 @@ class TieredManager(ResidencyManager):
             return False
         assert isinstance(out.store_spec, HostBlocks)
         moving = out.keys_to_store
-        self.disk.prepare_load(moving)
-        self._queue(_Kind.PROMOTE, moving, DiskBlocks(moving, (len(moving),)), out.store_spec)
+        self._queue(_Kind.PROMOTE, moving, self.lower.prepare_load(moving), out.store_spec)
         return True
 
     def _write_through(self, keys: Sequence[OffloadKey]) -> None:
-        out = self.disk.prepare_store(keys)
+        out = self.lower.prepare_store(keys)
         if out is None or not out.keys_to_store:
-            return  # The disk is full of pinned or in-flight files: these blocks stay host-only.
+            return  # The lower tier is full of pinned or in-flight blocks, or off: these stay host-only.
         moving = out.keys_to_store
         self._queue(_Kind.WRITE, moving, self.host.prepare_load(moving), out.store_spec)
 
     def _mark_dirty(self, keys: Sequence[OffloadKey]) -> None:
-        spec = self.host.prepare_load(keys)  # The dirty pin: not evictable until on disk.
+        spec = self.host.prepare_load(keys)  # The dirty pin: not evictable until written below.
         assert isinstance(spec, HostBlocks)
         for key, slot in zip(keys, spec.slots, strict=True):
             self._dirty[key] = slot
@@ -210,11 +251,11 @@ class TieredManager(ResidencyManager):
         if excess <= 0:
             return
         batch = list(itertools.islice(self._dirty, excess))  # dirty keys being written left ``_dirty``
-        out = self.disk.prepare_store(batch)
+        out = self.lower.prepare_store(batch)
         if out is None:
-            return  # The disk has no evictable room now; try again after the next store.
+            return  # The lower tier has no evictable room now; try again after the next store.
         moving = set(out.keys_to_store)
-        held = [k for k in batch if k not in moving]  # already on disk: clean without a copy
+        held = [k for k in batch if k not in moving]  # already written below: clean without a copy
         for key in held:
             del self._dirty[key]
         self.host.complete_load(held)
