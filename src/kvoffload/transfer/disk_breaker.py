@@ -1,9 +1,10 @@
-"""A circuit breaker for the disk tier: repeated I/O errors switch the tier off for a cool-down.
+"""A circuit breaker for a lower tier: repeated I/O errors switch the tier off for a cool-down.
 
-A failing disk (EIO on every block, a full file system, reads slower than their deadline) would
-otherwise cost every job its full I/O attempt and the engine a log line per block. After ``threshold``
-consecutive errors the breaker opens: the ``DiskHandler`` fails jobs at once, without I/O, until
-``cooldown_s`` has passed; then it closes and I/O is tried again. Opening and closing are logged once each.
+A failing disk (EIO on every block, a full file system, reads slower than their deadline) or an unreachable
+remote server would otherwise cost every job its full I/O attempt and the engine a log line per block. After
+``threshold`` consecutive errors the breaker opens: the handler (``DiskHandler``, ``RemoteHandler``) fails jobs at
+once, without I/O, until ``cooldown_s`` has passed; then it closes and I/O is tried again. Opening and closing are
+logged once each, under the tier's name.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ class CircuitBreaker:
     """Counts consecutive errors; thread-safe (the I/O threads report to it concurrently)."""
 
     def __init__(self, threshold: int, cooldown_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, tier: str = "disk tier") -> None:
         if threshold <= 0:
             raise ValueError(f"CircuitBreaker threshold {threshold} must be positive")
         if cooldown_s <= 0:
@@ -28,6 +29,7 @@ class CircuitBreaker:
         self._threshold = threshold
         self._cooldown_s = cooldown_s
         self._clock = clock
+        self._tier = tier
         self._lock = threading.Lock()
         self._errors = 0
         self._open_until: float | None = None
@@ -45,7 +47,7 @@ class CircuitBreaker:
                 return False
             self._open_until = None
             self._errors = 0
-        logger.warning("disk tier: cool-down over, switching the disk tier back on")
+        logger.warning("%s: cool-down over, switching the %s back on", self._tier, self._tier)
         return True
 
     def record(self, ok: bool) -> None:
@@ -61,8 +63,15 @@ class CircuitBreaker:
             self._open_until = self._clock() + self._cooldown_s
             self.trips += 1
             errors = self._errors
-        logger.error("disk tier: %d consecutive I/O errors, switching the disk tier off for %.1f s",
-                     errors, self._cooldown_s)
+        logger.error("%s: %d consecutive I/O errors, switching the %s off for %.1f s",
+                     self._tier, errors, self._tier, self._cooldown_s)
+
+    def trip(self) -> None:
+        """Open now, for one cool-down (the caller logs why: e.g. a server that is down at start-up)."""
+        with self._lock:
+            if self._open_until is None:
+                self.trips += 1
+            self._open_until = self._clock() + self._cooldown_s
 
     @property
     def is_open(self) -> bool:
