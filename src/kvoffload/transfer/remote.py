@@ -1,0 +1,354 @@
+"""Worker side of the remote tier: copies blocks between the host pool and values in a Redis-protocol store.
+
+The router sends this handler the jobs of (HOST, REMOTE) and (REMOTE, HOST). A store seals each block's host slot
+bytes into a value (``remote_values``: the disk tier's encoding) and sends one non-transactional pipeline of
+``SET name value NX [EX ttl]`` per job; a load sends one pipeline of ``GET`` and verifies every value before
+copying its payload into the host slot. Values are named by ``remote_client.value_name`` (this rank, this
+namespace, this secret), so an engine only ever reads values of its own namespace and rank. ``SET`` writes a whole
+value at once, so a half-written value is never read; ``NX`` keeps the first writer's value (every writer of one
+name writes the same bytes: the name is the content's key), and a value already there is a successful store.
+
+Never on the engine step: ``submit`` only queues. Jobs run on two lanes, one daemon thread each (``IoThreads``):
+stores and loads, so a backlog of stores never delays a load (the engine waits for loads, not stores). Each lane
+runs its jobs in submission order, which gives the ordering rule of ``TransferHandler``: only loads write host
+slots, only stores write values.
+
+Failures are outcomes (``remote_faults``): a missing value (evicted by the server, or its TTL passed), a damaged
+or unauthentic one (then deleted, so that the next ``SET NX`` can replace it), a dead, restarted, stalled or full
+server, a refused password, a failed TLS handshake: the job fails, the engine recomputes or skips the store, and
+each kind is logged once per outage. Server faults open ``breaker`` (jobs then fail at once, without I/O, for the
+cool-down); an out-of-memory server opens ``store_breaker`` only, since it still serves loads. A server that is
+down when the handler is made opens ``breaker`` at once. A job that has not finished ``connect_timeout_s + 2 *
+timeout_s`` after it started fails then (``get_finished``, ``wait`` and ``shutdown`` check), and a late reply
+never writes a slot the job no longer owns; ``shutdown`` waits ``SHUTDOWN_GRACE_S`` at most.
+
+A store that failed after its ``SET`` reached the server (a timeout on the reply) may leave a value that is not
+indexed; the scheduler half never loads it, and the server's eviction or the TTL removes it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvoffload.config import RemoteTierConfig
+from kvoffload.disk_format import BlockFormat, CorruptBlockError, GroupedLayout, entry_bytes_of
+from kvoffload.keys import Namespace, OffloadKey
+from kvoffload.remote_client import value_name
+from kvoffload.specs import HostBlocks, JobId, Medium, RemoteBlocks, TransferJob
+from kvoffload.transfer.base import TransferHandler, TransferResult
+from kvoffload.transfer.disk_breaker import CircuitBreaker
+from kvoffload.transfer.io_threads import IoThreads
+from kvoffload.transfer.remote_faults import Fault, FaultLog, classify
+from kvoffload.transfer.remote_link import RemoteLink
+from kvoffload.transfer.remote_values import encode_value, verified_payload
+
+if TYPE_CHECKING:
+    from kvoffload.transfer.host_pool import HostPool
+
+logger = logging.getLogger(__name__)
+
+HOST_TO_REMOTE = (Medium.HOST, Medium.REMOTE)
+REMOTE_TO_HOST = (Medium.REMOTE, Medium.HOST)
+SHUTDOWN_GRACE_S = 10.0
+"""How long ``shutdown`` waits for unfinished jobs (each also ends at its own deadline) before failing them."""
+QUEUED_POLL_S = 0.1
+"""How often ``wait`` looks at a job still queued behind another (whether its lane got stuck)."""
+
+
+@dataclass(frozen=True)
+class _Block:
+    slot: int
+    key: OffloadKey
+    name: str
+    nbytes: int
+
+
+@dataclass(eq=False)
+class _Job:
+    job: TransferJob
+    blocks: list[_Block]
+    is_store: bool
+    start: float | None = None
+    """The clock when its lane took it up (None while queued)."""
+    finished: bool = False
+    """Its result is out: a late reply changes nothing."""
+    copying: bool = False
+    """Its payloads are being copied into its slots right now (memory speed: never stuck)."""
+    copied: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class _Miss(Exception):
+    """A value of the job is not there: an ordinary outcome, not a fault."""
+
+
+class RemoteHandler(TransferHandler):
+    """Host pool <-> values of one rank in a Redis-protocol store. Register it for (HOST, REMOTE) and
+    (REMOTE, HOST).
+
+    Args:
+        config: the remote tier's settings (servers, timeouts, TTL, breaker settings, secret).
+        pool: this worker's host pool; entries are read from and written to the start of its slots.
+        namespace: this rank's namespace; its ``fingerprint()`` is written into and checked in every value.
+        entry_bytes: payload bytes of one offload block of each KV-cache group
+            (``factor * group_block_bytes(g)``).
+        client: a redis-py client to use instead of ``remote_client.connect(config)`` (kept as it is: its retry
+            policy and its closing are the caller's).
+        clock: monotonic seconds, for job deadlines and the breakers' cool-down.
+    Raises:
+        ValueError: an entry does not fit in a host slot, or ``entry_bytes`` is empty or not positive.
+        ConfigError: redis-py is not installed.
+    """
+
+    def __init__(self, config: RemoteTierConfig, pool: HostPool, namespace: Namespace,
+                 entry_bytes: tuple[int, ...], *, client: Any | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        slots = pool.buffer.numpy()
+        if not entry_bytes or any(n <= 0 or n > slots.shape[1] for n in entry_bytes):
+            raise ValueError(f"RemoteHandler entry_bytes {entry_bytes} must be positive and fit a host slot of "
+                             f"{slots.shape[1]} bytes")
+        self._slots = slots
+        self._entry_bytes = entry_bytes
+        self._namespace = namespace
+        self._fingerprint = namespace.fingerprint()
+        self._fmt = BlockFormat.of(config.secret)
+        self._ttl_s = config.ttl_s
+        self._budget_s = config.connect_timeout_s + 2 * config.timeout_s  # connect, send, answer
+        self._clock = clock
+        self.breaker = CircuitBreaker(config.breaker_errors, config.breaker_cooldown_s, clock, "remote tier")
+        self.store_breaker = CircuitBreaker(config.breaker_errors, config.breaker_cooldown_s, clock,
+                                            "remote tier's stores")
+        self.faults = FaultLog(", ".join(config.urls))
+        self._link = RemoteLink(config, client)
+        self._lanes = {True: IoThreads(1, "kvoffload-remote-store", clock),
+                       False: IoThreads(1, "kvoffload-remote-load", clock)}
+        self._lock = threading.Lock()
+        self._copied = threading.Condition(self._lock)
+        self._jobs: dict[JobId, _Job] = {}
+        self._finished: list[TransferResult] = []
+        self._closed = False
+        self._start_up(config.breaker_cooldown_s)
+
+    @classmethod
+    def create(cls, config: RemoteTierConfig, pool: HostPool, namespace: Namespace, layout: GroupedLayout,
+               factor: int) -> RemoteHandler:
+        """The handler of one worker: entries of group ``g`` are ``factor * layout.group_block_bytes(g)``."""
+        return cls(config, pool, namespace, entry_bytes_of(layout, factor))
+
+    def submit(self, job: TransferJob) -> bool:
+        state = self._plan(job)
+        with self._lock:
+            if self._closed:
+                return False
+            self._jobs[job.job_id] = state
+        # Even a job that fails at once (tier off) goes through its lane, behind the jobs before it, so that
+        # results come in submission order.
+        self._lanes[state.is_store].submit(functools.partial(self._run, state))
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        self._expire()
+        with self._lock:
+            finished, self._finished = self._finished, []
+        return finished
+
+    def wait(self, job_ids: Collection[JobId]) -> None:
+        with self._lock:
+            states = [self._jobs[j] for j in job_ids if j in self._jobs]
+        for state in states:
+            while not state.done.wait(self._wait_slice(state)):
+                self._expire()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            states = list(self._jobs.values())
+        give_up = time.monotonic() + SHUTDOWN_GRACE_S
+        for state in states:
+            while not state.done.wait(min(self._wait_slice(state), max(0.0, give_up - time.monotonic()))):
+                self._expire()
+                if time.monotonic() >= give_up:
+                    self._end(state, ok=False)  # A lane is stuck: its thread stays behind (a daemon), not us.
+        for lane in self._lanes.values():
+            lane.stop()
+        self._link.close()  # also breaks a lane out of a socket it is stuck on
+
+    def _start_up(self, cooldown_s: float) -> None:
+        """Probe the server once: one that is absent or refuses us switches the tier off for a cool-down."""
+        try:
+            self._link.probe()
+        except Exception as e:
+            self.breaker.trip()
+            self.faults.note(classify(e), e, f"the remote tier is off; every remote job fails at once until it "
+                                             f"is tried again in {cooldown_s:.0f} s")
+
+    def _plan(self, job: TransferJob) -> _Job:
+        """Validate a job and list its blocks (a malformed job is a scheduler bug: ValueError)."""
+        if job.transfer_type == HOST_TO_REMOTE:
+            host, remote = job.src, job.dst
+        elif job.transfer_type == REMOTE_TO_HOST:
+            host, remote = job.dst, job.src
+        else:
+            raise ValueError(f"job {job.job_id}: RemoteHandler does not move {job.transfer_type}")
+        assert isinstance(host, HostBlocks) and isinstance(remote, RemoteBlocks)
+        if host.group_sizes != remote.group_sizes or len(host.group_sizes) > len(self._entry_bytes):
+            raise ValueError(f"job {job.job_id}: group sizes {host.group_sizes} and {remote.group_sizes} "
+                             f"differ or exceed the {len(self._entry_bytes)} groups of this tier")
+        if host.skip_sub_blocks:
+            raise ValueError(f"job {job.job_id}: skip_sub_blocks is not supported between host and remote")
+        if any(not 0 <= s < self._slots.shape[0] for s in host.slots):
+            raise ValueError(f"job {job.job_id}: a slot of {host.slots} is outside the pool")
+        groups = [g for g, n in enumerate(host.group_sizes) for _ in range(n)]
+        blocks = [_Block(s, k, value_name(self._namespace, self._fmt, k), self._entry_bytes[g])
+                  for s, k, g in zip(host.slots, remote.keys, groups, strict=True)]
+        return _Job(job, blocks, is_store=job.transfer_type == HOST_TO_REMOTE)
+
+    def _run(self, state: _Job) -> None:
+        """One job, on its lane's thread; every data-path problem ends as a failed result."""
+        with self._lock:
+            if state.finished:
+                return  # failed at its deadline while queued behind a stuck job
+            state.start = self._clock()
+        if not state.blocks:
+            self._end(state, ok=True)
+            return
+        if not self.breaker.allow() or (state.is_store and not self.store_breaker.allow()):
+            self._end(state, ok=False)
+            return
+        try:
+            self._store(state) if state.is_store else self._load(state)
+        except _Miss:
+            if self._end(state, ok=False):
+                self.breaker.record(True)  # the server answered: a miss is no fault
+                self.faults.recovered()
+            return
+        except Exception as e:
+            if self._end(state, ok=False):  # first the result (same-destination order), then the breaker
+                self._note(state, classify(e), e)
+            return
+        if self._end(state, ok=True):
+            self._note_success(state)
+
+    def _store(self, state: _Job) -> None:
+        pipe = self._link.client().pipeline(transaction=False)
+        for block in state.blocks:
+            payload = self._slots[block.slot, :block.nbytes].data
+            pipe.set(block.name, encode_value(self._fmt, self._fingerprint, block.key, payload),
+                     nx=True, ex=self._ttl_s)
+        # NX answers None when the value is already there: another engine's identical block, a success.
+        _raise_first_error(pipe.execute(raise_on_error=False))
+        state.copied = sum(b.nbytes for b in state.blocks)
+
+    def _load(self, state: _Job) -> None:
+        """GET every value, verify all, then copy them into the slots.
+
+        Copies per block: redis-py's hiredis parser makes two (its read buffer into hiredis's, that into the reply
+        ``bytes``); the payload is then a view of the reply (``verified_payload``) and ``np.frombuffer`` wraps it
+        without a copy, so the one copy here is the reply into the host slot. No parser hands out a buffer it
+        does not own, so that is the fewest redis-py allows (benchmarks/README.md has the figures).
+        """
+        client = self._link.client()
+        pipe = client.pipeline(transaction=False)
+        for block in state.blocks:
+            pipe.get(block.name)
+        values = pipe.execute(raise_on_error=False)
+        _raise_first_error(values)
+        if any(v is None for v in values):
+            raise _Miss()
+        payloads = [self._verified(client, block, value) for block, value in zip(state.blocks, values, strict=True)]
+        self._copy_in(state, payloads)
+
+    def _verified(self, client: Any, block: _Block, value: bytes) -> memoryview:
+        try:
+            return verified_payload(self._fmt, self._fingerprint, block.key, value, block.nbytes)
+        except CorruptBlockError:
+            # Unless it goes, no engine can ever store this block again (SET NX keeps what is there).
+            _delete_quietly(client, block.name)
+            raise
+
+    def _copy_in(self, state: _Job, payloads: list[memoryview]) -> None:
+        with self._lock:
+            if state.finished or self._overdue(state, self._clock()):
+                raise TimeoutError(f"job {state.job.job_id} answered after its {self._budget_s:.2f} s budget")
+            state.copying = True
+        try:
+            for block, payload in zip(state.blocks, payloads, strict=True):
+                self._slots[block.slot, :block.nbytes] = np.frombuffer(payload, dtype=np.int8)
+        finally:
+            with self._lock:
+                state.copying = False
+                self._copied.notify_all()
+        state.copied = sum(b.nbytes for b in state.blocks)
+
+    def _note_success(self, state: _Job) -> None:
+        self.breaker.record(True)
+        if state.is_store:
+            self.store_breaker.record(True)
+        self.faults.recovered()
+
+    def _note(self, state: _Job, fault: Fault, error: BaseException | str) -> None:
+        if fault is Fault.FULL:
+            self.store_breaker.record(False)
+        elif fault.is_server_fault:
+            self.breaker.record(False)
+        self.faults.note(fault, error)
+
+    def _overdue(self, state: _Job, now: float) -> bool:
+        """Started longer than the budget ago, or queued behind a job that is (its lane is stuck)."""
+        if state.start is not None:
+            return now - state.start > self._budget_s
+        return self._lanes[state.is_store].stuck(self._budget_s) > 0
+
+    def _wait_slice(self, state: _Job) -> float:
+        """How long to wait for ``state`` before checking the deadlines again."""
+        if state.start is None:
+            return min(self._budget_s, QUEUED_POLL_S)
+        return max(0.01, self._budget_s - (self._clock() - state.start))
+
+    def _expire(self) -> None:
+        """Fail the jobs past their deadline, even while their lane's thread is stuck in a socket."""
+        now = self._clock()
+        with self._lock:
+            late = [s for s in self._jobs.values() if not s.finished and self._overdue(s, now)]
+        for state in late:
+            if self._end(state, ok=False) and state.start is not None:
+                self._note(state, Fault.TIMEOUT, f"job {state.job.job_id} unanswered after {self._budget_s:.2f} s")
+
+    def _end(self, state: _Job, ok: bool) -> bool:
+        """Give ``state`` its result, once; True if this call did. A copy into its slots finishes first."""
+        with self._lock:
+            if state.finished:
+                return False
+            state.finished = True
+            while state.copying:
+                self._copied.wait()
+            seconds = self._clock() - state.start if state.start is not None else 0.0
+            self._finished.append(TransferResult(state.job.job_id, ok, state.copied if ok else 0, seconds,
+                                                 state.job.transfer_type))
+            del self._jobs[state.job.job_id]
+        state.done.set()
+        return True
+
+
+def _raise_first_error(replies: list[Any]) -> None:
+    """A pipeline run with ``raise_on_error=False`` answers a failed command with its exception: raise it."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+
+
+def _delete_quietly(client: Any, name: str) -> None:
+    try:
+        client.delete(name)
+    except Exception as e:  # the job fails anyway; a server fault shows on the next job
+        logger.debug("remote tier: could not delete a damaged value: %s", e)
