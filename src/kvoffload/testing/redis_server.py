@@ -3,8 +3,9 @@
 It starts the Debian package's (or any) ``redis-server`` binary found on ``PATH`` with persistence off, bound to
 127.0.0.1 only, in a private temporary directory, and stops it (SIGKILL if it must) on ``stop()`` or at the end of
 a ``with`` block. ``restart()`` brings a killed server back on the same port, empty. Extra server options (a
-password, ``maxmemory``, a policy) are passed as ``redis-server`` command-line flags. No kvoffload code needs
-this module at serving time.
+password, ``maxmemory``, a policy) are passed as ``redis-server`` command-line flags. ``RedisCluster`` joins three
+such servers into a Redis Cluster (``redis-cli --cluster create``). No kvoffload code needs this module at serving
+time.
 """
 
 from __future__ import annotations
@@ -28,6 +29,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` different free ports (one ``free_port`` after another may repeat a port just closed)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 class RedisServer:
@@ -107,3 +118,75 @@ class RedisServer:
         log = (self.directory / "server.log").read_text(errors="replace")[-2000:]
         self.kill()
         raise RuntimeError(f"redis-server on port {self.port} did not start:\n{log}")
+
+
+class RedisCluster:
+    """A Redis Cluster of ``size`` primaries (no replicas), each a ``RedisServer`` on 127.0.0.1.
+
+    Each node gets a free client port and a free cluster-bus port (``cluster-port``: the default, port + 10000,
+    may be taken or above 65535). ``redis-cli --cluster create`` assigns the slots; the constructor returns once
+    every node's ``CLUSTER INFO`` says ``cluster_state:ok``.
+
+    Raises:
+        RedisServerUnavailable: no ``redis-server`` or ``redis-cli`` on PATH.
+        RuntimeError: the cluster did not form within ``START_TIMEOUT_S``; the message holds redis-cli's output.
+    """
+
+    def __init__(self, size: int = 3, options: dict[str, str] | None = None) -> None:
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise RedisServerUnavailable("redis-cli is not installed (the Debian package redis-tools)")
+        ports = free_ports(2 * size)
+        self.nodes: list[RedisServer] = []
+        try:
+            for port, bus in zip(ports[:size], ports[size:], strict=True):
+                node_options = {"cluster-enabled": "yes", "cluster-config-file": "nodes.conf",
+                                "cluster-port": str(bus), **(options or {})}
+                self.nodes.append(RedisServer(node_options, port=port))
+            self._create(cli)
+            self._wait_ok()
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return tuple(node.url for node in self.nodes)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> RedisCluster:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        self.stop()
+
+    def _create(self, cli: str) -> None:
+        addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
+        done = subprocess.run([cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+                              capture_output=True, text=True, timeout=START_TIMEOUT_S, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster create failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+
+    def _wait_ok(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        waiting = list(self.nodes)
+        while waiting and time.monotonic() < deadline:
+            waiting = [node for node in waiting if b"cluster_state:ok" not in _cluster_info(node.port)]
+            if waiting:
+                time.sleep(0.05)  # polling the servers' gossip, not our own work
+        if waiting:
+            raise RuntimeError(f"the cluster on ports {[n.port for n in self.nodes]} is not ok after "
+                               f"{START_TIMEOUT_S:.0f} s: {_cluster_info(waiting[0].port)!r}")
+
+
+def _cluster_info(port: int) -> bytes:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
+            conn.sendall(b"CLUSTER INFO\r\n")
+            return conn.recv(4096)
+    except OSError:
+        return b""
