@@ -27,7 +27,8 @@ def test_only_integrations_import_an_engine():
 
 
 def test_the_scheduler_side_index_imports_no_torch():
-    code = ("import sys, kvoffload.manager.host, kvoffload.manager.tiered, kvoffload.manager.disk;"
+    code = ("import sys, kvoffload.manager.host, kvoffload.manager.tiered, kvoffload.manager.disk, "
+            "kvoffload.manager.remote;"
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -50,7 +50,12 @@ def world_prefix(namespace: Namespace, fmt: BlockFormat) -> str:
     return f"{PREFIX}:{fmt.world_name(namespace.chain_root())}:"
 
 
+def rank_prefix(namespace: Namespace, fmt: BlockFormat, rank: int | None = None) -> str:
+    """The names of ``rank``'s values (default: the namespace's own rank) start with this."""
+    r = namespace.rank if rank is None else rank
+    return f"{world_prefix(namespace, fmt)}r{r}:"
+
+
 def value_name(namespace: Namespace, fmt: BlockFormat, key: OffloadKey, rank: int | None = None) -> str:
     """The name of ``key``'s value written by ``rank`` (default: the namespace's own rank)."""
-    r = namespace.rank if rank is None else rank
-    return f"{world_prefix(namespace, fmt)}r{r}:{fmt.name(key)}"
+    return rank_prefix(namespace, fmt, rank) + fmt.name(key)

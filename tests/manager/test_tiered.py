@@ -1,22 +1,28 @@
-"""TieredManager: host + disk behind one face (promotion, write-through, on-evict, failures, events)."""
+"""TieredManager: host over a lower tier behind one face (promotion, write-through, on-evict, failures, events).
+
+Every test runs over both lower tiers, disk and remote (a real redis-server): the conformance of a ``LowerTier``.
+"""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from kvoffload.config import DiskTierConfig, WritePolicy
-from kvoffload.disk_format import file_bytes
+from kvoffload.config import DiskTierConfig, RemoteTierConfig, WritePolicy
+from kvoffload.disk_format import PLAIN, file_bytes
 from kvoffload.keys import Namespace, OffloadKey, offload_key
 from kvoffload.manager.base import EventKind, LookupResult, TierTransfer
 from kvoffload.manager.host import HostTierManager
 from kvoffload.manager.tiered import TieredManager
-from kvoffload.specs import DiskBlocks, HostBlocks, Medium
+from kvoffload.remote_client import value_name
+from kvoffload.specs import BlockSpec, DiskBlocks, HostBlocks, Medium, RemoteBlocks
 
 NS = Namespace(model="m", dtype="bf16", layout="pages=64")
+VALUE = file_bytes(2 * 256)
 
 
 @dataclass(frozen=True)
@@ -31,155 +37,190 @@ def keys(n: int, salt: int = 0) -> list[OffloadKey]:
     return [offload_key(bytes([salt, i]) * 8, 0) for i in range(n)]  # type: ignore[arg-type]
 
 
-def make(tmp_path: Path, host_slots: int = 4, disk_blocks: int = 16,
-         policy: WritePolicy = WritePolicy.WRITE_THROUGH) -> TieredManager:
-    config = DiskTierConfig(path=tmp_path, capacity_bytes=disk_blocks * file_bytes(2 * 256),
-                            write_policy=policy)
-    return TieredManager.create(config, HostTierManager(host_slots), NS, Layout(), factor=2)
+@dataclass
+class Tier:
+    """A lower tier to run these tests over, and what its workers do when a transfer succeeds."""
+
+    medium: Medium
+    tmp_path: Path
+    client: Any = None
+    url: str = ""
+
+    def make(self, host_slots: int = 4, lower_blocks: int = 16,
+             policy: WritePolicy = WritePolicy.WRITE_THROUGH) -> TieredManager[Any]:
+        host = HostTierManager(host_slots)
+        if self.medium is Medium.DISK:
+            config = DiskTierConfig(path=self.tmp_path, capacity_bytes=lower_blocks * VALUE, write_policy=policy)
+            return TieredManager.create(config, host, NS, Layout(), factor=2)
+        from kvoffload.manager.remote import RemoteTierManager
+
+        remote = RemoteTierConfig(urls=(self.url,), capacity_bytes=lower_blocks * VALUE)
+        return TieredManager(host, RemoteTierManager.create(remote, NS, VALUE), policy)
+
+    def blocks(self, ks: list[OffloadKey]) -> BlockSpec:
+        return (DiskBlocks if self.medium is Medium.DISK else RemoteBlocks)(tuple(ks), (len(ks),))
+
+    def run(self, transfer: TierTransfer, success: bool) -> None:
+        """A worker's part: a remote write that succeeds leaves a value (the disk index does not look at files)."""
+        if success and isinstance(transfer.dst, RemoteBlocks):
+            for key in transfer.dst.keys:
+                self.client.set(value_name(NS, PLAIN, key), b"v")
 
 
-def store(m: TieredManager, ks: list[OffloadKey], success: bool = True) -> None:
+@pytest.fixture(params=[Medium.DISK, Medium.REMOTE], ids=["disk", "remote"])
+def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Tier:
+    if request.param is Medium.DISK:
+        return Tier(Medium.DISK, tmp_path)
+    client = request.getfixturevalue("redis_client")
+    return Tier(Medium.REMOTE, tmp_path, client, request.getfixturevalue("redis_server").url)
+
+
+def store(m: TieredManager[Any], ks: list[OffloadKey], success: bool = True) -> None:
     out = m.prepare_store(ks)
     assert out is not None
     m.complete_store(out.keys_to_store, success)
 
 
-def finish_all(m: TieredManager, success: bool = True) -> list[TierTransfer]:
+def finish(tier: Tier, m: TieredManager[Any], transfer: TierTransfer, success: bool = True) -> None:
+    tier.run(transfer, success)
+    m.complete_transfer(transfer.transfer_id, success)
+
+
+def finish_all(tier: Tier, m: TieredManager[Any], success: bool = True) -> list[TierTransfer]:
     """Run every queued tier transfer to completion, as the connector would (until none is left)."""
     done: list[TierTransfer] = []
     while transfers := m.take_transfers():
         for t in transfers:
-            m.complete_transfer(t.transfer_id, success)
+            finish(tier, m, t, success)
         done += transfers
     return done
 
 
-def test_write_through_writes_each_stored_block_and_pins_its_host_slot_meanwhile(tmp_path: Path) -> None:
-    m = make(tmp_path, host_slots=2)
+def test_write_through_writes_each_stored_block_and_pins_its_host_slot_meanwhile(tier: Tier) -> None:
+    m = tier.make(host_slots=2)
     ks = keys(2)
     store(m, ks)
     (write,) = m.take_transfers()
-    assert write.src == HostBlocks((0, 1), (2,)) and write.dst == DiskBlocks(tuple(ks), (2,))
+    assert write.src == HostBlocks((0, 1), (2,)) and write.dst == tier.blocks(ks)
     assert m.prepare_store(keys(1, salt=1)) is None  # both host slots are pinned by the write
-    m.complete_transfer(write.transfer_id, True)
+    finish(tier, m, write)
     assert m.lower.lookup(ks).hits == 2
     assert m.prepare_store(keys(1, salt=1)) is not None  # unpinned: evictable again
     m.check_integrity()
 
 
-def test_block_evicted_from_host_is_promoted_from_disk_while_lookup_says_pending(tmp_path: Path) -> None:
-    m = make(tmp_path, host_slots=2)
+def test_block_evicted_from_host_is_promoted_from_disk_while_lookup_says_pending(tier: Tier) -> None:
+    m = tier.make(host_slots=2)
     old = keys(2)
     store(m, old)
-    finish_all(m)
+    finish_all(tier, m)
     store(m, keys(2, salt=1))  # evicts ``old`` from the host
-    finish_all(m)
+    finish_all(tier, m)
     assert m.host.lookup(old).hits == 0
     result = m.lookup(old)
     assert (result.hits, result.pending) == (0, True)
     (promotion,) = m.take_transfers()
-    assert promotion.src == DiskBlocks(tuple(old), (2,)) and isinstance(promotion.dst, HostBlocks)
+    assert promotion.src == tier.blocks(old) and isinstance(promotion.dst, HostBlocks)
     assert m.lookup(old).pending and m.take_transfers() == []  # in flight: no second promotion
-    m.complete_transfer(promotion.transfer_id, True)
+    finish(tier, m, promotion)
     assert m.lookup(old).hits == 2
     assert m.prepare_load(old) == promotion.dst
     m.check_integrity()
 
 
-def test_lookup_counts_host_hits_before_the_disk_run(tmp_path: Path) -> None:
-    m = make(tmp_path, host_slots=3)
+def test_lookup_counts_host_hits_before_the_disk_run(tier: Tier) -> None:
+    m = tier.make(host_slots=3)
     ks = keys(3)
     store(m, ks)
-    finish_all(m)
+    finish_all(tier, m)
     store(m, keys(2, salt=1))  # a prefix's last blocks are evicted first: ks[0] stays on the host
-    finish_all(m)
+    finish_all(tier, m)
     assert m.lookup(ks) == LookupResult(1, pending=True)  # ks[1:] is being promoted
     (promotion,) = m.take_transfers()
-    assert promotion.src == DiskBlocks(tuple(ks[1:]), (2,))
+    assert promotion.src == tier.blocks(ks[1:])
 
 
-def test_failed_promotion_is_a_miss_and_forgets_the_disk_block(tmp_path: Path) -> None:
-    m = make(tmp_path, host_slots=1)
+def test_failed_promotion_is_a_miss_and_forgets_the_disk_block(tier: Tier) -> None:
+    m = tier.make(host_slots=1)
     (old,) = keys(1)
     store(m, [old])
-    finish_all(m)
+    finish_all(tier, m)
     store(m, keys(1, salt=1))
-    finish_all(m)
+    finish_all(tier, m)
     assert m.lookup([old]).pending
-    finish_all(m, success=False)  # e.g. the file was corrupt: the worker removed it
+    finish_all(tier, m, success=False)  # e.g. the file was corrupt: the worker removed it
     assert m.lookup([old]) == m.lookup([old]) and m.lookup([old]).hits == 0
     assert not m.lookup([old]).pending
     assert m.lower.lookup([old]).hits == 0
     m.check_integrity()
 
 
-def test_failed_write_through_leaves_the_block_on_host_only(tmp_path: Path) -> None:
-    m = make(tmp_path)
+def test_failed_write_through_leaves_the_block_on_host_only(tier: Tier) -> None:
+    m = tier.make()
     ks = keys(2)
     store(m, ks)
-    finish_all(m, success=False)
+    finish_all(tier, m, success=False)
     assert m.host.lookup(ks).hits == 2 and m.lower.lookup(ks).hits == 0
     m.check_integrity()
 
 
-def test_events_name_the_medium_of_each_tier(tmp_path: Path) -> None:
-    m = make(tmp_path)
+def test_events_name_the_medium_of_each_tier(tier: Tier) -> None:
+    m = tier.make()
     ks = keys(1)
     store(m, ks)
-    finish_all(m)
+    finish_all(tier, m)
     events = m.take_events()
     assert [(e.kind, e.medium) for e in events] == [(EventKind.STORED, Medium.HOST),
-                                                    (EventKind.STORED, Medium.DISK)]
+                                                    (EventKind.STORED, tier.medium)]
 
 
-def test_usage_lists_host_then_disk(tmp_path: Path) -> None:
-    m = make(tmp_path, host_slots=4, disk_blocks=16)
+def test_usage_lists_host_then_disk(tier: Tier) -> None:
+    m = tier.make(host_slots=4, lower_blocks=16)
     store(m, keys(3))
-    finish_all(m)
+    finish_all(tier, m)
     assert [(u.medium, u.used_blocks, u.capacity_blocks) for u in m.usage()] == [
-        (Medium.HOST, 3, 4), (Medium.DISK, 3, 16)]
+        (Medium.HOST, 3, 4), (tier.medium, 3, 16)]
 
 
-def test_on_evict_writes_only_blocks_crowding_the_host_and_evicts_only_written_ones(tmp_path: Path) -> None:
-    m = make(tmp_path, host_slots=4, policy=WritePolicy.ON_EVICT)  # low water 1: 3 dirty blocks allowed
+def test_on_evict_writes_only_blocks_crowding_the_host_and_evicts_only_written_ones(tier: Tier) -> None:
+    m = tier.make(host_slots=4, policy=WritePolicy.ON_EVICT)  # low water 1: 3 dirty blocks allowed
     first = keys(3)
     store(m, first)
     assert m.take_transfers() == []  # all fit: nothing written yet
     store(m, keys(1, salt=1))
     (write,) = m.take_transfers()
-    assert write.dst == DiskBlocks((first[0],), (1,))  # the least recently used dirty block
-    m.complete_transfer(write.transfer_id, True)
+    assert write.dst == tier.blocks(first[:1])  # the least recently used dirty block
+    finish(tier, m, write)
     store(m, keys(1, salt=2))  # needs room: the only evictable host block is the one on disk
     assert m.host.lookup([first[0]]).hits == 0 and m.lower.lookup([first[0]]).hits == 1
     assert m.host.lookup(first[1:]).hits == 2
     m.check_integrity()
 
 
-def test_on_evict_refuses_a_low_water_mark_outside_the_host(tmp_path: Path) -> None:
-    config = DiskTierConfig(path=tmp_path, write_policy=WritePolicy.ON_EVICT)
+def test_on_evict_refuses_a_low_water_mark_outside_the_host(tier: Tier) -> None:
     with pytest.raises(ValueError, match="low_water"):
-        TieredManager(HostTierManager(4), make(tmp_path).lower, config.write_policy, low_water=4)
+        TieredManager(HostTierManager(4), tier.make().lower, WritePolicy.ON_EVICT, low_water=4)
 
 
-def test_reset_forgets_both_tiers(tmp_path: Path) -> None:
-    m = make(tmp_path)
+def test_reset_forgets_both_tiers(tier: Tier) -> None:
+    m = tier.make()
     ks = keys(2)
     store(m, ks)
-    finish_all(m)
+    finish_all(tier, m)
     m.reset()
     assert m.lookup(ks).hits == 0 and not m.lookup(ks).pending
     m.check_integrity()
 
 
-def test_unknown_transfer_id_is_a_key_error(tmp_path: Path) -> None:
+def test_unknown_transfer_id_is_a_key_error(tier: Tier) -> None:
     with pytest.raises(KeyError):
-        make(tmp_path).complete_transfer(12345, True)
+        tier.make().complete_transfer(12345, True)
 
 
 @pytest.mark.parametrize("policy", list(WritePolicy))
-def test_random_workload_keeps_both_tiers_consistent(tmp_path: Path, policy: WritePolicy) -> None:
+def test_random_workload_keeps_both_tiers_consistent(tier: Tier, policy: WritePolicy) -> None:
     rng = random.Random(7)
-    m = make(tmp_path, host_slots=6, disk_blocks=12, policy=policy)
+    m = tier.make(host_slots=6, lower_blocks=12, policy=policy)
     pending: list[TierTransfer] = []
     for _ in range(400):
         ks = keys(rng.randint(1, 4), salt=rng.randrange(12))
@@ -194,9 +235,9 @@ def test_random_workload_keeps_both_tiers_consistent(tmp_path: Path, policy: Wri
         pending += m.take_transfers()
         rng.shuffle(pending)
         while pending and rng.random() < 0.6:
-            m.complete_transfer(pending.pop().transfer_id, rng.random() > 0.1)
+            finish(tier, m, pending.pop(), rng.random() > 0.1)
         m.check_integrity()
     for t in pending:
-        m.complete_transfer(t.transfer_id, True)
-    finish_all(m)
+        finish(tier, m, t)
+    finish_all(tier, m)
     m.check_integrity()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-from kvoffload.config import ConfigError, OffloadConfig
+from kvoffload.config import ConfigError, OffloadConfig, RemoteTierConfig, WritePolicy
+from kvoffload.disk_format import BlockFormat, entry_bytes_of
 from kvoffload.keys import Namespace
 from kvoffload.layout import KVCacheLayout
 from kvoffload.manager.base import ResidencyManager
@@ -65,10 +66,33 @@ def available_memory_bytes() -> int | None:
 
 def build_manager(config: OffloadConfig, layout: KVCacheLayout, factor: int,
                   namespace: Namespace) -> ResidencyManager:
-    """The scheduler half's index: the host tier, with the disk tier under it when configured."""
-    host = HostTierManager(host_num_slots(config, layout, factor), config.host.policy)
-    if config.disk is None:
-        return host
-    from kvoffload.manager.tiered import TieredManager  # only when a disk tier is configured
+    """The scheduler half's index: the host tier, with the disk or the remote tier under it when configured.
 
-    return TieredManager.create(config.disk, host, namespace, layout, factor)
+    Host RAM is the hub, over one lower tier for now (config.py refuses ``disk_path`` with ``remote_url``): a
+    chain of host, disk and remote is the next step (docs/remote.md).
+
+    Raises:
+        ConfigError: a tier cannot be sized or used (see ``host_num_slots`` and the lower tiers' ``create``), or
+            ``remote_url`` is given without redis-py installed.
+    """
+    host = HostTierManager(host_num_slots(config, layout, factor), config.host.policy)
+    if config.disk is not None:
+        from kvoffload.manager.tiered import TieredManager  # only when a disk tier is configured
+
+        return TieredManager.create(config.disk, host, namespace, layout, factor)
+    if config.remote is not None:
+        return _over_remote(config.remote, host, namespace, layout, factor)
+    return host
+
+
+def _over_remote(config: RemoteTierConfig, host: HostTierManager, namespace: Namespace, layout: KVCacheLayout,
+                 factor: int) -> ResidencyManager:
+    try:
+        from kvoffload.manager.remote import RemoteTierManager
+    except ImportError as e:
+        raise ConfigError(f'remote_url needs redis-py: pip install "kvoffload[redis]" ({e})') from None
+    from kvoffload.manager.tiered import TieredManager
+
+    value_bytes = BlockFormat.of(config.secret).file_bytes(max(entry_bytes_of(layout, factor)))
+    # Write-through: a shared tier serves other engines only what is written to it, as soon as it is written.
+    return TieredManager(host, RemoteTierManager.create(config, namespace, value_bytes), WritePolicy.WRITE_THROUGH)
