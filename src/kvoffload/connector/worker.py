@@ -75,6 +75,12 @@ class ConnectorWorker:
             disk = DiskHandler.create(self.config.disk, self.pool, self.namespace, self.layout, self.factor)
             self.transfers.register(Medium.HOST, Medium.DISK, disk)
             self.transfers.register(Medium.DISK, Medium.HOST, disk)
+        if self.config.remote is not None:
+            from kvoffload.transfer.remote import RemoteHandler  # only when a remote tier is configured
+
+            remote = RemoteHandler.create(self.config.remote, self.pool, self.namespace, self.layout, self.factor)
+            self.transfers.register(Medium.HOST, Medium.REMOTE, remote)
+            self.transfers.register(Medium.REMOTE, Medium.HOST, remote)
         logger.info("kvoffload worker rank %d: %d host slots of %d bytes (%.2f GiB)", self.namespace.rank,
                     self.pool.num_slots, self.pool.slot_bytes, self.pool.nbytes / 2**30)
 

@@ -329,7 +329,11 @@ def step_schedule(out: SchedulerOutput, num_groups: int,
 
 # ---- KV events ---------------------------------------------------------------------------------------------
 
-_MEDIUM = {Medium.HOST: MEDIUM_CPU, Medium.DISK: MEDIUM_STORAGE, Medium.DEVICE: "GPU"}
+MEDIUM_REMOTE = "REMOTE"
+"""The remote tier's events: vLLM 0.32 names GPU, CPU and STORAGE only, and a router must tell a store shared by
+many engines (any of them can load it) from this engine's own disk."""
+
+_MEDIUM = {Medium.HOST: MEDIUM_CPU, Medium.DISK: MEDIUM_STORAGE, Medium.REMOTE: MEDIUM_REMOTE, Medium.DEVICE: "GPU"}
 
 
 def kv_events(events: Iterable[OffloadEvent], block_tokens: int) -> list[KVCacheEvent]:

@@ -6,7 +6,9 @@ payload. vLLM sums worker payloads (``aggregate``), adds the scheduler's, ships 
 loggers, logs ``reduce()`` periodically and hands the dict to ``KVOffloadPromMetrics.observe``, which feeds
 the counters that a vLLM server shows on ``/metrics``:
 
-    vllm:kvoffload_transfer_bytes_total{direction}     bytes copied (device_to_host, host_to_device, ...)
+    vllm:kvoffload_transfer_bytes_total{direction}     bytes copied (device_to_host, host_to_device,
+                                                       host_to_disk, disk_to_host, host_to_remote,
+                                                       remote_to_host: one per handler route, none fixed)
     vllm:kvoffload_transfer_seconds_total{direction}   time spent copying
     vllm:kvoffload_transfer_jobs_total{direction}      copy jobs finished (failed_jobs_total: those that
     failed) vllm:kvoffload_hit_tokens_total                    prompt tokens loaded from kvoffload

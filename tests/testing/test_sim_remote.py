@@ -1,0 +1,146 @@
+"""The simulated engine with a small host tier over the remote tier (a real redis-server): prefixes evicted from the
+host come back from the server bit-exact, across two workers and between two engines sharing the server, and a
+server that dies mid-run costs recomputes, never a wrong token or a crash."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvoffload.config import OffloadConfig
+from kvoffload.manager.remote import RemoteTierManager
+from kvoffload.manager.tiered import TieredManager
+from kvoffload.testing import layouts
+from kvoffload.testing.redis_server import RedisServer, RedisServerUnavailable
+from kvoffload.testing.sim import SimEngine, Status
+
+redis = pytest.importorskip("redis")
+
+BLOCK = 4
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    try:
+        with RedisServer() as s:
+            yield s
+    except RedisServerUnavailable as e:
+        pytest.skip(str(e))
+
+
+def make_engine(url: str, host_blocks: int = 4, workers: int = 1, **config: object) -> SimEngine:
+    layout, make_kv = layouts.attention_layout(num_blocks=48, block_size=BLOCK)
+    slot = max(layout.group_block_bytes(g) for g in range(len(layout.groups)))
+    raw = {"offload_block_tokens": BLOCK, "host_bytes": host_blocks * slot, "remote_url": url,
+           "remote_bytes": 1 << 24, "remote_timeout_ms": 500, **config}
+    return SimEngine(layout, make_kv, OffloadConfig.from_dict(raw), block_size=BLOCK, num_workers=workers)
+
+
+def remote_index(engine: SimEngine) -> RemoteTierManager:
+    manager = engine.scheduler.manager
+    assert isinstance(manager, TieredManager) and isinstance(manager.lower, RemoteTierManager)
+    return manager.lower
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+def run_checked(engine: SimEngine) -> None:
+    engine.run(on_step=lambda e: e.check_all())
+    engine.step()  # ships the write-through queued by the last store (run() stops before the manager's queue)
+    engine.run(on_step=lambda e: e.check_all())
+
+
+def push_out_of_host(engine: SimEngine) -> None:
+    """Other prompts fill the small host tier (4 blocks) and the device cache: the first prompt is remote only."""
+    for i in range(3):
+        engine.add_request(f"filler{i}", tokens(16, seed=100 + i))
+        run_checked(engine)
+    engine.pool.drop_cache()
+
+
+def values(url: str) -> int:
+    client = redis.Redis.from_url(url)
+    try:
+        return int(client.dbsize())
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_prefix_evicted_from_host_comes_back_from_the_server_bit_exact(server: RedisServer, workers: int) -> None:
+    engine = make_engine(server.url, workers=workers)
+    prompt = tokens(16, seed=1)
+    engine.add_request("a", prompt)
+    run_checked(engine)
+    push_out_of_host(engine)
+    b = engine.add_request("b", [*prompt, 7])
+    run_checked(engine)
+    assert b.status is Status.FINISHED
+    assert b.loaded_tokens == 16 and b.device_hit_tokens == 0
+    assert engine.corrupt_blocks == [] and engine.verified_blocks >= 4
+    assert values(server.url) == 16 * workers  # every rank's value of the four prompts' blocks
+    stats = engine.workers[0].get_kv_connector_stats()
+    assert stats is not None and {"host_to_remote", "remote_to_host"} <= set(stats.by_type)
+    engine.scheduler.manager.check_integrity()
+
+
+def test_two_engines_sharing_a_server_hit_each_others_prefixes_bit_exact(server: RedisServer) -> None:
+    first, second = make_engine(server.url), make_engine(server.url)
+    prompt = tokens(16, seed=2)
+    first.add_request("a", prompt)
+    run_checked(first)
+    b = second.add_request("b", [*prompt, 7])  # a fresh host tier and device cache: only the server has it
+    run_checked(second)
+    assert b.loaded_tokens == 16 and second.corrupt_blocks == []
+    assert remote_index(second).usage()[0].used_blocks == 0  # read, not written: not in its budget
+
+
+def test_a_server_killed_mid_run_costs_recomputes_not_wrong_tokens(server: RedisServer,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    engine = make_engine(server.url)
+    prompt = tokens(16, seed=3)
+    engine.add_request("a", prompt)
+    run_checked(engine)
+    push_out_of_host(engine)
+    server.kill()
+    b = engine.add_request("b", [*prompt, 7])
+    others = [engine.add_request(f"c{i}", tokens(24, seed=200 + i), max_new_tokens=3) for i in range(3)]
+    run_checked(engine)
+    assert all(r.status is Status.FINISHED for r in [b, *others])
+    assert b.loaded_tokens == 0 and engine.corrupt_blocks == []
+    engine.scheduler.manager.check_integrity()
+
+
+@pytest.mark.parametrize("how", ["evicted", "restarted"])
+def test_values_gone_between_lookup_and_promotion_cost_a_recompute(server: RedisServer, how: str) -> None:
+    engine = make_engine(server.url)
+    prompt = tokens(16, seed=4)
+    engine.add_request("a", prompt)
+    run_checked(engine)
+    push_out_of_host(engine)
+    b = engine.add_request("b", [*prompt, 7])
+    assert engine.scheduler.get_num_new_matched_tokens(b, 0) == (None, False)  # a promotion is queued ...
+    if how == "evicted":
+        redis.Redis.from_url(server.url).flushall()  # ... and the server drops every value before it runs
+    else:
+        server.restart()  # ... or comes back empty
+    run_checked(engine)
+    assert b.status is Status.FINISHED and b.loaded_tokens == 0
+    assert engine.corrupt_blocks == []
+    engine.scheduler.manager.check_integrity()
+
+
+def test_the_worker_registers_the_remote_handler_both_ways(server: RedisServer) -> None:
+    from kvoffload.specs import Medium
+    from kvoffload.transfer.remote import RemoteHandler
+
+    engine = make_engine(server.url)
+    routes: dict[Any, Any] = engine.workers[0].transfers._routes
+    assert isinstance(routes[(Medium.HOST, Medium.REMOTE)], RemoteHandler)
+    assert routes[(Medium.REMOTE, Medium.HOST)] is routes[(Medium.HOST, Medium.REMOTE)]
