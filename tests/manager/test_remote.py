@@ -86,9 +86,11 @@ def make(url: str, blocks: int = 8, ns: Namespace = NS, client: Any = None, cach
 def write(client: Any, ks: list[OffloadKey], ns: Namespace = NS, ranks: range | None = None,
           fmt: BlockFormat = PLAIN) -> None:
     """What the workers' stores leave on the server: one value per rank."""
-    if ks:
-        client.mset({value_name(ns, fmt, key, rank): b"v" for key in ks
-                     for rank in (ranks if ranks is not None else range(ns.world_size))})
+    pipe = client.pipeline()  # one value per command: a cluster client sends each to its slot's node
+    for key in ks:
+        for rank in ranks if ranks is not None else range(ns.world_size):
+            pipe.set(value_name(ns, fmt, key, rank), b"v")
+    pipe.execute()
 
 
 def stored(m: RemoteTierManager, client: Any, ks: list[OffloadKey], ns: Namespace = NS) -> list[OffloadKey]:
@@ -406,3 +408,29 @@ def test_the_configured_remote_tier_builds_the_host_over_remote(url: str) -> Non
     manager = build_manager(OffloadConfig.from_dict({"remote_url": url, "host_bytes": 1 << 20}), layout, 1, NS)
     assert isinstance(manager, TieredManager) and isinstance(manager.lower, RemoteTierManager)
     assert [u.medium for u in manager.usage()] == [Medium.HOST, Medium.REMOTE]
+
+
+# ---- a cluster ------------------------------------------------------------------------------------------------
+
+
+def test_a_cluster_is_asked_and_cleaned_by_slot(caplog: pytest.LogCaptureFixture) -> None:
+    from kvoffload.testing.redis_server import RedisCluster, RedisServerUnavailable
+
+    try:
+        cluster = RedisCluster()
+    except RedisServerUnavailable as e:
+        pytest.skip(str(e))
+    with cluster:
+        made = RemoteTierManager.create(dataclasses.replace(config(cluster.urls[0], blocks=4), urls=cluster.urls,
+                                                            cluster=True), NS, VALUE)
+        m = RemoteTierManager(made.probe, made.capacity, cache_s=0.0)
+        client = redis.RedisCluster.from_url(cluster.urls[0])
+        ks = keys(300)
+        write(client, ks[:200])  # spread over the three nodes' slots
+        assert m.lookup(ks).hits == 200
+        ours = stored(m, client, keys(4, salt=1))
+        stored(m, client, keys(4, salt=2))  # the budget of four: ours are deleted, on whichever node they are
+        assert not any(exists(client, k) for k in ours) and m.lookup(ks).hits == 200
+        cluster.stop()
+        assert m.lookup(ks) == LookupResult(0)  # a cluster that is gone: misses
+        assert "Traceback" not in caplog.text

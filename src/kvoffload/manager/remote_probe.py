@@ -42,7 +42,8 @@ DELETE_BATCH = 4096
 NAME_CACHE = 1 << 15
 """Keys whose value names are remembered: a secret's keyed names cost about 8 us per key to compute."""
 
-_FAILURES = (rex.RedisError, OSError)
+_FAILURES = (rex.RedisError, rex.RedisClusterException, OSError)
+"""What a failing server or cluster raises (a cluster client's own errors are not ``RedisError``)."""
 _AT_ONCE = (rex.TimeoutError, TimeoutError, rex.AuthenticationError, rex.AuthenticationWrongNumberOfArgsError,
             rex.NoPermissionError)
 """Failures that switch the probe off without waiting for ``breaker_errors``: every next call would meet them."""
