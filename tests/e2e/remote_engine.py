@@ -1,0 +1,37 @@
+"""One vLLM engine with kvoffload's remote tier, in its own process, for test_remote_tier.py.
+
+Run as ``python -m tests.e2e.remote_engine MODEL_DIR REQUEST_JSON``: it builds an in-process engine on the tiny
+model with ``kv_connector_extra_config`` from the request, serves the request's rounds of prompts (one request at
+a time, the device prefix cache reset before each round), and prints one JSON line: per round the generated
+tokens, top logprobs and cached tokens of each prompt, and kvoffload's counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from tests.e2e.conftest import close, generate, make_llm, metric, prompts
+
+
+def main(model_dir: str, request: str) -> None:
+    result_fd = os.dup(1)
+    os.dup2(2, 1)  # vLLM (and its C++ code) log to stdout: only our one JSON line goes to the real one
+    spec = json.loads(request)
+    llm = make_llm(Path(model_dir), spec["extra_config"])
+    rounds = []
+    for tail in spec["rounds"]:
+        assert llm.reset_prefix_cache()
+        rounds.append([{"tokens": r.tokens, "logprobs": [list(p.items()) for p in r.logprobs],
+                        "cached": r.cached_tokens} for r in generate(llm, prompts(tail))])
+    counters = {"hit_tokens": metric(llm, "vllm:kvoffload_hit_tokens"),
+                "remote_to_host": metric(llm, "vllm:kvoffload_transfer_bytes", direction="remote_to_host"),
+                "host_to_remote": metric(llm, "vllm:kvoffload_transfer_bytes", direction="host_to_remote")}
+    close(llm)
+    os.write(result_fd, (json.dumps({"rounds": rounds, "counters": counters}) + "\n").encode())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
