@@ -16,8 +16,8 @@ from kvoffload.auth import TierSecret
 from kvoffload.config import ConfigError, OffloadConfig, RemoteTierConfig
 from kvoffload.disk_format import PLAIN, BlockFormat
 from kvoffload.keys import Namespace, OffloadKey, offload_key
-from kvoffload.manager.base import EventKind, LookupResult, OffloadEvent
 from kvoffload.manager import remote
+from kvoffload.manager.base import EventKind, LookupResult, OffloadEvent
 from kvoffload.manager.remote import RemoteTierManager
 from kvoffload.manager.remote_probe import FIRST_WINDOW, ValueNames
 from kvoffload.remote_client import value_name
