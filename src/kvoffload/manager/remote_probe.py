@@ -5,7 +5,7 @@ rank's value exists for (a promotion can read them now), and ``delete(keys)`` wh
 worker's ``RemoteHandler`` moves the values; nothing here reads or writes one.
 
 Cost is the point of this module: the scheduler asks on every step, with a whole prompt's keys. redis-py spends
-about 8 us of Python per pipelined command (2,048 ``EXISTS`` cost 15 ms), but one ``EXISTS`` naming 2,048 values
+4 to 8 us of Python per pipelined command (2,048 ``EXISTS`` cost 8-18 ms), but one ``EXISTS`` naming 2,048 values
 costs about 1 ms. So against one server a run is found by counting: ``EXISTS`` over a window of keys answers how
 many of their values exist; all of them extends the run, fewer bounds it (the run cannot be longer than the
 count), and the next window is the bounded one. Keys are chained content hashes, so what exists is nearly always a
