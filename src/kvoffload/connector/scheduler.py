@@ -13,7 +13,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -66,7 +66,8 @@ class _PendingJob:
 class ConnectorScheduler:
     def __init__(self, config: OffloadConfig, layout: KVCacheLayout, engine_block_size: int,
                  namespace: Namespace, manager: ResidencyManager | None = None,
-                 null_block_id: int | None = None, flush_stores_next_step: bool = False) -> None:
+                 null_block_id: int | None = None, flush_stores_next_step: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``null_block_id``: the engine's placeholder block (vLLM's block 0 stands in for blocks a sliding-window
         group has dropped); offload blocks that contain it are never stored, and loads leave a hole (``NO_BLOCK``)
         where it stands, so they never write it.
@@ -74,6 +75,8 @@ class ConnectorScheduler:
         ``flush_stores_next_step``: the engine may reuse or rewrite a block of a running request in the very
         next step (a sliding-window block that left the window, a Mamba state updated in place), so every store
         is flushed at the start of the next step, before the forward pass, instead of running beside it.
+
+        ``clock``: monotonic seconds, for the timings behind cost-aware loading (tests drive a fake one).
         """
         self.factor = offload_factor(config, engine_block_size)
         self.engine_block_size = engine_block_size
@@ -87,6 +90,8 @@ class ConnectorScheduler:
         self.load_cost = LoadCost(config.load_policy, self.offload_tokens, host_slot_bytes(layout, self.factor),
                                   config.prefill_tokens_per_s)
         self.manager.set_load_cost(self.load_cost)
+        self._clock = clock
+        self._skipped_reported = 0
         self._promotions: dict[JobId, tuple[Medium, int, float]] = {}
         self._last_meta: tuple[float, int] | None = None
         self._root = namespace.chain_root()
@@ -284,13 +289,13 @@ class ConnectorScheduler:
         job = self._new_job(JobKind.TIER, (), (), transfer.transfer_id)
         if transfer.dst.medium is Medium.HOST:  # a promotion: timed for the tier's speed (load_cost)
             nbytes = sum(transfer.src.group_sizes) * self.load_cost.block_bytes
-            self._promotions[job] = (transfer.src.medium, nbytes, time.monotonic())
+            self._promotions[job] = (transfer.src.medium, nbytes, self._clock())
         return TransferJob(job, transfer.src, transfer.dst)
 
     def _observe_step(self, filled_blocks: int) -> None:
         """The engine's prefill speed, roughly: tokens whose blocks filled in the last step over its length (from
         one ``build_connector_meta`` to the next: that step's forward pass)."""
-        now = time.monotonic()
+        now = self._clock()
         if self._last_meta is not None:
             started, blocks = self._last_meta
             self.load_cost.observe_step(blocks // self.num_groups * self.offload_tokens, now - started)
@@ -328,7 +333,7 @@ class ConnectorScheduler:
             timed = self._promotions.pop(job_id, None)
             if timed is not None and success:
                 medium, nbytes, started = timed
-                self.load_cost.observe_transfer(medium, nbytes, time.monotonic() - started)
+                self.load_cost.observe_transfer(medium, nbytes, self._clock() - started)
 
     # ---- request end, resets, observability -------------------------------------------------------------------
 
@@ -352,6 +357,9 @@ class ConnectorScheduler:
 
     def take_stats(self) -> SchedulerStats:
         stats, self._stats = self._stats, SchedulerStats()
+        skipped = self.load_cost.skipped_blocks
+        stats.skipped_slow_tokens = (skipped - self._skipped_reported) * self.offload_tokens
+        self._skipped_reported = skipped
         return stats
 
     def usage(self) -> list[TierUsage]:

@@ -66,6 +66,8 @@ class SchedulerStats:
     query_tokens: int = 0
     hit_tokens: int = 0
     failed_load_tokens: int = 0
+    skipped_slow_tokens: int = 0
+    """Tokens a lower tier held but that were recomputed, as loading them was expected to be slower."""
 
     @property
     def miss_tokens(self) -> int:
@@ -74,4 +76,5 @@ class SchedulerStats:
     def aggregate(self, other: SchedulerStats) -> SchedulerStats:
         return SchedulerStats(self.requests + other.requests, self.query_tokens + other.query_tokens,
                               self.hit_tokens + other.hit_tokens,
-                              self.failed_load_tokens + other.failed_load_tokens)
+                              self.failed_load_tokens + other.failed_load_tokens,
+                              self.skipped_slow_tokens + other.skipped_slow_tokens)

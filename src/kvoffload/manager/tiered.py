@@ -37,6 +37,7 @@ from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.manager.base import (
     EventKind,
     IntegrityError,
+    LoadAdvisor,
     LookupResult,
     OffloadEvent,
     PrepareStoreOutput,
@@ -123,6 +124,7 @@ class TieredManager(ResidencyManager, Generic[Lower]):
         self._queued: list[TierTransfer] = []
         self._ids = itertools.count()
         self._events: list[OffloadEvent] = []
+        self._advisor: LoadAdvisor | None = None
 
     @classmethod
     def create(cls, config: DiskTierConfig, host: HostTierManager, namespace: Namespace,
@@ -140,10 +142,18 @@ class TieredManager(ResidencyManager, Generic[Lower]):
         if found.pending or found.hits == len(keys):
             return found
         below = self.lower.lookup(keys[found.hits:])
+        if not below.hits or not self._worth_loading(below.hits):
+            return LookupResult(found.hits)  # a slow tier's hits are misses: the engine computes them
         # The host hits go along so that the promotion's evictions cannot take them (they are held).
-        if below.hits and self._promote(keys[:found.hits + below.hits]):
+        if self._promote(keys[:found.hits + below.hits]):
             return LookupResult(found.hits, pending=True)
         return LookupResult(found.hits)
+
+    def set_load_cost(self, advisor: LoadAdvisor) -> None:
+        self._advisor = advisor
+
+    def _worth_loading(self, blocks: int) -> bool:
+        return self._advisor is None or self._advisor.worth_loading(self.lower.medium, blocks)
 
     def prepare_load(self, keys: Sequence[OffloadKey]) -> BlockSpec:
         return self.host.prepare_load(keys)

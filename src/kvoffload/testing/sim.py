@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -84,12 +85,13 @@ class SimEngine:
     """Engine block pool + both connector halves (one scheduler, ``num_workers`` workers with their own KV).
 
     ``sliding_windows``: KV-cache group -> its sliding window in tokens, for the groups that have one; a state
-    group's is one block.
+    group's is one block. ``clock``: the scheduler half's (a fake one makes a tier slow without waiting).
     """
 
     def __init__(self, layout: KVCacheLayout, make_kv_caches: Callable[[], KVCaches], config: OffloadConfig,
                  block_size: int = 16, num_workers: int = 1, max_batch_tokens: int = 8192,
-                 vocab_size: int = 1000, sliding_windows: Mapping[int, int] | None = None) -> None:
+                 vocab_size: int = 1000, sliding_windows: Mapping[int, int] | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
         self.layout = layout
         self.block_size = block_size
         self.num_groups = len(layout.groups)
@@ -99,7 +101,8 @@ class SimEngine:
         ns = Namespace(model="sim", dtype="int8", layout=layout.describe(), world_size=num_workers)
         # Window blocks are freed while their request runs: stores must finish before the next forward pass.
         self.scheduler = ConnectorScheduler(config, layout, block_size, ns, null_block_id=NULL_BLOCK,
-                                            flush_stores_next_step=bool(self.sliding_windows))
+                                            flush_stores_next_step=bool(self.sliding_windows),
+                                            clock=clock or time.monotonic)
         self.workers = [ConnectorWorker(config, layout, block_size, dataclasses.replace(ns, rank=r))
                         for r in range(num_workers)]
         for worker in self.workers:

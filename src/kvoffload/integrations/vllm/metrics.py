@@ -14,6 +14,7 @@ the counters that a vLLM server shows on ``/metrics``:
     failed) vllm:kvoffload_hit_tokens_total                    prompt tokens loaded from kvoffload
     vllm:kvoffload_miss_tokens_total                   prompt tokens looked up but not found
     vllm:kvoffload_failed_load_tokens_total            tokens whose load failed (recomputed)
+    vllm:kvoffload_skipped_slow_hit_tokens_total       lower-tier hits recomputed as faster than loading them
     vllm:kvoffload_host_used_bytes                     host tier bytes in use (gauge)
 
 Names start with ``vllm:`` so that vLLM's own metric clean-up (between engines in one process) covers them.
@@ -36,7 +37,7 @@ from kvoffload.connector.stats import SchedulerStats, TransferStats
 TRANSFERS = "transfers"
 LOOKUPS = "lookups"
 HOST_USED_BYTES = "host_used_bytes"
-_LOOKUP_FIELDS = ("requests", "query_tokens", "hit_tokens", "failed_load_tokens")
+_LOOKUP_FIELDS = ("requests", "query_tokens", "hit_tokens", "failed_load_tokens", "skipped_slow_tokens")
 
 
 @dataclass
@@ -106,6 +107,8 @@ _TOKEN_COUNTERS = {
     "hit_tokens": ("vllm:kvoffload_hit_tokens", "Prompt tokens loaded from kvoffload instead of computed."),
     "miss_tokens": ("vllm:kvoffload_miss_tokens", "Prompt tokens looked up in kvoffload and not found."),
     "failed_load_tokens": ("vllm:kvoffload_failed_load_tokens", "Tokens whose kvoffload load failed."),
+    "skipped_slow_tokens": ("vllm:kvoffload_skipped_slow_hit_tokens",
+                            "Tokens a tier below host held but that were recomputed: loading them was slower."),
 }
 
 

@@ -1,0 +1,105 @@
+"""Cost-aware loading in the simulated engine: a deliberately slow disk tier's hits are skipped (recomputed, and
+counted), a fast one's are loaded. The slowness is a fake clock that each disk read advances, so nothing waits."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from kvoffload.config import OffloadConfig
+from kvoffload.specs import Medium
+from kvoffload.testing import layouts
+from kvoffload.testing.sim import SimEngine, Status
+from kvoffload.transfer.disk import DiskHandler
+from kvoffload.transfer.disk_io import FileOps
+
+BLOCK = 4
+PREFILL_TOKENS_PER_S = 1_000.0  # recomputing a 4-block (16-token) prefix costs 16 ms
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class SlowReads(FileOps):
+    """Each block read takes ``seconds`` of the fake clock's time."""
+
+    def __init__(self, clock: FakeClock, seconds: float) -> None:
+        self.clock, self.seconds = clock, seconds
+
+    def read_into(self, path: str, buffers: list[memoryview]) -> int:
+        self.clock.now += self.seconds
+        return super().read_into(path, buffers)
+
+
+def make_engine(disk: Path, read_seconds: float, **config: object) -> SimEngine:
+    layout, make_kv = layouts.attention_layout(num_blocks=48, block_size=BLOCK)
+    slot = layout.group_block_bytes(0)
+    raw = {"offload_block_tokens": BLOCK, "host_bytes": 4 * slot, "disk_path": str(disk), "disk_bytes": 1 << 22,
+           "prefill_tokens_per_s": PREFILL_TOKENS_PER_S, "disk_read_deadline_ms": 1e9, **config}
+    clock = FakeClock()
+    engine = SimEngine(layout, make_kv, OffloadConfig.from_dict(raw), block_size=BLOCK, clock=clock)
+    for handler in engine.workers[0].transfers.handlers:
+        if isinstance(handler, DiskHandler):
+            handler._ops = SlowReads(clock, read_seconds)  # the disk tier's system-call seam
+    return engine
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+def settled(engine: SimEngine) -> None:
+    engine.check_all()
+    for worker in engine.workers:
+        worker.wait_all()
+
+
+def reload_from_disk(engine: SimEngine, rounds: int) -> list[int]:
+    """Serve a prefix, push it out of the host tier, serve it again, ``rounds`` times; tokens loaded each time."""
+    prompt, loaded = tokens(16, seed=1), []
+    engine.add_request("first", prompt)
+    engine.run(on_step=settled)
+    for r in range(rounds):
+        for i in range(3):  # fillers of 4 blocks each push the prefix out of the 4-slot host tier
+            engine.add_request(f"filler{r}-{i}", tokens(16, seed=100 + 10 * r + i))
+            engine.run(on_step=settled)
+        engine.pool.drop_cache()
+        again = engine.add_request(f"again{r}", [*prompt, r])
+        engine.run(on_step=settled)
+        assert again.status is Status.FINISHED
+        loaded.append(again.loaded_tokens)
+    assert engine.corrupt_blocks == []
+    return loaded
+
+
+@pytest.mark.parametrize(("read_seconds", "policy"), [(0.0001, "auto"), (0.05, "auto"), (0.05, "always")])
+def test_a_slow_tiers_hits_are_skipped_and_a_fast_tiers_are_loaded(tmp_path: Path, read_seconds: float,
+                                                                   policy: str) -> None:
+    engine = make_engine(tmp_path, read_seconds, load_policy=policy)
+    loaded = reload_from_disk(engine, rounds=5)
+    cost = engine.scheduler.load_cost
+    speed = cost.speed(Medium.DISK)
+    assert speed is not None  # the first promotions measured the tier
+    # 4 blocks from this disk: 4 reads of read_seconds (fast: 0.4 ms; slow: 200 ms); recomputing them: 16 ms.
+    slow = policy == "auto" and read_seconds > 0.01
+    if slow:
+        assert loaded[:2] == [16, 16] and loaded[2:] == [0, 0, 0]  # learnt from two loads, then recomputed
+        assert cost.skipped_blocks == 3 * 4
+        assert engine.scheduler.take_stats().skipped_slow_tokens == 3 * 16  # what the metric counts
+    else:
+        assert loaded == [16] * 5 and cost.skipped_blocks == 0
+
+
+def test_never_writes_the_lower_tier_but_does_not_read_it(tmp_path: Path) -> None:
+    engine = make_engine(tmp_path, 0.0001, load_policy="never")
+    assert reload_from_disk(engine, rounds=2) == [0, 0]
+    assert engine.scheduler.load_cost.skipped_blocks == 2 * 4
+    assert list(tmp_path.rglob("*.kvb"))  # written all the same
