@@ -33,7 +33,7 @@ from kvoffload.transfer.base import TransferResult
 from kvoffload.transfer.host_pool import HostPool
 from kvoffload.transfer.remote import RemoteHandler
 from kvoffload.transfer.remote_faults import Fault
-from kvoffload.transfer.remote_values import encode_value
+from kvoffload.transfer.remote_values import encode_value, verified_payload
 
 redis = pytest.importorskip("redis")
 
@@ -343,7 +343,7 @@ def test_a_server_killed_mid_run_fails_jobs_logs_once_and_opens_the_breaker(
         assert warnings_about(caplog, "switching the remote tier off") == 1
 
 
-def test_a_server_restarted_empty_turns_loads_into_misses(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_server_restarted_empty_turns_loads_into_misses() -> None:
     with RedisServer() as server, Handler(make_config(server.url)) as h:
         ks = keys(2)
         assert run(h, store((0, 1), ks)).success
@@ -444,7 +444,7 @@ def test_a_stalled_server_fails_the_job_at_the_command_timeout_then_serves_again
         assert run(h, load(ks, (3,))).success and row(h, 3) == row(h, 0)
 
 
-def test_a_reply_after_the_deadline_never_writes_the_slot() -> None:
+def test_a_job_past_its_deadline_fails_with_those_queued_behind_it_and_its_late_reply_is_dropped() -> None:
     class SignallingRedis(redis.Redis):
         """Says when a pipeline starts talking to the server."""
 
@@ -474,9 +474,11 @@ def test_a_reply_after_the_deadline_never_writes_the_slot() -> None:
             job = load(ks, (3,))
             assert h.submit(job)
             assert SignallingRedis.executing.wait(10)
+            queued = load(ks, (3,))  # behind it on the load lane
+            assert h.submit(queued)
             clock.now += 100.0  # past the job's deadline; its GET has not been answered
-            (result,) = h.get_finished()
-            assert result.job_id == job.job_id and not result.success
+            results = h.get_finished()
+            assert [(r.job_id, r.success) for r in results] == [(job.job_id, False), (queued.job_id, False)]
             sleeper.join()
             assert h._lanes[False].wait_idle(30)  # the late reply has come back to the lane
             assert not h._slots[3].any()
@@ -500,3 +502,11 @@ def test_a_round_trip_through_a_three_node_cluster() -> None:
             assert [row(h, s, n) for s, n in enumerate(sizes)] == expected
         held = [redis.Redis.from_url(url).dbsize() for url in cluster.urls]
         assert sum(held) == 12 and sum(1 for n in held if n) >= 2  # the values are spread over the nodes
+
+
+def test_a_verified_payload_is_a_view_of_the_reply_not_a_copy() -> None:
+    # The load's one copy is the payload into the host slot: verifying must not add one.
+    (key,) = keys(1)
+    value = encode_value(PLAIN, NS.fingerprint(), key, memoryview(bytes(range(48))))
+    payload = verified_payload(PLAIN, NS.fingerprint(), key, value, 48)
+    assert payload.obj is value and bytes(payload) == bytes(range(48))

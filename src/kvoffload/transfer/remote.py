@@ -303,11 +303,11 @@ class RemoteHandler(TransferHandler):
             self.breaker.record(False)
         self.faults.note(fault, error)
 
-    def _overdue(self, state: _Job, now: float) -> bool:
-        """Started longer than the budget ago, or queued behind a job that is (its lane is stuck)."""
+    def _overdue(self, state: _Job, now: float, stuck: dict[bool, bool] | None = None) -> bool:
+        """Started longer than the budget ago, or queued behind a job that is (``stuck[lane]``)."""
         if state.start is not None:
             return now - state.start > self._budget_s
-        return self._lanes[state.is_store].stuck(self._budget_s) > 0
+        return stuck is not None and stuck[state.is_store]
 
     def _wait_slice(self, state: _Job) -> float:
         """How long to wait for ``state`` before checking the deadlines again."""
@@ -318,8 +318,9 @@ class RemoteHandler(TransferHandler):
     def _expire(self) -> None:
         """Fail the jobs past their deadline, even while their lane's thread is stuck in a socket."""
         now = self._clock()
+        stuck = {is_store: lane.stuck(self._budget_s) > 0 for is_store, lane in self._lanes.items()}
         with self._lock:
-            late = [s for s in self._jobs.values() if not s.finished and self._overdue(s, now)]
+            late = [s for s in self._jobs.values() if not s.finished and self._overdue(s, now, stuck)]
         for state in late:
             if self._end(state, ok=False) and state.start is not None:
                 self._note(state, Fault.TIMEOUT, f"job {state.job.job_id} unanswered after {self._budget_s:.2f} s")
