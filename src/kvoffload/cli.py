@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 BENCHES: dict[str, tuple[str, str]] = {
     "copy": ("kvoffload.bench.copy", "device<->host copy GB/s beside memcpy of the same bytes"),
     "disk": ("kvoffload.bench.disk", "host<->disk GB/s beside raw sequential I/O, index rebuild time"),
+    "remote": ("kvoffload.bench.remote", "host<->Redis GB/s beside raw redis-py pipelines of the same bytes"),
     "manager": ("kvoffload.bench.manager", "scheduler-side operations per second beside vLLM's manager"),
     "overhead": ("kvoffload.bench.overhead", "connector time per engine step on the miss path"),
     "e2e": ("kvoffload.bench.e2e", "the vLLM demo's TTFT figures"),
