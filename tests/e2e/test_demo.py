@@ -70,3 +70,18 @@ def test_details_file_lists_every_turn(demo: tuple[dict[str, Any], Path]) -> Non
     assert len(details["turns"]) == 2 * 3
     assert details["ttft_ratio_hit_turns"] == summary["ttft_ratio_hit_turns"]
     assert all(row["match"] for row in details["turns"])
+
+
+def test_with_a_remote_tier_under_a_tiny_host_tier_later_turns_still_load_and_match(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    out = tmp_path_factory.mktemp("demo-remote")
+    tiny_host = [a if a != "0.05" else "0.0002" for a in TINY]  # 200 KiB: a host tier of a few blocks
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvoffload.cli", "demo", "--json", "--no-chart", "--out", str(out), "--remote-server",
+         *tiny_host], capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads(proc.stdout)
+    assert summary["engine"]["remote_tier"] is True
+    assert summary["control"]["holds"] is True and summary["outputs_match"] is True
+    assert summary["hit_turns"] > 0 and summary["on"]["bytes_loaded"] > 0

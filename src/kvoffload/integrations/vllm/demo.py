@@ -72,6 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device-blocks", type=int, default=None,
                    help="device KV cache size in blocks (default: one conversation and a little)")
     g.add_argument("--host-gib", type=float, default=1.0, help="kvoffload host tier capacity")
+    g.add_argument("--remote-url", default=None,
+                   help="also a remote tier on this Redis-protocol server (redis://host:port), below the host tier")
+    g.add_argument("--remote-server", action="store_true",
+                   help="start a throwaway local redis-server (loopback) for the remote tier; needs redis-server")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,11 +90,17 @@ def run(args: argparse.Namespace) -> int:
     progress = _stderr_progress
     with contextlib.ExitStack() as stack:
         model_dir = args.model_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvoffload-")))
+        remote_url = args.remote_url
+        if args.remote_server and remote_url is None:
+            from kvoffload.testing.redis_server import RedisServer
+
+            remote_url = stack.enter_context(RedisServer({"maxmemory": "2gb", "maxmemory-policy": "allkeys-lru"})).url
+            progress(f"remote tier: a throwaway redis-server at {remote_url}")
         shape = TinyShape(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
                           num_kv_heads=args.kv_heads, head_dim=args.head_dim, intermediate_size=4 * args.hidden_size)
         write_tiny_model(model_dir, ModelFamily.LLAMA, shape, seed=args.seed)
         settings = [EngineSettings(model_dir, workload, with_kvoffload, args.dtype, args.block_size,
-                                   args.device_blocks, args.host_gib) for with_kvoffload in (False, True)]
+                                   args.device_blocks, args.host_gib, remote_url) for with_kvoffload in (False, True)]
         try:
             off, on, check = serve_both(settings, progress)
         except EngineError as e:
@@ -223,7 +233,8 @@ def _settings(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
         "workload": {k: v for k, v in vars(workload).items()},
         "model": {"hidden_size": args.hidden_size, "layers": args.layers, "heads": args.heads,
                   "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": args.dtype},
-        "engine": {"block_size": args.block_size, "device_blocks": args.device_blocks, "host_gib": args.host_gib},
+        "engine": {"block_size": args.block_size, "device_blocks": args.device_blocks, "host_gib": args.host_gib,
+                   "remote_tier": bool(args.remote_url or args.remote_server)},
     }
 
 

@@ -44,6 +44,8 @@ class EngineSettings:
     block_size: int
     device_blocks: int | None
     host_gib: float
+    remote_url: str | None = None
+    """kvoffload's remote tier (a Redis-protocol server) below its host tier; None: host tier only."""
 
     def max_model_len(self) -> int:
         """The longest conversation, rounded up to whole blocks."""
@@ -80,7 +82,10 @@ def build_llm(settings: EngineSettings) -> Any:
     blocks = settings.device_blocks or max_len // settings.block_size + 2
     kwargs: dict[str, Any] = {"dtype": settings.dtype}
     if settings.with_kvoffload:
-        kwargs["kv_transfer_config"] = {**CONNECTOR, "kv_connector_extra_config": {"host_gib": settings.host_gib}}
+        extra: dict[str, Any] = {"host_gib": settings.host_gib}
+        if settings.remote_url:
+            extra["remote_url"] = settings.remote_url
+        kwargs["kv_transfer_config"] = {**CONNECTOR, "kv_connector_extra_config": extra}
     return LLM(model=str(settings.model_dir), seed=settings.workload.seed,
                block_size=settings.block_size, max_model_len=max_len,
                num_gpu_blocks_override=blocks, enable_prefix_caching=True, disable_log_stats=False, **kwargs)
