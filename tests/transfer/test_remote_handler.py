@@ -218,6 +218,15 @@ def test_a_value_of_another_namespace_is_never_loaded(handler: RemoteHandler, cl
     assert not run(handler, load((key,), (1,))).success
 
 
+def test_something_else_at_a_values_name_fails_the_load_as_a_server_error(
+        handler: RemoteHandler, client: Any, caplog: pytest.LogCaptureFixture) -> None:
+    (key,) = keys(1)
+    client.rpush(value_name(NS, PLAIN, key), b"not a block")  # GET answers WRONGTYPE
+    with caplog.at_level(logging.WARNING, logger="kvoffload"):
+        assert not run(handler, load((key,), (1,))).success
+    assert handler.faults.counts[Fault.ERROR] == 1 and warnings_about(caplog, "WRONGTYPE") == 1
+
+
 def test_malformed_jobs_raise_value_error(handler: RemoteHandler) -> None:
     with pytest.raises(ValueError, match="outside the pool"):
         handler.submit(store((99,), keys(1)))

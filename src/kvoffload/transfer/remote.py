@@ -228,16 +228,12 @@ class RemoteHandler(TransferHandler):
         try:
             self._store(state) if state.is_store else self._load(state)
         except _Miss:
-            if self._end(state, ok=False):
-                self.breaker.record(True)  # the server answered: a miss is no fault
-                self.faults.recovered()
+            self._end(state, ok=False, then=self._note_answer)  # the server answered: a miss is no fault
             return
         except Exception as e:
-            if self._end(state, ok=False):  # first the result (same-destination order), then the breaker
-                self._note(state, classify(e), e)
+            self._end(state, ok=False, then=functools.partial(self._note, classify(e), e))
             return
-        if self._end(state, ok=True):
-            self._note_success(state)
+        self._end(state, ok=True, then=functools.partial(self._note_answer, stored=state.is_store))
 
     def _store(self, state: _Job) -> None:
         pipe = self._link.client().pipeline(transaction=False)
@@ -290,13 +286,13 @@ class RemoteHandler(TransferHandler):
                 self._copied.notify_all()
         state.copied = sum(b.nbytes for b in state.blocks)
 
-    def _note_success(self, state: _Job) -> None:
+    def _note_answer(self, stored: bool = False) -> None:
         self.breaker.record(True)
-        if state.is_store:
+        if stored:
             self.store_breaker.record(True)
         self.faults.recovered()
 
-    def _note(self, state: _Job, fault: Fault, error: BaseException | str) -> None:
+    def _note(self, fault: Fault, error: BaseException | str) -> None:
         if fault is Fault.FULL:
             self.store_breaker.record(False)
         elif fault.is_server_fault:
@@ -322,23 +318,30 @@ class RemoteHandler(TransferHandler):
         with self._lock:
             late = [s for s in self._jobs.values() if not s.finished and self._overdue(s, now, stuck)]
         for state in late:
-            if self._end(state, ok=False) and state.start is not None:
-                self._note(state, Fault.TIMEOUT, f"job {state.job.job_id} unanswered after {self._budget_s:.2f} s")
+            timeout = f"job {state.job.job_id} unanswered after {self._budget_s:.2f} s"
+            self._end(state, ok=False, then=functools.partial(self._note, Fault.TIMEOUT, timeout)
+                      if state.start is not None else None)
 
-    def _end(self, state: _Job, ok: bool) -> bool:
-        """Give ``state`` its result, once; True if this call did. A copy into its slots finishes first."""
+    def _end(self, state: _Job, ok: bool, then: Callable[[], None] | None = None) -> None:
+        """Give ``state`` its result, once: the first call wins, a later one (a late reply) changes nothing.
+
+        A copy into its slots finishes first; ``then`` (what the outcome tells the breakers and the log) runs
+        before the result is out, so whoever sees the result also sees its fault counted.
+        """
         with self._lock:
             if state.finished:
-                return False
+                return
             state.finished = True
             while state.copying:
                 self._copied.wait()
             seconds = self._clock() - state.start if state.start is not None else 0.0
+        if then is not None:
+            then()
+        with self._lock:
             self._finished.append(TransferResult(state.job.job_id, ok, state.copied if ok else 0, seconds,
                                                  state.job.transfer_type))
             del self._jobs[state.job.job_id]
         state.done.set()
-        return True
 
 
 def _raise_first_error(replies: list[Any]) -> None:

@@ -88,8 +88,10 @@ class FaultLog:
             first = fault not in self._seen
             self._seen.add(fault)
         if first:
+            # An error of no known kind may be our bug: its first one comes with the traceback.
             logger.warning("remote tier (%s): %s: %s; %s; later ones are logged at debug level", self._where,
-                           fault.value, error, consequence)
+                           fault.value, error, consequence,
+                           exc_info=error if fault is Fault.ERROR and isinstance(error, BaseException) else None)
         else:
             logger.debug("remote tier (%s): %s: %s", self._where, fault.value, error)
 

@@ -62,9 +62,11 @@ class RemoteLink:
 
     def close(self) -> None:
         """Close the connections of a client made here (a caller's client is the caller's to close)."""
+        if not self._owned:
+            return
         with self._lock:
             client, self._client = self._client, None
-        if client is not None and self._owned:
+        if client is not None:
             client.close()
 
 
