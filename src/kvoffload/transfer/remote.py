@@ -9,9 +9,9 @@ value at once, so a half-written value is never read; ``NX`` keeps the first wri
 name writes the same bytes: the name is the content's key), and a value already there is a successful store.
 
 Never on the engine step: ``submit`` only queues. Jobs run on two lanes, one daemon thread each (``IoThreads``):
-stores and loads, so a backlog of stores never delays a load (the engine waits for loads, not stores). Each lane
-runs its jobs in submission order, which gives the ordering rule of ``TransferHandler``: only loads write host
-slots, only stores write values.
+stores and loads, so a backlog of stores never delays a load (a request waits for its loads, never for stores).
+Each lane runs its jobs in submission order, which gives the ordering rule of ``TransferHandler``: only loads write
+host slots, only stores write values.
 
 Failures are outcomes (``remote_faults``): a missing value (evicted by the server, or its TTL passed), a damaged
 or unauthentic one (then deleted, so that the next ``SET NX`` can replace it), a dead, restarted, stalled or full
