@@ -3,7 +3,7 @@
 The router sends this handler the jobs of (HOST, REMOTE) and (REMOTE, HOST). A store seals each block's host slot
 bytes into a value (``remote_values``: the disk tier's encoding) and sends one non-transactional pipeline of
 ``SET name value NX [EX ttl]`` per job; a load sends one pipeline of ``GET`` and verifies every value before
-copying its payload into the host slot. Values are named by ``remote_client.value_name`` (this rank, this
+copying its payload into the host slot. Values are named as ``remote_client.value_name`` says (this rank, this
 namespace, this secret), so an engine only ever reads values of its own namespace and rank. ``SET`` writes a whole
 value at once, so a half-written value is never read; ``NX`` keeps the first writer's value (every writer of one
 name writes the same bytes: the name is the content's key), and a value already there is a successful store.
@@ -41,7 +41,7 @@ import numpy as np
 from kvoffload.config import RemoteTierConfig
 from kvoffload.disk_format import BlockFormat, CorruptBlockError, GroupedLayout, entry_bytes_of
 from kvoffload.keys import Namespace, OffloadKey
-from kvoffload.remote_client import value_name
+from kvoffload.remote_client import rank_prefix
 from kvoffload.specs import HostBlocks, JobId, Medium, RemoteBlocks, TransferJob
 from kvoffload.transfer.base import TransferHandler, TransferResult
 from kvoffload.transfer.disk_breaker import CircuitBreaker
@@ -117,9 +117,9 @@ class RemoteHandler(TransferHandler):
                              f"{slots.shape[1]} bytes")
         self._slots = slots
         self._entry_bytes = entry_bytes
-        self._namespace = namespace
         self._fingerprint = namespace.fingerprint()
         self._fmt = BlockFormat.of(config.secret)
+        self._prefix = rank_prefix(namespace, self._fmt)  # once: it hashes the namespace (5 us a block otherwise)
         self._ttl_s = config.ttl_s
         self._budget_s = config.connect_timeout_s + 2 * config.timeout_s  # connect, send, answer
         self._clock = clock
@@ -209,7 +209,7 @@ class RemoteHandler(TransferHandler):
         if any(not 0 <= s < self._slots.shape[0] for s in host.slots):
             raise ValueError(f"job {job.job_id}: a slot of {host.slots} is outside the pool")
         groups = [g for g, n in enumerate(host.group_sizes) for _ in range(n)]
-        blocks = [_Block(s, k, value_name(self._namespace, self._fmt, k), self._entry_bytes[g])
+        blocks = [_Block(s, k, self._prefix + self._fmt.name(k), self._entry_bytes[g])  # = value_name()
                   for s, k, g in zip(host.slots, remote.keys, groups, strict=True)]
         return _Job(job, blocks, is_store=job.transfer_type == HOST_TO_REMOTE)
 
