@@ -20,3 +20,4 @@ def test_bench_remote_json_reports_both_directions_beside_raw_pipelines(capsys: 
     for field in ("store_gbps", "raw_set_gbps", "store_ratio", "load_gbps", "raw_get_gbps", "load_ratio"):
         assert row[field] > 0
     assert report["parser"] in ("hiredis", "python")
+    assert report["lookup_2048_keys_ms"] > 0

@@ -7,8 +7,10 @@ made as ``bytes``, in one raw redis-py pipeline of plain ``SET``; then loads bot
 value and copies its payload into the host pool, the raw side only receives the replies (one ``GET`` pipeline).
 Both sides use redis-py with the same parser (hiredis when installed) over one TCP connection to one server on
 127.0.0.1; the server is flushed between rounds (not timed) and which side goes first alternates round by round.
-Rows report medians over rounds and the ratio handler / raw. Without ``--url`` the bench starts its own
-``redis-server`` (``testing.redis_server``).
+Rows report medians over rounds and the ratio handler / raw. Then the lookup figure: the scheduler's
+``RemoteTierManager`` looks up a 2,048-key prompt whose values are all on the server (answers not cached: a fresh
+manager each round), median milliseconds. Without ``--url`` the bench starts its own ``redis-server``
+(``testing.redis_server``).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class Row:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--block-sizes", default="64K,1M",
+    parser.add_argument("--block-sizes", default="64K,1M,4M",
                         help="comma-separated block sizes with K/M suffix (default 64K,1M)")
     parser.add_argument("--total-mib", type=int, default=64, help="bytes moved per round and direction")
     parser.add_argument("--rounds", type=int, default=5, help="rounds per block size (median reported)")
@@ -140,11 +142,45 @@ def run(args: argparse.Namespace) -> int:
     try:
         url = args.url or server.url  # type: ignore[union-attr]
         rows = [bench_block_size(url, size, args) for size in sizes]
+        lookup_ms = bench_lookup(url, args.rounds)
     finally:
         if server is not None:
             server.stop()
-    _report(rows, args)
+    _report(rows, lookup_ms, args)
     return 0
+
+
+LOOKUP_KEYS = 2048
+
+
+def bench_lookup(url: str, rounds: int) -> float:
+    """Median ms of one ``RemoteTierManager.lookup`` of a 2,048-key prompt, every value present."""
+    from kvoffload.config import RemoteTierConfig
+    from kvoffload.disk_format import PLAIN
+    from kvoffload.keys import Namespace, offload_key
+    from kvoffload.manager.remote import RemoteTierManager
+    from kvoffload.remote_client import connect, value_name
+
+    config = RemoteTierConfig(urls=(url,))
+    ns = Namespace(model="bench", dtype="int8", layout="lookup")
+    keys = [offload_key(i.to_bytes(16, "little"), 0) for i in range(LOOKUP_KEYS)]  # type: ignore[arg-type]
+    client = connect(config)
+    client.flushall()
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.set(value_name(ns, PLAIN, key), b"v")
+    pipe.execute()
+    times = []
+    for _ in range(rounds):
+        manager = RemoteTierManager.create(config, ns, 1 << 20)
+        start = time.perf_counter()
+        found = manager.lookup(keys)
+        times.append((time.perf_counter() - start) * 1e3)
+        if found.hits != LOOKUP_KEYS:
+            raise RuntimeError(f"bench remote: a lookup found {found.hits} of {LOOKUP_KEYS} values")
+    client.flushall()
+    client.close()
+    return statistics.median(times)
 
 
 def _parser() -> str:
@@ -153,10 +189,10 @@ def _parser() -> str:
     return "hiredis" if HIREDIS_AVAILABLE else "python"
 
 
-def _report(rows: list[Row], args: argparse.Namespace) -> None:
+def _report(rows: list[Row], lookup_ms: float, args: argparse.Namespace) -> None:
     if args.json:
-        print(json.dumps({"rows": [asdict(r) for r in rows], "parser": _parser(), "rounds": args.rounds,
-                          "cpus": os.cpu_count()}, indent=2))
+        print(json.dumps({"rows": [asdict(r) for r in rows], "lookup_2048_keys_ms": round(lookup_ms, 3),
+                          "parser": _parser(), "rounds": args.rounds, "cpus": os.cpu_count()}, indent=2))
         return
     print(f"kvoffload bench remote: redis-py with the {_parser()} parser, one server on 127.0.0.1, "
           f"{args.rounds} rounds; raw = pipelined SET/GET of the same payload bytes")
@@ -165,3 +201,4 @@ def _report(rows: list[Row], args: argparse.Namespace) -> None:
     for r in rows:
         print(f"{r.block_bytes // KIB:>7}K {r.blocks:>7} {r.store_gbps:>7.2f} {r.raw_set_gbps:>8.2f} "
               f"{r.store_ratio:>6.2f} {r.load_gbps:>7.2f} {r.raw_get_gbps:>8.2f} {r.load_ratio:>6.2f}")
+    print(f"lookup of a {LOOKUP_KEYS}-key prompt (every value present, no cached answers): {lookup_ms:.2f} ms")
