@@ -20,7 +20,8 @@ PREFIX = "kvoffload"
 
 
 def connect(config: RemoteTierConfig) -> Any:
-    """A redis-py client for ``config`` (lazy: it connects at the first command, within the timeouts).
+    """A redis-py client for ``config`` (lazy: it connects at the first command, within the timeouts), with
+    retries off (``without_retries``).
 
     Raises:
         ImportError: redis-py is not installed (``pip install "kvoffload[redis]"``).
@@ -35,8 +36,19 @@ def connect(config: RemoteTierConfig) -> Any:
     if config.cluster:
         nodes = [_node(url) for url in config.urls]
         ssl = any(url.startswith("rediss://") for url in config.urls)
-        return RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in nodes], ssl=ssl, **common)
-    return redis.Redis.from_url(config.urls[0], **common)
+        return without_retries(RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in nodes],
+                                            ssl=ssl, **common))
+    return without_retries(redis.Redis.from_url(config.urls[0], **common))
+
+
+def without_retries(client: Any) -> Any:
+    """``client`` with redis-py's retries off: redis-py 8 retries a failed command 10 times with backoff (seconds
+    against a dead server), and every remote command must fail within its timeout instead."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    client.set_retry(Retry(NoBackoff(), 0))
+    return client
 
 
 def _node(url: str) -> tuple[str, int]:

@@ -30,7 +30,7 @@ from redis import exceptions as rex
 
 from kvoffload.disk_format import BlockFormat
 from kvoffload.keys import Namespace, OffloadKey
-from kvoffload.remote_client import rank_prefix
+from kvoffload.remote_client import rank_prefix, without_retries
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ class RemoteProbe:
             return None
         try:
             if self._client is None:
-                self._client = _without_retries(self._connect())
+                self._client = without_retries(self._connect())
             result = command(self._client)
         except _FAILURES as e:
             self.breaker.record(False, e, at_once=isinstance(e, _AT_ONCE))
@@ -234,11 +234,3 @@ class RemoteProbe:
         if self._clock() - started > self._timeout_s:
             raise rex.TimeoutError(f"an existence lookup took longer than the {self._timeout_s:.3f} s timeout")
 
-
-def _without_retries(client: Any) -> Any:
-    """redis-py 8 retries a failed command with backoff (seconds against a dead server): a lookup must not wait."""
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-
-    client.set_retry(Retry(NoBackoff(), 0))
-    return client

@@ -8,8 +8,9 @@ is up before the first job.
 
 Retries: redis-py 8 retries a failed command 10 times with backoff by default (seconds of sleeping per command
 against a dead server, and 11 timeouts against a stalled one). A failed job is cheap here (the engine recomputes,
-the store is skipped), a stalled engine step is not, so the client made here never retries: every command is
-bounded by ``connect_timeout_s`` + ``timeout_s``. A client passed in by the caller keeps its own retry policy.
+the store is skipped), a stalled engine step is not, so the client made here (``remote_client.connect``) never
+retries: every command is bounded by ``connect_timeout_s`` + ``timeout_s``. A client passed in by the caller keeps
+its own retry policy.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class RemoteLink:
         """
         with self._lock:
             if self._client is None:
-                self._client = _without_retries(connect(self._config))
+                self._client = connect(self._config)
             return self._client
 
     def probe(self) -> None:
@@ -69,10 +70,3 @@ class RemoteLink:
         if client is not None:
             client.close()
 
-
-def _without_retries(client: Any) -> Any:
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-
-    client.set_retry(Retry(NoBackoff(), 0))
-    return client
