@@ -48,6 +48,7 @@ from kvoffload.transfer.base import TransferHandler, TransferResult
 from kvoffload.transfer.disk_breaker import CircuitBreaker
 from kvoffload.transfer.disk_io import FileOps, read_block, write_block
 from kvoffload.transfer.io_threads import IoThreads
+from kvoffload.transfer.job_waits import drain_jobs, wait_jobs
 
 if TYPE_CHECKING:
     from kvoffload.transfer.host_pool import HostPool
@@ -184,9 +185,7 @@ class DiskHandler(TransferHandler):
     def wait(self, job_ids: Collection[JobId]) -> None:
         with self._lock:
             states = [self._jobs[j] for j in job_ids if j in self._jobs]
-        for state in states:
-            while not state.done.wait(self._wait_slice(state)):
-                self._expire_late_reads()
+        wait_jobs(states, self._wait_slice, self._expire_late_reads)
 
     def shutdown(self) -> None:
         with self._lock:
@@ -194,12 +193,8 @@ class DiskHandler(TransferHandler):
                 return
             self._closed = True
             states = list(self._jobs.values())
-        give_up = time.monotonic() + SHUTDOWN_GRACE_S
-        for state in states:
-            while not state.done.wait(min(self._wait_slice(state), max(0.0, give_up - time.monotonic()))):
-                self._expire_late_reads()
-                if time.monotonic() >= give_up:
-                    self._end(state, failed=True)  # Its thread is stuck: the thread stays behind, not us.
+        drain_jobs(states, self._wait_slice, self._expire_late_reads, lambda state: self._end(state, failed=True),
+                   SHUTDOWN_GRACE_S)
         self._threads.stop()
 
     def _plan(self, job: TransferJob) -> _Job:

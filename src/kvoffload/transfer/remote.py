@@ -46,6 +46,7 @@ from kvoffload.specs import HostBlocks, JobId, Medium, RemoteBlocks, TransferJob
 from kvoffload.transfer.base import TransferHandler, TransferResult
 from kvoffload.transfer.disk_breaker import CircuitBreaker
 from kvoffload.transfer.io_threads import IoThreads
+from kvoffload.transfer.job_waits import drain_jobs, wait_jobs
 from kvoffload.transfer.remote_faults import Fault, FaultLog, classify
 from kvoffload.transfer.remote_link import RemoteLink
 from kvoffload.transfer.remote_values import encode_value, verified_payload
@@ -163,9 +164,7 @@ class RemoteHandler(TransferHandler):
     def wait(self, job_ids: Collection[JobId]) -> None:
         with self._lock:
             states = [self._jobs[j] for j in job_ids if j in self._jobs]
-        for state in states:
-            while not state.done.wait(self._wait_slice(state)):
-                self._expire()
+        wait_jobs(states, self._wait_slice, self._expire)
 
     def shutdown(self) -> None:
         with self._lock:
@@ -173,12 +172,7 @@ class RemoteHandler(TransferHandler):
                 return
             self._closed = True
             states = list(self._jobs.values())
-        give_up = time.monotonic() + SHUTDOWN_GRACE_S
-        for state in states:
-            while not state.done.wait(min(self._wait_slice(state), max(0.0, give_up - time.monotonic()))):
-                self._expire()
-                if time.monotonic() >= give_up:
-                    self._end(state, ok=False)  # A lane is stuck: its thread stays behind (a daemon), not us.
+        drain_jobs(states, self._wait_slice, self._expire, lambda state: self._end(state, ok=False), SHUTDOWN_GRACE_S)
         for lane in self._lanes.values():
             lane.stop()
         self._link.close()  # also breaks a lane out of a socket it is stuck on
