@@ -84,7 +84,6 @@ def test_a_remote_tier_is_typed_and_its_password_never_shows():
     ({"remote_url": "redis://:pw-hunter2@cache:6379"}, "must not carry credentials"),
     ({"remote_timeout_ms": 5}, "given without remote_url"),
     ({"remote_url": "redis://c:1", "remote_password": "a", "remote_password_env": "B"}, "not both"),
-    ({"remote_url": "redis://c:1", "disk_path": "/tmp/kv"}, "disk_path or remote_url, not both"),
     ({"tier_secret_env": "X"}, "without a shared tier"),
 ])  # fmt: skip
 def test_bad_remote_settings_are_config_errors_that_show_no_password(raw, culprit):

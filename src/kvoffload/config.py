@@ -309,8 +309,7 @@ KEYS: dict[str, tuple[Callable[[Any], Any], str]] = {
 
 _EXCLUSIVE = (("host_bytes", "host_gib"), ("disk_bytes", "disk_gib"), ("tier_secret_file", "tier_secret_env"),
               ("remote_bytes", "remote_gib"), ("remote_password", "remote_password_env"),
-              ("remote_password", "remote_password_file"), ("remote_password_env", "remote_password_file"),
-              ("disk_path", "remote_url"))
+              ("remote_password", "remote_password_file"), ("remote_password_env", "remote_password_file"))
 
 
 _HIDDEN_VALUES = frozenset({"remote_password", "remote_url"})

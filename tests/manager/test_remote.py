@@ -406,7 +406,7 @@ def test_the_configured_remote_tier_builds_the_host_over_remote(url: str) -> Non
 
     layout, _ = layouts.attention_layout(num_blocks=8, block_size=4)
     manager = build_manager(OffloadConfig.from_dict({"remote_url": url, "host_bytes": 1 << 20}), layout, 1, NS)
-    assert isinstance(manager, TieredManager) and isinstance(manager.lower, RemoteTierManager)
+    assert isinstance(manager, TieredManager) and isinstance(manager.lowers[0], RemoteTierManager)
     assert [u.medium for u in manager.usage()] == [Medium.HOST, Medium.REMOTE]
 
 

@@ -17,7 +17,7 @@ from kvoffload.disk_format import PLAIN, file_bytes
 from kvoffload.keys import Namespace, OffloadKey, offload_key
 from kvoffload.manager.base import EventKind, LookupResult, TierTransfer
 from kvoffload.manager.host import HostTierManager
-from kvoffload.manager.tiered import TieredManager
+from kvoffload.manager.tiered import Below, TieredManager
 from kvoffload.remote_client import value_name
 from kvoffload.specs import BlockSpec, DiskBlocks, HostBlocks, Medium, RemoteBlocks
 
@@ -47,7 +47,7 @@ class Tier:
     url: str = ""
 
     def make(self, host_slots: int = 4, lower_blocks: int = 16,
-             policy: WritePolicy = WritePolicy.WRITE_THROUGH) -> TieredManager[Any]:
+             policy: WritePolicy = WritePolicy.WRITE_THROUGH) -> TieredManager:
         host = HostTierManager(host_slots)
         if self.medium is Medium.DISK:
             config = DiskTierConfig(path=self.tmp_path, capacity_bytes=lower_blocks * VALUE, write_policy=policy)
@@ -55,7 +55,7 @@ class Tier:
         from kvoffload.manager.remote import RemoteTierManager
 
         remote = RemoteTierConfig(urls=(self.url,), capacity_bytes=lower_blocks * VALUE)
-        return TieredManager(host, RemoteTierManager.create(remote, NS, VALUE), policy)
+        return TieredManager(host, [Below(RemoteTierManager.create(remote, NS, VALUE), policy)])
 
     def blocks(self, ks: list[OffloadKey]) -> BlockSpec:
         return (DiskBlocks if self.medium is Medium.DISK else RemoteBlocks)(tuple(ks), (len(ks),))
@@ -75,18 +75,18 @@ def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Tier:
     return Tier(Medium.REMOTE, tmp_path, client, request.getfixturevalue("redis_server").url)
 
 
-def store(m: TieredManager[Any], ks: list[OffloadKey], success: bool = True) -> None:
+def store(m: TieredManager, ks: list[OffloadKey], success: bool = True) -> None:
     out = m.prepare_store(ks)
     assert out is not None
     m.complete_store(out.keys_to_store, success)
 
 
-def finish(tier: Tier, m: TieredManager[Any], transfer: TierTransfer, success: bool = True) -> None:
+def finish(tier: Tier, m: TieredManager, transfer: TierTransfer, success: bool = True) -> None:
     tier.run(transfer, success)
     m.complete_transfer(transfer.transfer_id, success)
 
 
-def finish_all(tier: Tier, m: TieredManager[Any], success: bool = True) -> list[TierTransfer]:
+def finish_all(tier: Tier, m: TieredManager, success: bool = True) -> list[TierTransfer]:
     """Run every queued tier transfer to completion, as the connector would (until none is left)."""
     done: list[TierTransfer] = []
     while transfers := m.take_transfers():
@@ -104,7 +104,7 @@ def test_write_through_writes_each_stored_block_and_pins_its_host_slot_meanwhile
     assert write.src == HostBlocks((0, 1), (2,)) and write.dst == tier.blocks(ks)
     assert m.prepare_store(keys(1, salt=1)) is None  # both host slots are pinned by the write
     finish(tier, m, write)
-    assert m.lower.lookup(ks).hits == 2
+    assert m.lowers[0].lookup(ks).hits == 2
     assert m.prepare_store(keys(1, salt=1)) is not None  # unpinned: evictable again
     m.check_integrity()
 
@@ -151,7 +151,7 @@ def test_failed_promotion_is_a_miss_and_forgets_the_disk_block(tier: Tier) -> No
     finish_all(tier, m, success=False)  # e.g. the file was corrupt: the worker removed it
     assert m.lookup([old]) == m.lookup([old]) and m.lookup([old]).hits == 0
     assert not m.lookup([old]).pending
-    assert m.lower.lookup([old]).hits == 0
+    assert m.lowers[0].lookup([old]).hits == 0
     m.check_integrity()
 
 
@@ -160,7 +160,7 @@ def test_failed_write_through_leaves_the_block_on_host_only(tier: Tier) -> None:
     ks = keys(2)
     store(m, ks)
     finish_all(tier, m, success=False)
-    assert m.host.lookup(ks).hits == 2 and m.lower.lookup(ks).hits == 0
+    assert m.host.lookup(ks).hits == 2 and m.lowers[0].lookup(ks).hits == 0
     m.check_integrity()
 
 
@@ -192,14 +192,14 @@ def test_on_evict_writes_only_blocks_crowding_the_host_and_evicts_only_written_o
     assert write.dst == tier.blocks(first[:1])  # the least recently used dirty block
     finish(tier, m, write)
     store(m, keys(1, salt=2))  # needs room: the only evictable host block is the one on disk
-    assert m.host.lookup([first[0]]).hits == 0 and m.lower.lookup([first[0]]).hits == 1
+    assert m.host.lookup([first[0]]).hits == 0 and m.lowers[0].lookup([first[0]]).hits == 1
     assert m.host.lookup(first[1:]).hits == 2
     m.check_integrity()
 
 
 def test_on_evict_refuses_a_low_water_mark_outside_the_host(tier: Tier) -> None:
     with pytest.raises(ValueError, match="low_water"):
-        TieredManager(HostTierManager(4), tier.make().lower, WritePolicy.ON_EVICT, low_water=4)
+        TieredManager(HostTierManager(4), [Below(tier.make().lowers[0], WritePolicy.ON_EVICT)], low_water=4)
 
 
 def test_reset_forgets_both_tiers(tier: Tier) -> None:

@@ -41,8 +41,8 @@ def make_engine(url: str, host_blocks: int = 4, workers: int = 1, **config: obje
 
 def remote_index(engine: SimEngine) -> RemoteTierManager:
     manager = engine.scheduler.manager
-    assert isinstance(manager, TieredManager) and isinstance(manager.lower, RemoteTierManager)
-    return manager.lower
+    assert isinstance(manager, TieredManager) and isinstance(manager.lowers[0], RemoteTierManager)
+    return manager.lowers[0]
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -144,3 +144,27 @@ def test_the_worker_registers_the_remote_handler_both_ways(server: RedisServer) 
     routes: dict[Any, Any] = engine.workers[0].transfers._routes
     assert isinstance(routes[(Medium.HOST, Medium.REMOTE)], RemoteHandler)
     assert routes[(Medium.REMOTE, Medium.HOST)] is routes[(Medium.HOST, Medium.REMOTE)]
+
+
+def test_two_engines_with_own_disks_over_one_server_hit_remote_then_local_bit_exact(
+        server: RedisServer, tmp_path: Any) -> None:
+    """Host over disk and remote: engine B's first hit on A's prefix comes from the server and is written to B's
+    disk, so after the server dies B still hits it, from its own disk."""
+    disk = {"disk_bytes": 1 << 24}
+    first = make_engine(server.url, disk_path=str(tmp_path / "a"), **disk)
+    second = make_engine(server.url, disk_path=str(tmp_path / "b"), **disk)
+    prompt = tokens(16, seed=5)
+    first.add_request("a", prompt)
+    run_checked(first)
+    b = second.add_request("b", [*prompt, 7])
+    run_checked(second)
+    assert b.loaded_tokens == 16 and second.corrupt_blocks == []
+    stats = second.workers[0].get_kv_connector_stats()
+    assert stats is not None and {"remote_to_host", "host_to_disk"} <= set(stats.by_type)
+    push_out_of_host(second)
+    server.kill()
+    c = second.add_request("c", [*prompt, 8])
+    run_checked(second)
+    assert c.status is Status.FINISHED and c.loaded_tokens == 16  # from B's disk: the server is gone
+    assert second.corrupt_blocks == [] and second.verified_blocks >= 8
+    second.scheduler.manager.check_integrity()

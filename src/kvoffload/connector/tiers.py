@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from kvoffload.config import ConfigError, OffloadConfig, RemoteTierConfig, WritePolicy
 from kvoffload.disk_format import BlockFormat, entry_bytes_of
@@ -10,6 +11,9 @@ from kvoffload.keys import Namespace
 from kvoffload.layout import KVCacheLayout
 from kvoffload.manager.base import ResidencyManager
 from kvoffload.manager.host import HostTierManager
+
+if TYPE_CHECKING:
+    from kvoffload.manager.tiered import Below
 
 
 def offload_factor(config: OffloadConfig, engine_block_size: int) -> int:
@@ -66,33 +70,33 @@ def available_memory_bytes() -> int | None:
 
 def build_manager(config: OffloadConfig, layout: KVCacheLayout, factor: int,
                   namespace: Namespace) -> ResidencyManager:
-    """The scheduler half's index: the host tier, with the disk or the remote tier under it when configured.
+    """The scheduler half's index: the host tier, over the disk tier, the remote tier or both when configured.
 
-    Host RAM is the hub, over one lower tier for now (config.py refuses ``disk_path`` with ``remote_url``): a
-    chain of host, disk and remote is the next step (docs/remote.md).
+    Host RAM is the hub; the disk and the remote tier sit beside each other under it, disk first
+    (``TieredManager``; docs/remote.md says why).
 
     Raises:
         ConfigError: a tier cannot be sized or used (see ``host_num_slots`` and the lower tiers' ``create``), or
             ``remote_url`` is given without redis-py installed.
     """
     host = HostTierManager(host_num_slots(config, layout, factor), config.host.policy)
-    if config.disk is not None:
-        from kvoffload.manager.tiered import TieredManager  # only when a disk tier is configured
+    if config.disk is None and config.remote is None:
+        return host
+    from kvoffload.manager.tiered import TieredManager  # only when a lower tier is configured
 
-        return TieredManager.create(config.disk, host, namespace, layout, factor)
-    if config.remote is not None:
-        return _over_remote(config.remote, host, namespace, layout, factor)
-    return host
+    remote = () if config.remote is None else (_remote_tier(config.remote, namespace, layout, factor),)
+    if config.disk is None:
+        return TieredManager(host, remote)
+    return TieredManager.create(config.disk, host, namespace, layout, factor, further=remote)
 
 
-def _over_remote(config: RemoteTierConfig, host: HostTierManager, namespace: Namespace, layout: KVCacheLayout,
-                 factor: int) -> ResidencyManager:
+def _remote_tier(config: RemoteTierConfig, namespace: Namespace, layout: KVCacheLayout, factor: int) -> Below:
     try:
         from kvoffload.manager.remote import RemoteTierManager
     except ImportError as e:
         raise ConfigError(f'remote_url needs redis-py: pip install "kvoffload[redis]" ({e})') from None
-    from kvoffload.manager.tiered import TieredManager
+    from kvoffload.manager.tiered import Below
 
     value_bytes = BlockFormat.of(config.secret).file_bytes(max(entry_bytes_of(layout, factor)))
     # Write-through: a shared tier serves other engines only what is written to it, as soon as it is written.
-    return TieredManager(host, RemoteTierManager.create(config, namespace, value_bytes), WritePolicy.WRITE_THROUGH)
+    return Below(RemoteTierManager.create(config, namespace, value_bytes), WritePolicy.WRITE_THROUGH)

@@ -1,23 +1,27 @@
-"""The host tier over one lower tier behind one ``ResidencyManager`` face: the scheduler half's index.
+"""The host tier over the tiers below it behind one ``ResidencyManager`` face: the scheduler half's index.
 
-The lower tier is the disk tier (``DiskTierManager``) or the remote tier (``RemoteTierManager``): anything with
-the ``LowerTier`` interface. Host RAM is the hub: a lower tier moves blocks only to and from the host pool.
+Below host sit the disk tier (``DiskTierManager``), the remote tier (``RemoteTierManager``), or both, in that
+order: anything with the ``LowerTier`` interface. Host RAM is the hub: every lower tier moves blocks only to and
+from the host pool, and the lower tiers sit *beside* each other under it, not in a chain (docs/remote.md says
+why: a remote write never waits on a disk read, and a remote hit never passes through the disk).
 
-Only host blocks load to the device. A block found only in the lower tier is promoted first: ``lookup`` reserves
-host slots, pins the lower tier's entries, queues a lower -> HOST ``TierTransfer`` and answers ``pending``; the
-connector ships it (``take_transfers``) and reports its outcome (``complete_transfer``). A failed promotion
-drops the host reservation and the lower tier's entry (a missing or corrupt block is a miss: the engine
-recomputes).
+Only host blocks load to the device. A block found only below is promoted first: ``lookup`` reserves host slots,
+pins the lower tiers' entries, queues one lower -> HOST ``TierTransfer`` per run of blocks a tier holds (a prefix
+may begin on disk and go on in the remote tier) and answers ``pending``; the connector ships them
+(``take_transfers``) and reports their outcomes (``complete_transfer``). A failed promotion drops the host
+reservation and the lower tier's entry (a missing or corrupt block is a miss: the engine recomputes). The
+lower tiers are asked in order, so a block on disk is read from disk even when the remote tier has it too. A
+block promoted from the remote tier is then written to the disk tier, so the next hit on it is local.
 
-Blocks reach the lower tier by one of two write policies:
+Blocks reach each lower tier by its write policy:
 
-- write-through (default): every block whose host store completes is written below at once. The host
-  entries stay pinned while the write runs, so their slots are not reused under it.
-- on-evict: only blocks about to leave the host are written. A block fresh on the host is *dirty*: it stays
-  pinned on the host (so the host policy cannot evict it) until it is written. When dirty blocks exceed
-  ``capacity - low_water`` host slots, the least recently used dirty blocks are written; once written they
-  are unpinned and become ordinary, evictable host blocks. So the host only ever evicts blocks that are
-  already below (or whose write failed), and at least ``low_water`` host slots stay evictable for new
+- write-through (default, and always for the remote tier): every block whose host store completes is written
+  below at once. The host entries stay pinned while the write runs, so their slots are not reused under it.
+- on-evict (one tier at most: the disk): only blocks about to leave the host are written. A block fresh on the
+  host is *dirty*: it stays pinned on the host (so the host policy cannot evict it) until it is written. When
+  dirty blocks exceed ``capacity - low_water`` host slots, the least recently used dirty blocks are written; once
+  written they are unpinned and become ordinary, evictable host blocks. So the host only ever evicts blocks that
+  are already below (or whose write failed), and at least ``low_water`` host slots stay evictable for new
   stores. A written block that becomes hot again stays on the host: "on evict" means "ahead of eviction".
 
 Not thread-safe, like every manager: the scheduler half calls it from one thread.
@@ -29,7 +33,7 @@ import enum
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Protocol
 
 from kvoffload.config import DiskTierConfig, WritePolicy
 from kvoffload.disk_format import BlockFormat, GroupedLayout, entry_bytes_of
@@ -58,7 +62,17 @@ class _Kind(enum.Enum):
 @dataclass(frozen=True)
 class _Transfer:
     kind: _Kind
+    tier: int  # index into ``TieredManager.below``
     keys: tuple[OffloadKey, ...]
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Keys ``[start, end)`` of a lookup, read from lower tier ``tier``."""
+
+    tier: int
+    start: int
+    end: int
 
 
 class LowerTier(Protocol):
@@ -95,29 +109,40 @@ class LowerTier(Protocol):
     def usage(self) -> list[TierUsage]: ...
 
 
-Lower = TypeVar("Lower", bound=LowerTier)
+@dataclass(frozen=True)
+class Below:
+    """A tier under host, and when blocks are written to it."""
+
+    tier: LowerTier
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
 
 
-class TieredManager(ResidencyManager, Generic[Lower]):
-    """The host tier with one lower tier under it.
+class TieredManager(ResidencyManager):
+    """The host tier with the tiers below it.
 
     Args:
         host: the host tier's index (its capacity is the host pool's slot count).
-        lower: the lower tier's index.
-        write_policy: when blocks are written to the lower tier.
+        below: the lower tiers, fastest first (lookups ask them in this order), each with its write policy.
         low_water: on-evict only: host slots kept evictable (default: an eighth of the host, at least 1).
     Raises:
-        ValueError: ``low_water`` is not in [1, host capacity).
+        ValueError: ``below`` is empty, holds two tiers of one medium or two on-evict tiers, or ``low_water`` is
+            not in [1, host capacity).
     """
 
-    def __init__(self, host: HostTierManager, lower: Lower,
-                 write_policy: WritePolicy = WritePolicy.WRITE_THROUGH, low_water: int | None = None) -> None:
+    def __init__(self, host: HostTierManager, below: Sequence[Below], low_water: int | None = None) -> None:
+        media = [b.tier.medium for b in below]
+        if not below or len(set(media)) != len(media):
+            raise ValueError(f"TieredManager: needs lower tiers of distinct media, got {media}")
+        on_evict = [i for i, b in enumerate(below) if b.write_policy is WritePolicy.ON_EVICT]
+        if len(on_evict) > 1:
+            raise ValueError("TieredManager: one lower tier at most may be written on evict")
         low_water = max(1, host.capacity // 8) if low_water is None else low_water
-        if write_policy is WritePolicy.ON_EVICT and not 1 <= low_water < host.capacity:
+        if on_evict and not 1 <= low_water < host.capacity:
             raise ValueError(f"TieredManager: low_water {low_water} must be in [1, {host.capacity})")
         self.host = host
-        self.lower = lower
-        self.write_policy = write_policy
+        self.below = tuple(below)
+        self.lowers = tuple(b.tier for b in below)
+        self._on_evict = on_evict[0] if on_evict else None
         self._dirty_max = host.capacity - low_water
         self._dirty: dict[OffloadKey, int] = {}  # on-evict: host-pinned, not yet written below; oldest first
         self._transfers: dict[int, _Transfer] = {}
@@ -128,39 +153,61 @@ class TieredManager(ResidencyManager, Generic[Lower]):
 
     @classmethod
     def create(cls, config: DiskTierConfig, host: HostTierManager, namespace: Namespace,
-               layout: GroupedLayout, factor: int) -> TieredManager[DiskTierManager]:
-        """The scheduler's index with a disk tier; the disk index is rebuilt from the files already there.
+               layout: GroupedLayout, factor: int, further: Sequence[Below] = ()) -> TieredManager:
+        """The scheduler's index with a disk tier (and ``further`` tiers under it); the disk index is rebuilt
+        from the files already there.
 
         Raises:
             ConfigError: ``disk_bytes`` is below one block file, or ``disk_path`` cannot be used.
         """
         size = BlockFormat.of(config.secret).file_bytes(max(entry_bytes_of(layout, factor)))
-        return TieredManager(host, DiskTierManager.create(config, namespace, size), config.write_policy)
+        disk = DiskTierManager.create(config, namespace, size)
+        return TieredManager(host, (Below(disk, config.write_policy), *further))
 
     def lookup(self, keys: Sequence[OffloadKey]) -> LookupResult:
         found = self.host.lookup(keys)
         if found.pending or found.hits == len(keys):
             return found
-        below = self.lower.lookup(keys[found.hits:])
-        if not below.hits or not self._worth_loading(below.hits):
-            return LookupResult(found.hits)  # a slow tier's hits are misses: the engine computes them
+        runs = self._runs_below(keys, found.hits)
         # The host hits go along so that the promotion's evictions cannot take them (they are held).
-        if self._promote(keys[:found.hits + below.hits]):
+        if runs and self._promote(keys[:runs[-1].end], runs):
             return LookupResult(found.hits, pending=True)
         return LookupResult(found.hits)
+
+    def _runs_below(self, keys: Sequence[OffloadKey], start: int) -> list[_Run]:
+        """The runs of ``keys[start:]``, each from the first lower tier that holds it, up to the first miss.
+
+        A run a tier holds but would load slower than the engine recomputes it ends the hit: the engine computes
+        it and what follows. The tier that held the previous run is not asked next: it misses that key.
+        """
+        runs: list[_Run] = []
+        last = -1
+        while start < len(keys):
+            for i, tier in enumerate(self.lowers):
+                hits = 0 if i == last else tier.lookup(keys[start:]).hits
+                if hits:
+                    break
+            else:
+                break
+            if not self._worth_loading(tier.medium, hits):
+                break
+            runs.append(_Run(i, start, start + hits))
+            start, last = start + hits, i
+        return runs
 
     def set_load_cost(self, advisor: LoadAdvisor) -> None:
         self._advisor = advisor
 
-    def _worth_loading(self, blocks: int) -> bool:
-        return self._advisor is None or self._advisor.worth_loading(self.lower.medium, blocks)
+    def _worth_loading(self, medium: Medium, blocks: int) -> bool:
+        return self._advisor is None or self._advisor.worth_loading(medium, blocks)
 
     def prepare_load(self, keys: Sequence[OffloadKey]) -> BlockSpec:
         return self.host.prepare_load(keys)
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self.host.touch(keys)
-        self.lower.touch(keys)
+        for tier in self.lowers:
+            tier.touch(keys)
         dirty = self._dirty
         if dirty:
             for key in keys:
@@ -182,12 +229,8 @@ class TieredManager(ResidencyManager, Generic[Lower]):
             if event.kind is EventKind.STORED:
                 stored.extend(event.keys)
             self._events.append(event)
-        if not stored:
-            return
-        if self.write_policy is WritePolicy.WRITE_THROUGH:
-            self._write_through(stored)
-        else:
-            self._mark_dirty(stored)
+        if stored:
+            self._write_below(stored, len(self.lowers))
 
     def take_transfers(self) -> list[TierTransfer]:
         queued, self._queued = self._queued, []
@@ -197,15 +240,20 @@ class TieredManager(ResidencyManager, Generic[Lower]):
         transfer = self._transfers.pop(transfer_id, None)
         if transfer is None:
             raise KeyError(f"unknown tier transfer {transfer_id}")
+        tier = self.lowers[transfer.tier]
         if transfer.kind is _Kind.PROMOTE:
             self.host.complete_store(transfer.keys, success)
-            self.lower.complete_load(transfer.keys, success)
+            tier.complete_load(transfer.keys, success)
+            if success and transfer.tier:
+                self._write_below(transfer.keys, transfer.tier)  # keep it in the faster tiers too
         else:
-            self.lower.complete_store(transfer.keys, success)
+            tier.complete_store(transfer.keys, success)
             self.host.complete_load(transfer.keys)  # the host copy is intact either way
 
     def take_events(self) -> list[OffloadEvent]:
-        events = self._events + self.host.take_events() + self.lower.take_events()
+        events = self._events + self.host.take_events()
+        for tier in self.lowers:
+            events += tier.take_events()
         self._events = []
         return events
 
@@ -213,23 +261,34 @@ class TieredManager(ResidencyManager, Generic[Lower]):
         dropped, self._dirty = list(self._dirty), {}
         self.host.complete_load(dropped, success=False)  # dirty pins go, and their blocks with them
         self.host.reset()
-        self.lower.reset()
+        for tier in self.lowers:
+            tier.reset()
 
     def check_integrity(self) -> None:
-        """Both tiers' laws, and: a key is in at most one tier transfer, and a dirty key in none."""
+        """Every tier's laws, and: a key is in at most one transfer per lower tier, a promoted key in no other
+        transfer, and a dirty key in no transfer of the on-evict tier."""
         self.host.check_integrity()
-        self.lower.check_integrity()
-        moving = [k for t in self._transfers.values() for k in t.keys]
-        if len(moving) != len(set(moving)):
-            raise IntegrityError("tiered: a key is in two tier transfers at once")
-        if not self._dirty.keys().isdisjoint(moving):
-            raise IntegrityError("tiered: a dirty key is also in a tier transfer")
+        for tier in self.lowers:
+            tier.check_integrity()
+        per_tier = [(t.tier, k) for t in self._transfers.values() for k in t.keys]
+        if len(per_tier) != len(set(per_tier)):
+            raise IntegrityError("tiered: a key is in two transfers of one tier at once")
+        promoted = {k for t in self._transfers.values() if t.kind is _Kind.PROMOTE for k in t.keys}
+        if len(promoted) != sum(len(t.keys) for t in self._transfers.values() if t.kind is _Kind.PROMOTE) or (
+                promoted & {k for t in self._transfers.values() if t.kind is _Kind.WRITE for k in t.keys}):
+            raise IntegrityError("tiered: a key being promoted is in another transfer")
+        if any(t.tier == self._on_evict and not self._dirty.keys().isdisjoint(t.keys)
+               for t in self._transfers.values()):
+            raise IntegrityError("tiered: a dirty key is also in a transfer of the on-evict tier")
 
     def usage(self) -> list[TierUsage]:
-        return self.host.usage() + self.lower.usage()
+        usage = self.host.usage()
+        for tier in self.lowers:
+            usage += tier.usage()
+        return usage
 
-    def _promote(self, keys: Sequence[OffloadKey]) -> bool:
-        """Queue a lower -> HOST copy of the keys of ``keys`` not on the host (those are ready below).
+    def _promote(self, keys: Sequence[OffloadKey], runs: Sequence[_Run]) -> bool:
+        """Queue a lower -> HOST copy per run of the keys not on the host (those are ready below).
 
         False when the host has no room for them.
         """
@@ -237,16 +296,29 @@ class TieredManager(ResidencyManager, Generic[Lower]):
         if out is None or not out.keys_to_store:
             return False
         assert isinstance(out.store_spec, HostBlocks)
-        moving = out.keys_to_store
-        self._queue(_Kind.PROMOTE, moving, self.lower.prepare_load(moving), out.store_spec)
+        slot_of = dict(zip(out.keys_to_store, out.store_spec.slots, strict=True))
+        for run in runs:
+            moving = tuple(k for k in keys[run.start:run.end] if k in slot_of)
+            if moving:
+                slots = tuple(slot_of[k] for k in moving)
+                src = self.lowers[run.tier].prepare_load(moving)
+                self._queue(_Kind.PROMOTE, run.tier, moving, src, HostBlocks(slots, (len(slots),)))
         return True
 
-    def _write_through(self, keys: Sequence[OffloadKey]) -> None:
-        out = self.lower.prepare_store(keys)
+    def _write_below(self, keys: Sequence[OffloadKey], tiers: int) -> None:
+        """Write host blocks ``keys`` to the first ``tiers`` lower tiers, each by its write policy."""
+        for i in range(tiers):
+            if i == self._on_evict:
+                self._mark_dirty(keys)
+            else:
+                self._write_through(i, keys)
+
+    def _write_through(self, tier: int, keys: Sequence[OffloadKey]) -> None:
+        out = self.lowers[tier].prepare_store(keys)
         if out is None or not out.keys_to_store:
-            return  # The lower tier is full of pinned or in-flight blocks, or off: these stay host-only.
+            return  # The lower tier is full of pinned or in-flight blocks, or off: these stay above it.
         moving = out.keys_to_store
-        self._queue(_Kind.WRITE, moving, self.host.prepare_load(moving), out.store_spec)
+        self._queue(_Kind.WRITE, tier, moving, self.host.prepare_load(moving), out.store_spec)
 
     def _mark_dirty(self, keys: Sequence[OffloadKey]) -> None:
         spec = self.host.prepare_load(keys)  # The dirty pin: not evictable until written below.
@@ -258,10 +330,10 @@ class TieredManager(ResidencyManager, Generic[Lower]):
     def _flush_dirty(self) -> None:
         """Write the least recently used dirty blocks when they crowd the host below its low-water mark."""
         excess = len(self._dirty) - self._dirty_max
-        if excess <= 0:
+        if excess <= 0 or self._on_evict is None:
             return
         batch = list(itertools.islice(self._dirty, excess))  # dirty keys being written left ``_dirty``
-        out = self.lower.prepare_store(batch)
+        out = self.lowers[self._on_evict].prepare_store(batch)
         if out is None:
             return  # The lower tier has no evictable room now; try again after the next store.
         moving = set(out.keys_to_store)
@@ -272,9 +344,10 @@ class TieredManager(ResidencyManager, Generic[Lower]):
         if moving:
             slots = tuple(self._dirty.pop(k) for k in out.keys_to_store)
             spec = HostBlocks(slots, (len(slots),))
-            self._queue(_Kind.WRITE, out.keys_to_store, spec, out.store_spec)
+            self._queue(_Kind.WRITE, self._on_evict, out.keys_to_store, spec, out.store_spec)
 
-    def _queue(self, kind: _Kind, keys: tuple[OffloadKey, ...], src: BlockSpec, dst: BlockSpec) -> None:
+    def _queue(self, kind: _Kind, tier: int, keys: tuple[OffloadKey, ...], src: BlockSpec,
+               dst: BlockSpec) -> None:
         transfer_id = next(self._ids)
-        self._transfers[transfer_id] = _Transfer(kind, keys)
+        self._transfers[transfer_id] = _Transfer(kind, tier, keys)
         self._queued.append(TierTransfer(transfer_id, src, dst))
