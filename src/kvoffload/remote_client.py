@@ -10,6 +10,7 @@ engine ever reads another namespace's values. Every command names one value, so 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from kvoffload.config import RemoteTierConfig
@@ -19,9 +20,13 @@ from kvoffload.keys import Namespace, OffloadKey
 PREFIX = "kvoffload"
 
 
-def connect(config: RemoteTierConfig) -> Any:
+def connect(config: RemoteTierConfig, values_in_place: bool = False) -> Any:
     """A redis-py client for ``config`` (lazy: it connects at the first command, within the timeouts), with
     retries off (``without_retries``).
+
+    ``values_in_place``: the client sends large arguments as they are, straight from the caller's buffer, instead of
+    copying every command into one buffer first (``in_place_connection``); for the workers, whose ``SET`` values are
+    megabytes.
 
     Raises:
         ImportError: redis-py is not installed (``pip install "kvoffload[redis]"``).
@@ -33,12 +38,49 @@ def connect(config: RemoteTierConfig) -> Any:
     common: dict[str, Any] = {"username": config.username, "password": password,
                               "socket_connect_timeout": config.connect_timeout_s,
                               "socket_timeout": config.timeout_s}
+    scheme = config.urls[0].partition("://")[0]
     if config.cluster:
-        nodes = [_node(url) for url in config.urls]
-        ssl = any(url.startswith("rediss://") for url in config.urls)
-        return without_retries(RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in nodes],
-                                            ssl=ssl, **common))
+        startup = [ClusterNode(*_node(url)) for url in config.urls]
+        if not values_in_place:
+            return without_retries(RedisCluster(startup_nodes=startup, ssl=scheme == "rediss", **common))
+        # The cluster client passes a connection class on to its nodes' pools only when it is given a URL (its
+        # ``url`` argument). TLS then comes from the class itself (an SSLConnection): a rediss:// URL or
+        # ssl=True would put redis-py's own class back.
+        first = "redis://" + config.urls[0].partition("://")[2]
+        return without_retries(RedisCluster(url=first, startup_nodes=startup[1:],
+                                            connection_class=in_place_connection(scheme), **common))
+    if values_in_place:
+        common["connection_class"] = in_place_connection(scheme)
     return without_retries(redis.Redis.from_url(config.urls[0], **common))
+
+
+@functools.cache
+def in_place_connection(scheme: str) -> type:
+    """redis-py's connection class for ``scheme``, packing commands with redis-py's Python packer.
+
+    With hiredis installed, redis-py packs every command with hiredis, which copies each argument (a ``SET``'s
+    whole value) into one new buffer; the Python packer hands arguments above 6,000 bytes and every
+    ``memoryview`` to the socket as they are. The store path's value then goes from its staging buffer to the
+    socket with no copy in between (``transfer/remote_stage.py``). Replies are still parsed by hiredis.
+    """
+    from redis._parsers import Encoder
+    from redis.connection import Connection, PythonRespSerializer, SSLConnection, UnixDomainSocketConnection
+
+    base = {"rediss": SSLConnection, "unix": UnixDomainSocketConnection}.get(scheme, Connection)
+
+    class InPlace(base):  # type: ignore[valid-type, misc]
+        def __init__(self, **kwargs: Any) -> None:
+            encoder = Encoder(kwargs.get("encoding", "utf-8"), kwargs.get("encoding_errors", "strict"),
+                              kwargs.get("decode_responses", False))
+            kwargs.setdefault("command_packer", PythonRespSerializer(BUFFER_CUTOFF, encoder.encode))
+            super().__init__(**kwargs)
+
+    InPlace.__name__ = InPlace.__qualname__ = f"InPlace{base.__name__}"
+    return InPlace
+
+
+BUFFER_CUTOFF = 6000
+"""Arguments above this many bytes are sent on their own (redis-py's own cut-off for its Python packer)."""
 
 
 def without_retries(client: Any) -> Any:

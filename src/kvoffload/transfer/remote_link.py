@@ -27,7 +27,7 @@ class RemoteLink:
 
     Args:
         config: the remote tier's settings.
-        client: a redis-py client to use as it is (tests pass one); None: ``connect(config)``.
+        client: a redis-py client to use as it is (tests pass one); None: ``connect(config, values_in_place=True)``.
     Raises:
         ConfigError: redis-py is not installed.
     """
@@ -50,7 +50,7 @@ class RemoteLink:
         """
         with self._lock:
             if self._client is None:
-                self._client = connect(self._config)
+                self._client = connect(self._config, values_in_place=True)
             return self._client
 
     def probe(self) -> None:
