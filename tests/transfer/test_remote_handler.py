@@ -33,6 +33,7 @@ from kvoffload.transfer.base import TransferResult
 from kvoffload.transfer.host_pool import HostPool
 from kvoffload.transfer.remote import RemoteHandler
 from kvoffload.transfer.remote_faults import Fault
+from kvoffload.transfer.remote_stage import BATCH_BYTES
 from kvoffload.transfer.remote_values import encode_value, verified_payload
 
 redis = pytest.importorskip("redis")
@@ -110,9 +111,19 @@ def config(server: RedisServer, client: Any) -> RemoteTierConfig:
     return make_config(server.url)
 
 
+BATCHES = {"one-pipeline": BATCH_BYTES, "pipelines-of-2": 2 * PLAIN.file_bytes(ENTRY[0])}
+"""Every data-path test runs with a job in one pipeline, and cut into pipelines of two values (the helper threads
+then seal or verify one batch while the lane sends or receives the next)."""
+
+
+@pytest.fixture(params=list(BATCHES.values()), ids=list(BATCHES))
+def batch_bytes(request: pytest.FixtureRequest) -> int:
+    return int(request.param)
+
+
 @pytest.fixture
-def handler(config: RemoteTierConfig) -> Iterator[RemoteHandler]:
-    h = RemoteHandler(config, make_pool(), NS, ENTRY)
+def handler(config: RemoteTierConfig, batch_bytes: int) -> Iterator[RemoteHandler]:
+    h = RemoteHandler(config, make_pool(), NS, ENTRY, batch_bytes=batch_bytes)
     yield h
     h.shutdown()
 
@@ -176,18 +187,18 @@ def test_values_expire_after_the_configured_ttl(config: RemoteTierConfig, client
 
 
 def test_a_missing_value_fails_its_load_without_counting_as_a_fault(handler: RemoteHandler) -> None:
-    present, absent = keys(2)
-    assert run(handler, store((0,), (present,))).success
+    *present, absent = keys(3)
+    assert run(handler, store((0, 1), tuple(present))).success
     for _ in range(5):
-        assert not run(handler, load((present, absent), (3, 4))).success
+        assert not run(handler, load((*present, absent), (3, 4, 5))).success
     assert not handler.breaker.is_open and not any(handler.faults.counts.values())
 
 
 @pytest.mark.parametrize("damage", ["flip_payload", "flip_header", "truncate", "append", "empty"])
 def test_a_damaged_value_is_never_loaded_and_is_deleted(handler: RemoteHandler, client: Any, damage: str) -> None:
-    (key,) = keys(1)
-    assert run(handler, store((0,), (key,))).success
-    name = value_name(NS, PLAIN, key)
+    ks = keys(3)  # the damaged one last: in the second pipeline when batched
+    assert run(handler, store((0, 1, 2), ks)).success
+    name = value_name(NS, PLAIN, ks[2])
     value = bytearray(client.get(name))
     if damage == "flip_payload":
         value[-1] ^= 0xFF
@@ -200,12 +211,13 @@ def test_a_damaged_value_is_never_loaded_and_is_deleted(handler: RemoteHandler, 
     else:
         value = bytearray()
     client.set(name, bytes(value))
-    handler._slots[3] = 0
-    assert not run(handler, load((key,), (3,))).success
-    assert not handler._slots[3].any()
+    handler._slots[3:6] = 0
+    assert not run(handler, load(ks, (3, 4, 5))).success
+    assert not handler._slots[5].any()
     assert client.exists(name) == 0  # else SET NX would keep it for good
     assert handler.faults.counts[Fault.CORRUPT] == 1
-    assert run(handler, store((0,), (key,))).success and run(handler, load((key,), (3,))).success
+    assert run(handler, store((0, 1, 2), ks)).success and run(handler, load(ks, (3, 4, 5))).success
+    assert [row(handler, s) for s in (3, 4, 5)] == [row(handler, s) for s in (0, 1, 2)]
 
 
 def test_a_value_of_another_namespace_is_never_loaded(handler: RemoteHandler, client: Any,
@@ -258,8 +270,8 @@ FMT = BlockFormat.of(SECRET)
 
 
 @pytest.fixture
-def secret_handler(config: RemoteTierConfig) -> Iterator[RemoteHandler]:
-    with Handler(dataclasses.replace(config, secret=SECRET)) as h:
+def secret_handler(config: RemoteTierConfig, batch_bytes: int) -> Iterator[RemoteHandler]:
+    with Handler(dataclasses.replace(config, secret=SECRET), batch_bytes=batch_bytes) as h:
         yield h
 
 
@@ -496,21 +508,69 @@ def test_a_job_past_its_deadline_fails_with_those_queued_behind_it_and_its_late_
             slow.close()
 
 
+@pytest.mark.parametrize("direction", ["store", "load"])
+def test_a_job_late_between_its_pipelines_touches_no_slot_after_its_deadline(server: RedisServer,
+                                                                            direction: str) -> None:
+    """Cut into pipelines of one value, the job passes its deadline during a pipeline: no slot is read for a
+    value (whose slot's owner may reuse it now) or written from one after that. A store has already sealed the
+    next value while it still owned the slots (that is the overlap), so it sends two of three values; a load
+    has copied the first value in and never copies the second."""
+    clock = FakeClock()
+    executes = 0
+    late_after = 1 if direction == "store" else 2
+
+    class LateRedis(redis.Redis):
+        def pipeline(self, *args: Any, **kwargs: Any) -> Any:
+            pipe = super().pipeline(*args, **kwargs)
+            execute = pipe.execute
+
+            def late(*a: Any, **kw: Any) -> Any:
+                nonlocal executes
+                replies = execute(*a, **kw)
+                executes += 1
+                if executes == late_after:
+                    clock.now += 100.0
+                return replies
+
+            pipe.execute = late
+            return pipe
+
+    client = LateRedis.from_url(server.url)
+    client.flushall()
+    h = RemoteHandler(make_config(server.url), make_pool(), NS, ENTRY, client=client, clock=clock, batch_bytes=1)
+    try:
+        ks = keys(3)
+        if direction == "load":
+            assert run(h, store((0, 1, 2), ks)).success
+            executes, clock.now = 0, 0.0  # counting starts again with the load
+            h._slots[3:6] = 0
+        result = run(h, store((0, 1, 2), ks) if direction == "store" else load(ks, (3, 4, 5)))
+        assert not result.success
+        if direction == "store":
+            assert [client.exists(value_name(NS, PLAIN, k)) for k in ks] == [1, 1, 0]
+        else:
+            assert [bool(h._slots[s].any()) for s in (3, 4, 5)] == [True, False, False]
+    finally:
+        h.shutdown()
+        client.close()
+
+
 # ---- a cluster ------------------------------------------------------------------------------------------------
 
 def test_a_round_trip_through_a_three_node_cluster() -> None:
     with RedisCluster(3) as cluster:
         config = dataclasses.replace(make_config(cluster.urls[0]), urls=cluster.urls, cluster=True)
-        with Handler(config) as h:
-            ks = keys(12)
-            sizes = (48,) * 7 + (32,) * 5
-            expected = [row(h, s, n) for s, n in enumerate(sizes)]
-            assert run(h, store(tuple(range(12)), ks, (7, 5))).success
-            h._slots[:12] = 0
-            assert run(h, load(ks, tuple(range(12)), (7, 5))).success
-            assert [row(h, s, n) for s, n in enumerate(sizes)] == expected
+        for salt, batch_bytes in enumerate(BATCHES.values()):
+            with Handler(config, batch_bytes=batch_bytes) as h:
+                ks = keys(12, salt)
+                sizes = (48,) * 7 + (32,) * 5
+                expected = [row(h, s, n) for s, n in enumerate(sizes)]
+                assert run(h, store(tuple(range(12)), ks, (7, 5))).success
+                h._slots[:12] = 0
+                assert run(h, load(ks, tuple(range(12)), (7, 5))).success
+                assert [row(h, s, n) for s, n in enumerate(sizes)] == expected
         held = [redis.Redis.from_url(url).dbsize() for url in cluster.urls]
-        assert sum(held) == 12 and sum(1 for n in held if n) >= 2  # the values are spread over the nodes
+        assert sum(held) == 24 and sum(1 for n in held if n) >= 2  # the values are spread over the nodes
 
 
 def test_a_verified_payload_is_a_view_of_the_reply_not_a_copy() -> None:

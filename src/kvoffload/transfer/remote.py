@@ -1,12 +1,16 @@
 """Worker side of the remote tier: copies blocks between the host pool and values in a Redis-protocol store.
 
 The router sends this handler the jobs of (HOST, REMOTE) and (REMOTE, HOST). A store seals each block's host slot
-bytes into a value (``remote_values``: the disk tier's encoding) and sends one non-transactional pipeline of
-``SET name value NX [EX ttl]`` per job; a load sends one pipeline of ``GET`` and verifies every value before
-copying its payload into the host slot. Values are named as ``remote_client.value_name`` says (this rank, this
-namespace, this secret), so an engine only ever reads values of its own namespace and rank. ``SET`` writes a whole
-value at once, so a half-written value is never read; ``NX`` keeps the first writer's value (every writer of one
-name writes the same bytes: the name is the content's key), and a value already there is a successful store.
+bytes into a value (``remote_stage.SealStage``: the disk tier's encoding, ``remote_values``, staged in buffers it
+keeps) and sends non-transactional pipelines of ``SET name value NX [EX ttl]``; a load sends pipelines of ``GET``
+and verifies every value before copying its payload into the host slot. A job is cut into pipelines of about
+``BATCH_BYTES`` of values, and a helper thread per lane seals (or verifies and copies) one batch while the lane
+sends (or receives) the next: the copies and checksums hide behind the network. The workers' client sends a value
+from its staging buffer straight to the socket (``remote_client.connect(values_in_place=True)``). Values are named
+as ``remote_client.value_name`` says (this rank, this namespace, this secret), so an engine only ever reads values
+of its own namespace and rank. ``SET`` writes a whole value at once, so a half-written value is never read; ``NX``
+keeps the first writer's value (every writer of one name writes the same bytes: the name is the content's key), and
+a value already there is a successful store.
 
 Never on the engine step: ``submit`` only queues. Jobs run on two lanes, one daemon thread each (``IoThreads``):
 stores and loads, so a backlog of stores never delays a load (a request waits for its loads, never for stores).
@@ -19,8 +23,8 @@ server, a refused password, a failed TLS handshake: the job fails, the engine re
 each kind is logged once per outage. Server faults open ``breaker`` (jobs then fail at once, without I/O, for the
 cool-down); an out-of-memory server opens ``store_breaker`` only, since it still serves loads. A server that is
 down when the handler is made opens ``breaker`` at once. A job that has not finished ``connect_timeout_s + 2 *
-timeout_s`` after it started fails then (``get_finished``, ``wait`` and ``shutdown`` check), and a late reply
-never writes a slot the job no longer owns; ``shutdown`` waits ``SHUTDOWN_GRACE_S`` at most.
+timeout_s`` after it started fails then (``get_finished``, ``wait`` and ``shutdown`` check), and no slot is
+read or written for a job after that (``_owning``); ``shutdown`` waits ``SHUTDOWN_GRACE_S`` at most.
 
 A store that failed after its ``SET`` reached the server (a timeout on the reply) may leave a value that is not
 indexed; the scheduler half never loads it, and the server's eviction or the TTL removes it.
@@ -28,11 +32,12 @@ indexed; the scheduler half never loads it, and the server's eviction or the TTL
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import logging
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,14 +52,13 @@ from kvoffload.transfer.base import TransferHandler, TransferResult
 from kvoffload.transfer.disk_breaker import CircuitBreaker
 from kvoffload.transfer.io_threads import IoThreads
 from kvoffload.transfer.job_waits import drain_jobs, wait_jobs
-from kvoffload.transfer.remote_faults import Fault, FaultLog, classify
+from kvoffload.transfer.remote_faults import Fault, FaultLog, classify, delete_quietly, raise_first_error
 from kvoffload.transfer.remote_link import RemoteLink
-from kvoffload.transfer.remote_values import encode_value, verified_payload
+from kvoffload.transfer.remote_stage import BATCH_BYTES, SealStage, batches, overlapped
+from kvoffload.transfer.remote_values import verified_payload
 
 if TYPE_CHECKING:
     from kvoffload.transfer.host_pool import HostPool
-
-logger = logging.getLogger(__name__)
 
 HOST_TO_REMOTE = (Medium.HOST, Medium.REMOTE)
 REMOTE_TO_HOST = (Medium.REMOTE, Medium.HOST)
@@ -82,13 +86,21 @@ class _Job:
     finished: bool = False
     """Its result is out: a late reply changes nothing."""
     copying: bool = False
-    """Its payloads are being copied into its slots right now (memory speed: never stuck)."""
+    """Its slots are being read or written right now (memory speed: never stuck)."""
     copied: int = 0
     done: threading.Event = field(default_factory=threading.Event)
 
 
 class _Miss(Exception):
     """A value of the job is not there: an ordinary outcome, not a fault."""
+
+
+class _Damaged(Exception):
+    """Value ``name`` failed its checks (``error``): the lane deletes it, then the job fails with ``error``."""
+
+    def __init__(self, name: str, error: CorruptBlockError) -> None:
+        super().__init__(name)
+        self.name, self.error = name, error
 
 
 class RemoteHandler(TransferHandler):
@@ -104,6 +116,7 @@ class RemoteHandler(TransferHandler):
         client: a redis-py client to use instead of ``remote_client.connect(config)`` (kept as it is: its retry
             policy and its closing are the caller's).
         clock: monotonic seconds, for job deadlines and the breakers' cool-down.
+        batch_bytes: about this many value bytes per pipeline (``remote_stage.BATCH_BYTES``; at least one value).
     Raises:
         ValueError: an entry does not fit in a host slot, or ``entry_bytes`` is empty or not positive.
         ConfigError: redis-py is not installed.
@@ -111,7 +124,7 @@ class RemoteHandler(TransferHandler):
 
     def __init__(self, config: RemoteTierConfig, pool: HostPool, namespace: Namespace,
                  entry_bytes: tuple[int, ...], *, client: Any | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, batch_bytes: int = BATCH_BYTES) -> None:
         slots = pool.buffer.numpy()
         if not entry_bytes or any(n <= 0 or n > slots.shape[1] for n in entry_bytes):
             raise ValueError(f"RemoteHandler entry_bytes {entry_bytes} must be positive and fit a host slot of "
@@ -131,6 +144,12 @@ class RemoteHandler(TransferHandler):
         self._link = RemoteLink(config, client)
         self._lanes = {True: IoThreads(1, "kvoffload-remote-store", clock),
                        False: IoThreads(1, "kvoffload-remote-load", clock)}
+        # Each lane's helper seals or verifies one batch while the lane sends or receives the next.
+        self._helpers = {True: ThreadPoolExecutor(1, "kvoffload-remote-seal"),
+                         False: ThreadPoolExecutor(1, "kvoffload-remote-verify")}
+        value_bytes = self._fmt.file_bytes(max(entry_bytes))
+        self._per_batch = max(1, batch_bytes // value_bytes)
+        self._stage = SealStage(self._fmt, self._fingerprint, value_bytes, self._per_batch)
         self._lock = threading.Lock()
         self._copied = threading.Condition(self._lock)
         self._jobs: dict[JobId, _Job] = {}
@@ -175,6 +194,8 @@ class RemoteHandler(TransferHandler):
         drain_jobs(states, self._wait_slice, self._expire, lambda state: self._end(state, ok=False), SHUTDOWN_GRACE_S)
         for lane in self._lanes.values():
             lane.stop()
+        for helper in self._helpers.values():
+            helper.shutdown(wait=False)
         self._link.close()  # also breaks a lane out of a socket it is stuck on
 
     def _start_up(self, cooldown_s: float) -> None:
@@ -230,55 +251,93 @@ class RemoteHandler(TransferHandler):
         self._end(state, ok=True, then=functools.partial(self._note_answer, stored=state.is_store))
 
     def _store(self, state: _Job) -> None:
-        pipe = self._link.client().pipeline(transaction=False)
-        for block in state.blocks:
-            payload = self._slots[block.slot, :block.nbytes].data
-            pipe.set(block.name, encode_value(self._fmt, self._fingerprint, block.key, payload),
-                     nx=True, ex=self._ttl_s)
-        # NX answers None when the value is already there: another engine's identical block, a success.
-        _raise_first_error(pipe.execute(raise_on_error=False))
-        state.copied = sum(b.nbytes for b in state.blocks)
+        """Seal and send the job's values, one pipeline of ``SET NX`` per batch.
 
-    def _load(self, state: _Job) -> None:
-        """GET every value, verify all, then copy them into the slots.
-
-        Copies per block: redis-py's hiredis parser makes two (its read buffer into hiredis's, that into the reply
-        ``bytes``); the payload is then a view of the reply (``verified_payload``) and ``np.frombuffer`` wraps it
-        without a copy, so the one copy here is the reply into the host slot. No parser hands out a buffer it
-        does not own, so that is the fewest redis-py allows (benchmarks/README.md has the figures).
+        With more than one batch, the store lane's helper thread seals batch k+1 (copy and CRC, which release the
+        GIL) while this thread sends batch k, so the copy hides behind the network.
         """
         client = self._link.client()
+        work = batches(state.blocks, self._per_batch)
+        if len(work) == 1:
+            self._send(client, work[0], self._seal(state, 0, work[0]))
+        else:
+            overlapped(self._helpers[True], work, functools.partial(self._seal, state),
+                       functools.partial(self._send, client), helper_produces=True)
+        state.copied = sum(b.nbytes for b in state.blocks)
+
+    def _seal(self, state: _Job, buffer: int, batch: Sequence[_Block]) -> list[memoryview]:
+        with self._owning(state):  # the slots are read only while the job still owns them
+            return self._stage.seal(buffer, [(b.key, self._slots[b.slot, :b.nbytes]) for b in batch])
+
+    def _send(self, client: Any, batch: Sequence[_Block], values: list[memoryview]) -> None:
         pipe = client.pipeline(transaction=False)
-        for block in state.blocks:
+        for block, value in zip(batch, values, strict=True):
+            pipe.set(block.name, value, nx=True, ex=self._ttl_s)
+        # NX answers None when the value is already there: another engine's identical block, a success.
+        raise_first_error(pipe.execute(raise_on_error=False))
+
+    def _load(self, state: _Job) -> None:
+        """GET the job's values, one pipeline per batch; verify each and copy its payload into its slot.
+
+        With more than one batch, the load lane's helper thread verifies and copies batch k while this thread
+        receives batch k+1. Copies per block: redis-py's hiredis parser makes two (its read buffer into hiredis's,
+        that into the reply ``bytes``); the payload is then a view of the reply (``verified_payload``), so the one
+        copy here is the reply into the host slot. No parser hands out a buffer it does not own, so that is the
+        fewest redis-py allows (benchmarks/README.md has the figures).
+        """
+        client = self._link.client()
+        work = batches(state.blocks, self._per_batch)
+        try:
+            if len(work) == 1:
+                self._copy_in(state, work[0], self._fetch(client, 0, work[0]))
+            else:
+                overlapped(self._helpers[False], work, functools.partial(self._fetch, client),
+                           functools.partial(self._copy_in, state), helper_produces=False)
+        except _Damaged as e:
+            # Unless it goes, no engine can ever store this block again (SET NX keeps what is there).
+            delete_quietly(client, e.name)
+            raise e.error from None
+        state.copied = sum(b.nbytes for b in state.blocks)
+
+    def _fetch(self, client: Any, _buffer: int, batch: Sequence[_Block]) -> list[bytes]:
+        pipe = client.pipeline(transaction=False)
+        for block in batch:
             pipe.get(block.name)
         values = pipe.execute(raise_on_error=False)
-        _raise_first_error(values)
+        raise_first_error(values)
         if any(v is None for v in values):
             raise _Miss()
-        payloads = [self._verified(client, block, value) for block, value in zip(state.blocks, values, strict=True)]
-        self._copy_in(state, payloads)
+        return values
 
-    def _verified(self, client: Any, block: _Block, value: bytes) -> memoryview:
-        try:
-            return verified_payload(self._fmt, self._fingerprint, block.key, value, block.nbytes)
-        except CorruptBlockError:
-            # Unless it goes, no engine can ever store this block again (SET NX keeps what is there).
-            _delete_quietly(client, block.name)
-            raise
+    def _copy_in(self, state: _Job, batch: Sequence[_Block], values: list[bytes]) -> None:
+        """Verify every value of ``batch``, then copy their payloads into their slots (while the job owns them)."""
+        payloads = []
+        for block, value in zip(batch, values, strict=True):
+            try:
+                payloads.append(verified_payload(self._fmt, self._fingerprint, block.key, value, block.nbytes))
+            except CorruptBlockError as e:
+                raise _Damaged(block.name, e) from None
+        with self._owning(state):
+            for block, payload in zip(batch, payloads, strict=True):
+                self._slots[block.slot, :block.nbytes] = np.frombuffer(payload, dtype=np.int8)
 
-    def _copy_in(self, state: _Job, payloads: list[memoryview]) -> None:
+    @contextlib.contextmanager
+    def _owning(self, state: _Job) -> Iterator[None]:
+        """Holds off ``_end`` while the body touches the job's slots; refuses once the job has ended or is late.
+
+        Raises:
+            TimeoutError: the job has its result already, or is past its budget: its slots may be reused now.
+        """
         with self._lock:
             if state.finished or self._overdue(state, self._clock()):
                 raise TimeoutError(f"job {state.job.job_id} answered after its {self._budget_s:.2f} s budget")
             state.copying = True
         try:
-            for block, payload in zip(state.blocks, payloads, strict=True):
-                self._slots[block.slot, :block.nbytes] = np.frombuffer(payload, dtype=np.int8)
+            yield
         finally:
             with self._lock:
                 state.copying = False
                 self._copied.notify_all()
-        state.copied = sum(b.nbytes for b in state.blocks)
 
     def _note_answer(self, stored: bool = False) -> None:
         self.breaker.record(True)
@@ -337,16 +396,3 @@ class RemoteHandler(TransferHandler):
             del self._jobs[state.job.job_id]
         state.done.set()
 
-
-def _raise_first_error(replies: list[Any]) -> None:
-    """A pipeline run with ``raise_on_error=False`` answers a failed command with its exception: raise it."""
-    for reply in replies:
-        if isinstance(reply, Exception):
-            raise reply
-
-
-def _delete_quietly(client: Any, name: str) -> None:
-    try:
-        client.delete(name)
-    except Exception as e:  # the job fails anyway; a server fault shows on the next job
-        logger.debug("remote tier: could not delete a damaged value: %s", e)

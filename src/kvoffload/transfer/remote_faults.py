@@ -16,6 +16,7 @@ import enum
 import logging
 import ssl
 import threading
+from typing import Any
 
 from kvoffload.disk_format import CorruptBlockError, UnauthenticBlockError
 
@@ -102,3 +103,18 @@ class FaultLog:
                 return
             self._seen.clear()
         logger.warning("remote tier (%s): serving again", self._where)
+
+
+def raise_first_error(replies: list[Any]) -> None:
+    """A pipeline run with ``raise_on_error=False`` answers a failed command with its exception: raise it."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+
+
+def delete_quietly(client: Any, name: str) -> None:
+    """Delete value ``name``; a failure is only logged at debug level."""
+    try:
+        client.delete(name)
+    except Exception as e:  # the job fails anyway; a server fault shows on the next job
+        logger.debug("remote tier: could not delete a damaged value: %s", e)
