@@ -17,7 +17,10 @@ def test_bench_remote_json_reports_both_directions_beside_raw_pipelines(capsys: 
     report = json.loads(capsys.readouterr().out)
     (row,) = report["rows"]
     assert row["block_bytes"] == 64 * 1024 and row["blocks"] == 16
-    for field in ("store_gbps", "raw_set_gbps", "store_ratio", "load_gbps", "raw_get_gbps", "load_ratio"):
+    for field in ("store_gbps", "raw_set_gbps", "store_ratio", "load_gbps", "raw_get_gbps", "load_ratio",
+                  "raw_set_in_place_gbps", "store_ratio_in_place"):
         assert row[field] > 0
+    assert row["store_ratio"] == pytest.approx(row["store_gbps"] / row["raw_set_gbps"])
+    assert row["store_ratio_in_place"] == pytest.approx(row["store_gbps"] / row["raw_set_in_place_gbps"])
     assert report["parser"] in ("hiredis", "python")
     assert report["lookup_2048_keys_ms"] > 0

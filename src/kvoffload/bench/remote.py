@@ -1,16 +1,18 @@
 """``kvoffload bench remote``: host<->remote GB/s of ``RemoteHandler`` beside raw redis-py pipelines of the same
 bytes on the same server.
 
-Per block size, each round stores ``--total-mib`` of blocks through a real handler (one job, submit to wait:
-planning, header, CRC32C, the value's one copy, one ``SET NX`` pipeline), then sends the same payload bytes, ready
-made as ``bytes``, in one raw redis-py pipeline of plain ``SET``; then loads both back: the handler verifies every
-value and copies its payload into the host pool, the raw side only receives the replies (one ``GET`` pipeline).
-Both sides use redis-py with the same parser (hiredis when installed) over one TCP connection to one server on
-127.0.0.1; the server is flushed between rounds (not timed) and which side goes first alternates round by round.
-Rows report medians over rounds and the ratio handler / raw. Then the lookup figure: the scheduler's
-``RemoteTierManager`` looks up a 2,048-key prompt whose values are all on the server (answers not cached: a fresh
-manager each round), median milliseconds. Without ``--url`` the bench starts its own ``redis-server``
-(``testing.redis_server``).
+Per block size, each round runs three sides, each into a server just flushed (not timed), in an order that turns
+round by round. The handler stores ``--total-mib`` of blocks (one job, submit to wait: planning, headers, CRC32C,
+the values' one copy into staging, ``SET NX`` pipelines) and loads them back (``GET`` pipelines; every value
+verified, its payload copied into the host pool). The raw side sends the same payload bytes, ready made as
+``bytes``, in one redis-py pipeline of plain ``SET`` with redis-py's defaults (hiredis packs every command, copying
+each value once), and receives them in one pipeline of ``GET``. The in-place side is the raw ``SET`` again with the
+packer the handler's client uses (``remote_client.in_place_connection``: values sent as they are): the best redis-py
+does with these bytes. Every side uses the hiredis parser when installed and one TCP connection to one server on
+127.0.0.1. Rows report medians over rounds and the ratios handler / raw and handler / in place. Then the lookup
+figure: the scheduler's ``RemoteTierManager`` looks up a 2,048-key prompt whose values are all on the server
+(answers not cached: a fresh manager each round), median milliseconds. Without ``--url`` the bench starts its own
+``redis-server`` (``testing.redis_server``).
 """
 
 from __future__ import annotations
@@ -39,15 +41,18 @@ class Row:
     load_gbps: float
     raw_get_gbps: float
     load_ratio: float
+    raw_set_in_place_gbps: float
+    """Raw ``SET`` with redis-py's Python packer, which sends values as they are (the handler's client does)."""
+    store_ratio_in_place: float
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-sizes", default="64K,1M,4M",
-                        help="comma-separated block sizes with K/M suffix (default 64K,1M)")
+                        help="comma-separated block sizes with K/M suffix (default 64K,1M,4M)")
     parser.add_argument("--total-mib", type=int, default=64, help="bytes moved per round and direction")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds per block size (median reported)")
+    parser.add_argument("--rounds", type=int, default=7, help="rounds per block size (median reported)")
     parser.add_argument("--url", default=None, help="a server to use (default: start a redis-server here); "
-                                                    "it is FLUSHALLed between rounds")
+                                                    "it is FLUSHALLed between sides")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -57,6 +62,7 @@ def bench_block_size(url: str, block_bytes: int, args: argparse.Namespace) -> Ro
 
     from kvoffload.config import RemoteTierConfig
     from kvoffload.keys import Namespace
+    from kvoffload.remote_client import in_place_connection
     from kvoffload.transfer.host_pool import HostPool
     from kvoffload.transfer.remote import RemoteHandler
 
@@ -66,35 +72,40 @@ def bench_block_size(url: str, block_bytes: int, args: argparse.Namespace) -> Ro
     payloads = [bytes(pool.buffer[i].numpy()) for i in range(blocks)]
     ns = Namespace(model="bench", dtype="int8", layout=f"bench-{block_bytes}")
     handler = RemoteHandler(RemoteTierConfig(urls=(url,), timeout_s=30.0), pool, ns, (block_bytes,))
-    raw = redis.Redis.from_url(url, socket_timeout=30.0)
+    raw = redis.Redis.from_url(url, socket_timeout=30.0)  # redis-py's defaults: what a user of it writes
+    raw_in_place = redis.Redis.from_url(url, socket_timeout=30.0, connection_class=in_place_connection("redis"))
     # The raw side runs on a thread of its own too, as the handler's lanes do: replies allocated on the main
     # thread come from another malloc arena and measured up to 1.6x slower here.
     raw_thread = ThreadPoolExecutor(1, thread_name_prefix="bench-raw")
-    times: dict[str, list[float]] = {k: [] for k in ("store", "set", "load", "get")}
+    times: dict[str, list[float]] = {k: [] for k in ("store", "load", "set", "get", "set_in_place")}
+    sets = [("SET", f"raw:{i}", p) for i, p in enumerate(payloads)]
+    gets = [("GET", f"raw:{i}") for i in range(blocks)]
     try:
         for rnd in range(args.rounds):
             store, load = _jobs(rnd, blocks)
-            sets = [("SET", f"raw:{i}", p) for i, p in enumerate(payloads)]
-            gets = [("GET", f"raw:{i}") for i in range(blocks)]
-            writes: dict[str, Callable[[], float]] = {
-                "store": functools.partial(_run, handler, store),
-                "set": functools.partial(_on, raw_thread, functools.partial(_raw, raw, sets))}
-            reads: dict[str, Callable[[], float]] = {
-                "load": functools.partial(_run, handler, load),
-                "get": functools.partial(_on, raw_thread, functools.partial(_raw, raw, gets))}
-            for sides in (writes, reads):
-                # Which side goes first alternates: the first writer into a flushed server pays for its memory
-                # growing, the second reader finds warmer caches.
-                for side in sorted(sides, reverse=rnd % 2 == 1):
-                    times[side].append(sides[side]())
+            sides: dict[str, list[tuple[str, Callable[[], float]]]] = {
+                "handler": [("store", functools.partial(_run, handler, store)),
+                            ("load", functools.partial(_run, handler, load))],
+                "raw": [("set", functools.partial(_on, raw_thread, functools.partial(_raw, raw, sets))),
+                        ("get", functools.partial(_on, raw_thread, functools.partial(_raw, raw, gets)))],
+                "in_place": [("set_in_place",
+                              functools.partial(_on, raw_thread, functools.partial(_raw, raw_in_place, sets)))]}
+            # Every side writes into a server just flushed (a fuller server is slower to grow), and which side
+            # goes first turns round by round (the first after a flush may find colder caches).
+            names = sorted(sides)
+            for name in names[rnd % 3:] + names[:rnd % 3]:
+                raw.flushall()
+                for measure, run_side in sides[name]:
+                    times[measure].append(run_side())
             raw.flushall()
     finally:
         handler.shutdown()
         raw_thread.shutdown()
         raw.close()
+        raw_in_place.close()
     gbps = {k: blocks * block_bytes / statistics.median(v) / 1e9 for k, v in times.items()}
     return Row(block_bytes, blocks, gbps["store"], gbps["set"], gbps["store"] / gbps["set"], gbps["load"],
-               gbps["get"], gbps["load"] / gbps["get"])
+               gbps["get"], gbps["load"] / gbps["get"], gbps["set_in_place"], gbps["store"] / gbps["set_in_place"])
 
 
 def _jobs(rnd: int, blocks: int) -> tuple[Any, Any]:
@@ -197,8 +208,9 @@ def _report(rows: list[Row], lookup_ms: float, args: argparse.Namespace) -> None
     print(f"kvoffload bench remote: redis-py with the {_parser()} parser, one server on 127.0.0.1, "
           f"{args.rounds} rounds; raw = pipelined SET/GET of the same payload bytes")
     print(f"{'block':>8} {'blocks':>7} {'store':>7} {'raw SET':>8} {'ratio':>6} {'load':>7} {'raw GET':>8} "
-          f"{'ratio':>6}   (GB/s)")
+          f"{'ratio':>6} {'SET in place':>13} {'ratio':>6}   (GB/s)")
     for r in rows:
         print(f"{r.block_bytes // KIB:>7}K {r.blocks:>7} {r.store_gbps:>7.2f} {r.raw_set_gbps:>8.2f} "
-              f"{r.store_ratio:>6.2f} {r.load_gbps:>7.2f} {r.raw_get_gbps:>8.2f} {r.load_ratio:>6.2f}")
+              f"{r.store_ratio:>6.2f} {r.load_gbps:>7.2f} {r.raw_get_gbps:>8.2f} {r.load_ratio:>6.2f} "
+              f"{r.raw_set_in_place_gbps:>13.2f} {r.store_ratio_in_place:>6.2f}")
     print(f"lookup of a {LOOKUP_KEYS}-key prompt (every value present, no cached answers): {lookup_ms:.2f} ms")
