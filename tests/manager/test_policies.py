@@ -10,6 +10,7 @@ from kvoffload.config import EvictionPolicy
 from kvoffload.keys import OffloadKey
 from kvoffload.manager.base import IntegrityError
 from kvoffload.manager.policies import ARCPolicy, LRUPolicy, Policy, make_policy
+from kvoffload.manager.policies.arc import _FAST_RUNS
 
 
 def key(i: int) -> OffloadKey:
@@ -177,3 +178,63 @@ def test_arc_check_integrity_raises_on_a_key_in_two_lists() -> None:
     policy._t1[key(1)] = None  # corrupt on purpose: key 1 is now in T1 and T2
     with pytest.raises(IntegrityError, match="two of"):
         policy.check_integrity()
+
+
+def snapshot(policy: Policy) -> tuple[object, ...]:
+    """Everything a policy's later choices depend on: its lists in order (and ARC's target)."""
+    if isinstance(policy, LRUPolicy):
+        return (list(policy._order),)
+    assert isinstance(policy, ARCPolicy)
+    return list(policy._t1), list(policy._t2), list(policy._b1), list(policy._b2), policy.target_recent
+
+
+def twins(new, rng: random.Random) -> tuple[Policy, Policy]:  # type: ignore[no-untyped-def]
+    """Two policies in the same random state: keys 0-15 resident, some used twice, some evicted into history."""
+    pair = (new(), new())
+    ids = list(range(16))
+    rng.shuffle(ids)
+    used, evicted = ids[:6], rng.randrange(5)
+    for policy in pair:
+        filled(policy, *ids)
+        for i in used:
+            policy.touch(key(i))
+        policy.victims(evicted, anything)
+        filled(policy, *range(16, 16 + evicted))
+    assert snapshot(pair[0]) == snapshot(pair[1])
+    return pair
+
+
+def touch_each(policy: Policy, ks: list[OffloadKey]) -> None:
+    for k in ks:
+        policy.touch(k)
+
+
+@pytest.mark.parametrize("new", [LRUPolicy, lambda: ARCPolicy(16)], ids=["lru", "arc"])
+@pytest.mark.parametrize("seed", range(10))
+def test_touch_all_is_touch_key_by_key(new, seed: int) -> None:  # type: ignore[no-untyped-def]
+    rng = random.Random(seed)
+    batch, single = twins(new, rng)
+    for _ in range(30):
+        # Keys 0-29: resident, in history, or unknown; runs of neighbours as well as scattered keys and repeats.
+        start = rng.randrange(30)
+        ks = keys(*(range(start, start + rng.randrange(12)) if rng.random() < 0.5 else
+                    [rng.randrange(30) for _ in range(rng.randrange(12))]))
+        batch.touch_all(iter(ks))
+        touch_each(single, ks)
+        assert snapshot(batch) == snapshot(single)
+        batch.check_integrity()
+
+
+@pytest.mark.parametrize("new", [LRUPolicy, lambda: ARCPolicy(64)], ids=["lru", "arc"])
+def test_touch_all_of_frequent_keys_alternating_with_others_is_touch_key_by_key(new) -> None:  # type: ignore[no-untyped-def]
+    # More alternations than ARC's fast runs, so that its key-by-key tail runs too; odd keys are recent, or
+    # (from 100) not resident at all.
+    batch, single = filled(new(), *range(64)), filled(new(), *range(64))
+    frequent = keys(*range(0, 64, 2))
+    touch_each(batch, frequent)
+    touch_each(single, frequent)
+    ks = [k for i in range(2 * _FAST_RUNS + 4) for k in (key(2 * i), key(2 * i + (1 if i % 3 else 101)))]
+    batch.touch_all(ks)
+    touch_each(single, ks)
+    assert snapshot(batch) == snapshot(single)
+    batch.check_integrity()

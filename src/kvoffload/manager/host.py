@@ -115,9 +115,7 @@ class HostTierManager(ResidencyManager):
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         # Back to front, so that a prefix's first blocks end up most recent: a later block is useless without
         # the blocks before it, so it should be evicted first.
-        touch = self._policy.touch
-        for key in reversed(keys):
-            touch(key)
+        self._policy.touch_all(reversed(keys))
 
     def complete_load(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
         pins = self._pins

@@ -12,6 +12,7 @@ Policies are not thread-safe (the scheduler half calls its managers from one thr
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Iterable
 
 from kvoffload.config import EvictionPolicy
@@ -19,6 +20,10 @@ from kvoffload.keys import OffloadKey
 
 CanEvict = Callable[[OffloadKey], bool]
 """Says whether a resident key may be evicted right now."""
+
+consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
+"""Run an iterator to its end, discarding what it yields: ``consume(map(od.move_to_end, keys))`` is a loop of C
+calls with no Python step per key (a prompt's touch is thousands of keys, every scheduler step)."""
 
 
 class Policy(ABC):
@@ -46,6 +51,11 @@ class Policy(ABC):
         Args:
             key: the key that was used (looked up and loaded).
         """
+
+    def touch_all(self, keys: Iterable[OffloadKey]) -> None:
+        """``touch`` each key in turn (policies may do it without a Python call per key)."""
+        for key in keys:
+            self.touch(key)
 
     @abstractmethod
     def remove(self, key: OffloadKey) -> None:

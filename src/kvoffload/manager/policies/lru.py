@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from kvoffload.keys import OffloadKey
-from kvoffload.manager.policies.base import CanEvict, Policy
+from kvoffload.manager.policies.base import CanEvict, Policy, consume
 
 
 class LRUPolicy(Policy):
@@ -24,6 +25,15 @@ class LRUPolicy(Policy):
     def touch(self, key: OffloadKey) -> None:
         if key in self._order:
             self._order.move_to_end(key)
+
+    def touch_all(self, keys: Iterable[OffloadKey]) -> None:
+        move, rest = self._order.move_to_end, iter(keys)
+        try:
+            consume(map(move, rest))
+        except KeyError:
+            # A key that is not resident (the failed move consumed it, and it needs nothing): from here on such
+            # keys are filtered out, still without a Python step per key.
+            consume(map(move, filter(self._order.__contains__, rest)))
 
     def remove(self, key: OffloadKey) -> None:
         self._order.pop(key, None)
