@@ -9,7 +9,7 @@ import pytest
 from kvoffload.config import EvictionPolicy
 from kvoffload.keys import OffloadKey
 from kvoffload.manager.base import IntegrityError
-from kvoffload.manager.policies import ARCPolicy, LRUPolicy, Policy, make_policy
+from kvoffload.manager.policies import ARCPolicy, CanEvict, LRUPolicy, Policy, make_policy
 from kvoffload.manager.policies.arc import _FAST_RUNS
 
 
@@ -238,3 +238,63 @@ def test_touch_all_of_frequent_keys_alternating_with_others_is_touch_key_by_key(
     touch_each(single, ks)
     assert snapshot(batch) == snapshot(single)
     batch.check_integrity()
+
+
+def refusing(refused: set[OffloadKey]) -> CanEvict:
+    return lambda k: k not in refused
+
+
+def churned(rng: random.Random, steps: int) -> list[ARCPolicy]:
+    """ARC(16) states along one random run of inserts, uses, evictions and removals over keys 0-39 (so keys
+    come back from history and move ARC's target both ways)."""
+    policy, states = ARCPolicy(16), []
+    for _ in range(steps):
+        k, op = key(rng.randrange(40)), rng.random()
+        if op < 0.5 and k not in policy:
+            if len(policy) == 16:
+                policy.victims(rng.randrange(1, 4), anything)
+            policy.insert(k)
+        elif op < 0.9:
+            policy.touch(k)
+        else:
+            policy.remove(k)
+        states.append(arc_copy(policy))
+    return states
+
+
+def arc_copy(policy: ARCPolicy) -> ARCPolicy:
+    clone = ARCPolicy(policy._capacity)
+    clone._t1, clone._t2 = policy._t1.copy(), policy._t2.copy()
+    clone._b1, clone._b2, clone._p = policy._b1.copy(), policy._b2.copy(), policy._p
+    return clone
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_arc_victims_from_one_list_are_the_key_by_key_choice(seed: int) -> None:
+    # ``victims`` takes its fast paths (all from T1, all from T2) whenever it can; ``_victims_mixed`` is the
+    # key-by-key REPLACE. Same keys, same lists afterwards, same refusals (a refused key keeps its place).
+    rng = random.Random(seed)
+    for state in churned(rng, 300):
+        twin = arc_copy(state)
+        may_go = refusing({k for k in state._t1.keys() | state._t2.keys() if rng.random() < 0.2})
+        n = rng.randrange(1, 8)
+        assert state.victims(n, may_go) == twin._victims_mixed(n, may_go)
+        assert snapshot(state) == snapshot(twin)
+        state.check_integrity()
+
+
+@pytest.mark.parametrize("new", [LRUPolicy, lambda: ARCPolicy(16)], ids=["lru", "arc"])
+@pytest.mark.parametrize("seed", range(5))
+def test_insert_all_is_insert_key_by_key(new, seed: int) -> None:  # type: ignore[no-untyped-def]
+    rng = random.Random(seed)
+    batch, single = twins(new, rng)
+    for _ in range(20):
+        # Resident keys (a use), keys in ARC's history, new keys and repeats; then room for the next batch.
+        ks = keys(*(rng.randrange(30) for _ in range(rng.randrange(6))))
+        batch.insert_all(iter(ks))
+        for k in ks:
+            single.insert(k)
+        assert snapshot(batch) == snapshot(single)
+        batch.check_integrity()
+        extra = max(0, len(batch) - 16)
+        assert batch.victims(extra, anything) == single.victims(extra, anything)

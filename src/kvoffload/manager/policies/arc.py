@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
+from itertools import islice
 
 from kvoffload.keys import OffloadKey
 from kvoffload.manager.base import IntegrityError
@@ -113,6 +114,22 @@ class ARCPolicy(Policy):
     def victims(self, n: int, can_evict: CanEvict) -> list[OffloadKey] | None:
         if n <= 0:
             return []
+        t1, t2 = self._t1, self._t2
+        # The common case: one list is preferred for every pick (T1 stays above its target to the last, or is
+        # at or below it from the first) and has ``n`` evictable keys: they are its first ones that may go,
+        # found by a C-level scan. Otherwise the picks alternate or fall back, key by key.
+        if len(t1) - n + 1 > self._p:
+            chosen = list(islice(filter(can_evict, t1), n))
+            if len(chosen) == n:
+                return self._evict_from(chosen, t1, self._b1)
+        elif len(t1) <= self._p:
+            chosen = list(islice(filter(can_evict, t2), n))
+            if len(chosen) == n:
+                return self._evict_from(chosen, t2, self._b2)
+        return self._victims_mixed(n, can_evict)
+
+    def _victims_mixed(self, n: int, can_evict: CanEvict) -> list[OffloadKey] | None:
+        """``victims`` where the picks may come from both lists."""
         recent = _candidates(self._t1, can_evict)
         frequent = _candidates(self._t2, can_evict)
         from_t1: list[OffloadKey] = []
@@ -154,6 +171,12 @@ class ARCPolicy(Policy):
 
     def _limit(self) -> int:
         return self._capacity if self._capacity is not None else max(self._seen_max, 1)
+
+    def _evict_from(self, keys: list[OffloadKey], resident: _Keys, history: _Keys) -> list[OffloadKey]:
+        """Evict ``keys`` from one resident list into its history; returns them."""
+        self._forget(keys, resident, history)
+        self._trim_history()
+        return keys
 
     @staticmethod
     def _forget(keys: list[OffloadKey], resident: _Keys, history: _Keys) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from itertools import islice
 
 from kvoffload.keys import OffloadKey
 from kvoffload.manager.policies.base import CanEvict, Policy, consume
@@ -21,6 +22,14 @@ class LRUPolicy(Policy):
             order.move_to_end(key)
         else:
             order[key] = None
+
+    def insert_all(self, keys: Iterable[OffloadKey]) -> None:
+        order = self._order
+        for key in keys:
+            if key in order:
+                order.move_to_end(key)
+            else:
+                order[key] = None
 
     def touch(self, key: OffloadKey) -> None:
         if key in self._order:
@@ -41,17 +50,10 @@ class LRUPolicy(Policy):
     def victims(self, n: int, can_evict: CanEvict) -> list[OffloadKey] | None:
         if n <= 0:
             return []
-        chosen: list[OffloadKey] = []
-        wanted = n
-        for key in self._order:
-            if can_evict(key):
-                chosen.append(key)
-                wanted -= 1
-                if not wanted:
-                    break
-        else:
-            return None
         order = self._order
+        chosen = list(islice(filter(can_evict, order), n))
+        if len(chosen) < n:
+            return None
         for key in chosen:
             del order[key]
         return chosen
