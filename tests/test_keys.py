@@ -2,6 +2,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvoffload.keys import Namespace, hash_blocks, offload_key, offload_keys
 
@@ -64,3 +66,42 @@ def test_bad_namespace_names_the_field():
         ns(rank=2, world_size=2)
     with pytest.raises(ValueError, match="model"):
         ns(model="")
+
+
+def test_keys_are_the_published_values():
+    # Keys name blocks in shared tiers that outlive a release: a change orphans every stored block, so it must
+    # come with a new FORMAT_VERSION, never by accident (these values predate the one-pass hashing).
+    n = Namespace("m", "bf16", "pages=16")
+    hashes = hash_blocks(n.chain_root(), list(range(64)), 16, ["salt:x"])
+    assert n.fingerprint().hex() == "a157a85551fe91c58e402d8633e15bd4"
+    assert hashes[-1].hex() == "fb7e4cbc65ad83d8280cab7bf1043cd9"
+    assert offload_key(hashes[-1], 1).hex() == "a271e9e3ebc6456d92f9004ec7396757"
+
+
+def _reference_digest(*parts: bytes) -> bytes:
+    """The key derivation written the plain way: BLAKE2b-128 over the parts, each length-prefixed."""
+    import hashlib
+    import struct
+
+    h = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        h.update(struct.pack("<Q", len(part)))
+        h.update(part)
+    return h.digest()
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(-(1 << 63), (1 << 63) - 1), max_size=80), block=st.integers(1, 17),
+       extra=st.lists(st.text(max_size=8), max_size=3), group=st.integers(0, 7))
+def test_one_pass_hashing_equals_the_reference_derivation(tokens, block, extra, group):
+    import struct
+
+    root = ns().chain_root()
+    expected, parent = [], root
+    for start in range(0, len(tokens) - block + 1, block):
+        chunk = struct.pack(f"<{block}q", *tokens[start:start + block])
+        parent = _reference_digest(parent, chunk, *(k.encode() for k in extra))
+        expected.append(parent)
+    assert hash_blocks(root, tokens, block, extra) == expected
+    for h in expected:
+        assert offload_key(h, group) == _reference_digest(h, struct.pack("<I", group))

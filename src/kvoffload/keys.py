@@ -65,16 +65,21 @@ class Namespace:
 
 
 def _digest(*parts: bytes) -> bytes:
-    h = hashlib.blake2b(digest_size=KEY_BYTES)
-    for part in parts:
-        # Length-prefix each part so that no two different part lists hash the same bytes.
-        h.update(struct.pack("<Q", len(part)))
-        h.update(part)
-    return h.digest()
+    # Length-prefix each part so that no two different part lists hash the same bytes.
+    return hashlib.blake2b(b"".join(_framed(p) for p in parts), digest_size=KEY_BYTES).digest()
+
+
+def _framed(part: bytes) -> bytes:
+    return struct.pack("<Q", len(part)) + part
 
 
 def _encode_tokens(tokens: Sequence[int]) -> bytes:
     return struct.pack(f"<{len(tokens)}q", *tokens)
+
+
+def frame_extra_keys(extra_keys: Sequence[str]) -> bytes:
+    """The extra keys as ``hash_block`` frames them (for ``chain_hashes``; the same for every block)."""
+    return b"".join(_framed(k.encode()) for k in extra_keys)
 
 
 def hash_block(parent: bytes, tokens: Sequence[int], extra_keys: Sequence[str] = ()) -> BlockHash:
@@ -82,21 +87,40 @@ def hash_block(parent: bytes, tokens: Sequence[int], extra_keys: Sequence[str] =
     return BlockHash(_digest(parent, _encode_tokens(tokens), *(k.encode() for k in extra_keys)))
 
 
-def hash_blocks(
-    root: bytes, tokens: Sequence[int], block_tokens: int, extra_keys: Sequence[str] = ()
-) -> list[BlockHash]:
-    """Hashes of every full ``block_tokens``-sized block of ``tokens``, chained from ``root``."""
+def chain_hashes(parent: bytes, tokens: Sequence[int], block_tokens: int, framed_extra: bytes = b"") -> list[BlockHash]:
+    """``hash_block`` of each full ``block_tokens`` block of ``tokens`` in turn, chained from ``parent``.
+
+    The same hashes, in one pass: the tokens are packed once and each block is one BLAKE2b call over its frames
+    (``framed_extra``: ``frame_extra_keys`` of the request's extra keys).
+    """
+    data = _encode_tokens(tokens)
+    size = 8 * block_tokens
+    framed_size = struct.pack("<Q", size)
+    blake2b, pack = hashlib.blake2b, struct.pack
     hashes: list[BlockHash] = []
-    parent = root
-    for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
-        parent = hash_block(parent, tokens[start:start + block_tokens], extra_keys)
+    for start in range(0, len(data) - size + 1, size):
+        parent = blake2b(b"".join((pack("<Q", len(parent)), parent, framed_size, data[start:start + size],
+                                   framed_extra)), digest_size=KEY_BYTES).digest()
         hashes.append(BlockHash(parent))
     return hashes
 
 
+def hash_blocks(
+    root: bytes, tokens: Sequence[int], block_tokens: int, extra_keys: Sequence[str] = ()
+) -> list[BlockHash]:
+    """Hashes of every full ``block_tokens``-sized block of ``tokens``, chained from ``root``."""
+    return chain_hashes(root, tokens, block_tokens, frame_extra_keys(extra_keys))
+
+
+_GROUP_FRAMES: dict[int, bytes] = {}
+
+
 def offload_key(block_hash: BlockHash, group: int) -> OffloadKey:
     """The key of ``block_hash``'s page in KV-cache group ``group``."""
-    return OffloadKey(_digest(block_hash, struct.pack("<I", group)))
+    frame = _GROUP_FRAMES.get(group)
+    if frame is None:
+        frame = _GROUP_FRAMES[group] = _framed(struct.pack("<I", group))
+    return OffloadKey(hashlib.blake2b(_framed(block_hash) + frame, digest_size=KEY_BYTES).digest())
 
 
 def offload_keys(block_hashes: Iterable[BlockHash], group: int) -> list[OffloadKey]:
