@@ -37,7 +37,7 @@ def run_prefill(sched, req, first_block=0, num_groups=1):
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
     ids = [req.blocks] * num_groups
     sched.update_state_after_alloc(req, ids, 0)
-    step = StepSchedule((ScheduledRequest(req.request_id, tuple(map(tuple, ids)), len(req.all_token_ids)),))
+    step = StepSchedule.of((ScheduledRequest(req.request_id, tuple(map(tuple, ids)), len(req.all_token_ids)),))
     return sched.build_connector_meta(step)
 
 
@@ -72,7 +72,7 @@ def test_load_job_fills_the_allocated_blocks_beyond_the_engine_prefix():
     b = Req("b", list(range(80)))
     assert sched.get_num_new_matched_tokens(b, 16) == (48, True)
     sched.update_state_after_alloc(b, [[10, 11, 12, 13, 14]], 48)
-    (load,) = sched.build_connector_meta(StepSchedule(())).load_jobs
+    (load,) = sched.build_connector_meta(StepSchedule.of(())).load_jobs
     assert load.req_id == "b"
     assert load.job.dst == DeviceBlocks((11, 12, 13), (3,))
     assert isinstance(load.job.src, HostBlocks) and len(load.job.src.slots) == 3
@@ -85,7 +85,7 @@ def test_factor_four_hit_may_begin_inside_an_offload_block():
     # The engine already holds 2 of the first offload block's 4 sub-blocks.
     assert sched.get_num_new_matched_tokens(b, 32) == (96, True)
     sched.update_state_after_alloc(b, [list(range(20, 29))], 96)
-    (load,) = sched.build_connector_meta(StepSchedule(())).load_jobs
+    (load,) = sched.build_connector_meta(StepSchedule.of(())).load_jobs
     assert load.job.src.skip_sub_blocks == 2
     assert load.job.dst.block_ids == (22, 23, 24, 25, 26, 27)
 
@@ -124,7 +124,7 @@ def test_a_failed_load_drops_its_keys():
     b = Req("b", list(range(65)))
     assert sched.get_num_new_matched_tokens(b, 0) == (64, True)
     sched.update_state_after_alloc(b, [list(range(10, 15))], 64)
-    meta = sched.build_connector_meta(StepSchedule(()))
+    meta = sched.build_connector_meta(StepSchedule.of(()))
     complete(sched, meta, failed={meta.load_jobs[0].job.job_id})
     assert sched.get_num_new_matched_tokens(Req("c", list(range(65))), 0) == (0, False)
     assert sched.take_stats().failed_load_tokens == 64
@@ -134,20 +134,20 @@ def test_finishing_a_request_fences_its_stores_in_flight():
     sched = make_scheduler()
     meta = run_prefill(sched, Req("a", list(range(64))))
     sched.request_finished("a")
-    fence = sched.build_connector_meta(StepSchedule(()))
+    fence = sched.build_connector_meta(StepSchedule.of(()))
     assert fence.jobs_to_flush == {meta.store_jobs[0].job_id}
-    assert sched.build_connector_meta(StepSchedule(())).jobs_to_flush == frozenset()
+    assert sched.build_connector_meta(StepSchedule.of(())).jobs_to_flush == frozenset()
 
 
 def test_preemption_fences_and_resumed_blocks_replace_old_ones():
     sched = make_scheduler()
     a = Req("a", list(range(40)))
     meta = run_prefill(sched, a)
-    fence = sched.build_connector_meta(StepSchedule((), frozenset({"a"})))
+    fence = sched.build_connector_meta(StepSchedule.of((), frozenset({"a"})))
     assert fence.jobs_to_flush == {meta.store_jobs[0].job_id}
     a.all_token_ids.extend(range(40, 64))
     resumed = ScheduledRequest("a", ((50, 51, 52, 53),), 64, resumed=True)
-    (job,) = sched.build_connector_meta(StepSchedule((resumed,))).store_jobs
+    (job,) = sched.build_connector_meta(StepSchedule.of((resumed,))).store_jobs
     assert job.src.block_ids == (52, 53)  # blocks 0-1 were stored before the preemption
 
 
@@ -179,7 +179,7 @@ def test_offload_blocks_holding_the_engines_null_block_are_never_stored():
     assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
     ids = ((0, 5), (6, 7))  # group 0's first block was dropped (a sliding window)
     sched.update_state_after_alloc(a, ids, 0)
-    (job,) = sched.build_connector_meta(StepSchedule((ScheduledRequest("a", ids, 32),))).store_jobs
+    (job,) = sched.build_connector_meta(StepSchedule.of((ScheduledRequest("a", ids, 32),))).store_jobs
     assert job.src == DeviceBlocks((5, 6, 7), (1, 2))
 
 
@@ -191,7 +191,7 @@ def test_a_load_leaves_holes_where_a_sliding_window_group_holds_the_null_block()
     assert sched.get_num_new_matched_tokens(b, 0) == (64, True)
     # Group 1 is a sliding window: vLLM put its null block where the window no longer reaches.
     sched.update_state_after_alloc(b, [[10, 11, 12, 13, 14], [0, 0, 22, 23, 24]], 64)
-    (load,) = sched.build_connector_meta(StepSchedule(())).load_jobs
+    (load,) = sched.build_connector_meta(StepSchedule.of(())).load_jobs
     assert load.job.dst == DeviceBlocks((10, 11, 12, 13, NO_BLOCK, NO_BLOCK, 22, 23), (4, 4))
     assert len(load.job.src.slots) == 8  # positions kept: hole i still pairs with host slot i
 
@@ -203,7 +203,7 @@ def test_a_load_starting_inside_an_offload_block_keeps_holes_in_place():
     b = Req("b", list(range(65)))
     assert sched.get_num_new_matched_tokens(b, 16) == (48, True)
     sched.update_state_after_alloc(b, [[5, 6, 7, 8, 9], [0, 0, 17, 18, 19]], 48)
-    (load,) = sched.build_connector_meta(StepSchedule(())).load_jobs
+    (load,) = sched.build_connector_meta(StepSchedule.of(())).load_jobs
     assert load.job.src.skip_sub_blocks == 1
     assert load.job.dst == DeviceBlocks((6, 7, 8, NO_BLOCK, 17, 18), (3, 3))
 
@@ -224,9 +224,9 @@ def test_finishing_a_request_fences_its_load_in_flight():
     b = Req("b", list(range(65)))
     sched.get_num_new_matched_tokens(b, 0)
     sched.update_state_after_alloc(b, [list(range(10, 15))], 64)
-    (load,) = sched.build_connector_meta(StepSchedule(())).load_jobs
+    (load,) = sched.build_connector_meta(StepSchedule.of(())).load_jobs
     sched.request_finished("b")  # aborted while its load runs: its blocks go back to the engine
-    assert sched.build_connector_meta(StepSchedule(())).jobs_to_flush == {load.job.job_id}
+    assert sched.build_connector_meta(StepSchedule.of(())).jobs_to_flush == {load.job.job_id}
     complete(sched, ConnectorMetadata(load_jobs=(load,)))
     sched.manager.check_integrity()
     assert sched.get_num_new_matched_tokens(Req("c", list(range(65))), 0) == (64, True)
@@ -237,7 +237,7 @@ def test_engines_that_rewrite_running_blocks_get_every_store_flushed_next_step()
     sched.flush_stores_next_step = True
     meta = run_prefill(sched, Req("a", list(range(64))))
     assert meta.jobs_to_flush == frozenset()
-    assert sched.build_connector_meta(StepSchedule(())).jobs_to_flush == {meta.store_jobs[0].job_id}
+    assert sched.build_connector_meta(StepSchedule.of(())).jobs_to_flush == {meta.store_jobs[0].job_id}
 
 
 def test_a_second_live_request_with_the_same_id_gets_no_hits_and_stores_nothing():
@@ -249,7 +249,7 @@ def test_a_second_live_request_with_the_same_id_gets_no_hits_and_stores_nothing(
     twin = Req("a", [7] * 66, extra_keys=("salt:other",))  # same id, other tokens and salt, still live
     assert sched.get_num_new_matched_tokens(twin, 0) == (0, False)  # not the first request's hits
     sched.update_state_after_alloc(twin, [list(range(5))], 0)
-    step = StepSchedule((ScheduledRequest("a", (tuple(range(5)),), 66),))
+    step = StepSchedule.of((ScheduledRequest("a", (tuple(range(5)),), 66),))
     assert sched.build_connector_meta(step).store_jobs == ()
     sched.request_finished("a")
     again = Req("a", [*list(range(64)), 9, 9])  # the id is free again: served normally
@@ -267,13 +267,75 @@ def test_a_state_group_needs_only_the_last_block_of_a_hit_and_loads_only_that_on
     # vLLM keeps a state only where a prefill chunk ended (here after block 2); other columns hold the null block.
     table = ([1, 2, 3, 4], [0, 0, 12, 0])
     sched.update_state_after_alloc(a, table, 0)
-    complete(sched, sched.build_connector_meta(StepSchedule((ScheduledRequest("a", tuple(map(tuple, table)), 64),))))
+    complete(sched, sched.build_connector_meta(StepSchedule.of((ScheduledRequest("a", tuple(map(tuple, table)), 64),))))
 
     b = Req("b", [*list(range(64)), 9, 9])
     assert sched.get_num_new_matched_tokens(b, 0) == (48, True)  # attention holds 4 blocks, the state only block 2
     sched.update_state_after_alloc(b, ([20, 21, 22, 23, 24], [0, 0, 30, 0, 0]), 48)
-    (load,) = sched.build_connector_meta(StepSchedule(())).load_jobs
+    (load,) = sched.build_connector_meta(StepSchedule.of(())).load_jobs
     assert load.job.dst == DeviceBlocks((20, 21, 22, NO_BLOCK, NO_BLOCK, 30), (3, 3))
     assert isinstance(load.job.src, HostBlocks) and load.job.src.group_sizes == (3, 3)
     state_slots = load.job.src.slots[3:]
     assert len(set(state_slots)) == 1 and state_slots[0] not in load.job.src.slots[:3]
+
+
+# ---- the columnar step: decode steps, thresholds, the aligned cache -----------------------------------------------
+
+def decode(sched, reqs, computed, new_blocks=None):
+    """One decode step of ``reqs`` (computed tokens after it per request; new blocks per request or None)."""
+    import numpy as np
+
+    new_blocks = new_blocks or [None] * len(reqs)
+    return sched.build_connector_meta(StepSchedule([r.request_id for r in reqs], new_blocks,
+                                                   np.array(computed, dtype=np.int64)))
+
+
+def stored_blocks(meta):
+    return [b for job in meta.store_jobs for b in job.src.block_ids]
+
+
+def test_decode_steps_store_a_block_exactly_when_it_fills_with_its_new_block_tracked():
+    sched = make_scheduler()
+    a, b = Req("a", list(range(20))), Req("b", list(range(100, 130)))
+    run_prefill(sched, a, first_block=0)  # blocks 0, 1: block 0 stored, 20 of 32 tokens computed
+    run_prefill(sched, b, first_block=10)  # blocks 10, 11: block 10 stored, 30 of 32 computed
+    a.all_token_ids += [1] * 20
+    b.all_token_ids += [1] * 20
+    assert stored_blocks(decode(sched, [a, b], [21, 31])) == []
+    assert stored_blocks(decode(sched, [a, b], [22, 32])) == [11]  # b's second block is full now
+    assert stored_blocks(decode(sched, [a, b], [23, 33], [None, ((12,),)])) == []  # b got block 12
+    for computed in range(24, 32):
+        assert stored_blocks(decode(sched, [a, b], [computed, computed + 10])) == []
+    assert stored_blocks(decode(sched, [a, b], [32, 42])) == [1]
+    assert stored_blocks(decode(sched, [b, a], [48, 33])) == [12]  # another order: the columns are rebuilt
+
+
+def test_a_store_limit_keeps_blocks_past_it_from_being_stored():
+    sched = make_scheduler()
+    a = Req("a", list(range(40)))
+    sched.limit_stores(a, 40)  # e.g. a model whose states are kept only for the prompt
+    run_prefill(sched, a)  # blocks 0, 1 stored; the third (tokens 32-47) would end past the limit
+    a.all_token_ids += [1] * 40
+    for computed in range(41, 80):
+        assert stored_blocks(decode(sched, [a], [computed], [((3,),)] if computed == 49 else None)) == []
+
+
+def test_a_finished_and_readmitted_id_gets_a_fresh_threshold():
+    sched = make_scheduler()
+    a = Req("a", list(range(20)))
+    run_prefill(sched, a)
+    a.all_token_ids += [1] * 20
+    decode(sched, [a], [21])
+    sched.request_finished("a")
+    again = Req("a", list(range(200, 240)))  # the same id, a new request: its state and threshold are new
+    run_prefill(sched, again, first_block=20)  # blocks 20, 21, 22: 20 and 21 stored
+    again.all_token_ids += [1] * 8
+    assert stored_blocks(decode(sched, [again], [48])) == [22]
+
+
+def test_columns_of_different_lengths_are_refused():
+    import numpy as np
+    import pytest
+
+    with pytest.raises(ValueError, match="columns"):
+        StepSchedule(["a", "b"], [None], np.zeros(2, dtype=np.int64))

@@ -258,8 +258,7 @@ def decode_step(req_id: str, computed_before: int) -> SchedulerOutput:
     return out
 
 
-def test_store_limit_caps_the_computed_tokens_a_decode_step_reports() -> None:
-    out = decode_step("r", computed_before=383)
-    (capped,) = adapters.step_schedule(out, num_groups=2, store_limits={"r": 302}).scheduled
-    (free,) = adapters.step_schedule(out, num_groups=2).scheduled
-    assert (capped.num_computed_tokens, free.num_computed_tokens) == (302, 384)
+def test_a_decode_step_is_one_column_per_request_of_the_tokens_computed_after_it() -> None:
+    step = adapters.step_schedule(decode_step("r", computed_before=383))
+    assert list(step.req_ids) == ["r"] and list(step.new_block_ids) == [None]
+    assert step.computed_tokens.tolist() == [384]

@@ -10,7 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvoffload.keys import BlockHash, OffloadKey, hash_block, offload_key
+import numpy as np
+
+from kvoffload.keys import BlockHash, OffloadKey, chain_hashes, frame_extra_keys, offload_key
 from kvoffload.specs import JobId
 
 
@@ -33,7 +35,7 @@ class EngineRequest(Protocol):
 
 @dataclass(frozen=True)
 class ScheduledRequest:
-    """One request scheduled in this engine step.
+    """One request scheduled in this engine step (one row of a ``StepSchedule``, for ``StepSchedule.of``).
 
     ``new_block_ids[g]``: the engine blocks of group ``g`` appended this step; for the first schedule of a request
     (and when ``resumed`` after a preemption) all of its blocks. ``num_computed_tokens``: tokens whose KV is in the
@@ -48,8 +50,36 @@ class ScheduledRequest:
 
 @dataclass(frozen=True)
 class StepSchedule:
-    scheduled: tuple[ScheduledRequest, ...]
+    """The requests scheduled in one engine step, by columns: entry ``i`` of each column is request ``i``.
+
+    Columns, not an object per request: a decode step of hundreds of requests costs the scheduler half a few
+    vector operations (``ConnectorScheduler.build_connector_meta``), and an engine adapter passes the engine's own
+    lists as they are. ``new_block_ids[i]``: request ``i``'s new blocks per group (see ``ScheduledRequest``), or
+    None (or empty) when it got none. ``computed_tokens[i]``: its tokens whose KV is in the device cache once the
+    step has run. ``resumed``: requests scheduled again after a preemption (their ``new_block_ids`` are all of
+    their blocks).
+    """
+
+    req_ids: Sequence[str]
+    new_block_ids: Sequence[Sequence[Sequence[int]] | None]
+    computed_tokens: np.ndarray
+    resumed: frozenset[str] = frozenset()
     preempted_req_ids: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        n = len(self.req_ids)
+        if len(self.new_block_ids) != n or self.computed_tokens.shape != (n,):
+            raise ValueError(f"StepSchedule: columns of {n} ids, {len(self.new_block_ids)} block lists and "
+                             f"{self.computed_tokens.shape} computed counts")
+
+    @classmethod
+    def of(cls, scheduled: Sequence[ScheduledRequest] = (),
+           preempted_req_ids: frozenset[str] = frozenset()) -> StepSchedule:
+        """The columns of ``scheduled`` (a request whose every group got no block has None)."""
+        return cls([r.req_id for r in scheduled],
+                   [r.new_block_ids if any(r.new_block_ids) else None for r in scheduled],
+                   np.array([r.num_computed_tokens for r in scheduled], dtype=np.int64),
+                   frozenset(r.req_id for r in scheduled if r.resumed), preempted_req_ids)
 
 
 @dataclass(frozen=True)
@@ -75,6 +105,8 @@ class RequestState:
     scheduled: bool = False
     next_store_block: int = 0
     """Offload blocks before this one are stored, loaded, or were skipped."""
+    store_limit: int | None = None
+    """No block past this many tokens is stored (``ConnectorScheduler.limit_stores``)."""
     planned_load: PlannedLoad | None = None
     query_tokens: int | None = None
     """Tokens asked for by the last lookup, until counted in the stats (once per lookup)."""
@@ -82,20 +114,41 @@ class RequestState:
     """Jobs in flight that read or write this request's device blocks."""
     ambiguous: bool = False
     """Another live request had the same id: no loads or stores for this id until it is finished."""
+    _framed_extra: bytes | None = None
+    _keys: list[list[OffloadKey]] = field(default_factory=list)
 
     def block_hashes(self, num_blocks: int) -> list[BlockHash]:
         """Hashes of the first ``num_blocks`` offload blocks (computed once, as tokens arrive)."""
-        tokens = self.request.all_token_ids
-        extra = tuple(self.request.extra_keys)
-        n = self.offload_tokens
-        while len(self.hashes) < num_blocks:
-            i = len(self.hashes)
-            parent = self.hashes[-1] if self.hashes else self.root
-            self.hashes.append(hash_block(parent, tokens[i * n:(i + 1) * n], extra))
-        return self.hashes[:num_blocks]
+        hashes = self.hashes
+        if len(hashes) < num_blocks:
+            if self._framed_extra is None:  # an engine request's extra keys are fixed for its life
+                self._framed_extra = frame_extra_keys(tuple(self.request.extra_keys))
+            n = self.offload_tokens
+            tokens = self.request.all_token_ids[len(hashes) * n:num_blocks * n]
+            hashes.extend(chain_hashes(hashes[-1] if hashes else self.root, tokens, n, self._framed_extra))
+        return hashes[:num_blocks]
 
     def keys(self, first: int, end: int, group: int) -> list[OffloadKey]:
-        return [offload_key(h, group) for h in self.block_hashes(end)[first:end]]
+        """Group ``group``'s keys of offload blocks ``[first, end)`` (derived once per block and group)."""
+        while len(self._keys) <= group:
+            self._keys.append([])
+        keys = self._keys[group]
+        if len(keys) < end:
+            keys.extend(offload_key(h, group) for h in self.block_hashes(end)[len(keys):end])
+        return keys[first:end]
 
     def full_blocks(self, num_tokens: int) -> int:
-        return min(num_tokens, len(self.request.all_token_ids)) // self.offload_tokens
+        """Offload blocks that ``num_tokens`` computed tokens fill, within the tokens known and the store limit."""
+        limit = len(self.request.all_token_ids) if self.store_limit is None else self.store_limit
+        return min(num_tokens, limit, len(self.request.all_token_ids)) // self.offload_tokens
+
+    def store_threshold(self) -> int:
+        """Computed tokens at which the next offload block to store is full; ``NEVER`` when none will be."""
+        tokens = (self.next_store_block + 1) * self.offload_tokens
+        if self.ambiguous or (self.store_limit is not None and tokens > self.store_limit):
+            return NEVER
+        return tokens
+
+
+NEVER = 1 << 62
+"""A store threshold no token count reaches."""

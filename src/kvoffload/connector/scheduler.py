@@ -17,14 +17,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+import numpy as np
+
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.load_cost import LoadCost
 from kvoffload.connector.metadata import ConnectorMetadata, LoadJob, WorkerMetadata
 from kvoffload.connector.requests import (
+    NEVER,
     EngineRequest,
     PlannedLoad,
     RequestState,
-    ScheduledRequest,
     StepSchedule,
 )
 from kvoffload.connector.stats import SchedulerStats
@@ -43,12 +45,31 @@ class JobKind(Enum):
     TIER = "tier"
 
 
+@dataclass
+class _FullBlocks:
+    """Offload blocks that became full this step, by group: their keys, their device blocks (``factor`` per key)
+    and the request of each key; the step's store job is made of them."""
+
+    keys: list[list[OffloadKey]]
+    device_blocks: list[list[int]]
+    owners: list[list[RequestState]]
+
+    @classmethod
+    def empty(cls, num_groups: int) -> _FullBlocks:
+        return cls([[] for _ in range(num_groups)], [[] for _ in range(num_groups)], [[] for _ in range(num_groups)])
+
+    def count(self) -> int:
+        return sum(len(keys) for keys in self.keys)
+
+
 @dataclass(frozen=True)
-class _StoreCandidate:
-    group: int
-    key: OffloadKey
-    device_blocks: list[int]
-    state: RequestState
+class _Columns:
+    """The last step's scheduled requests: their states (None: not stored) and store thresholds, aligned."""
+
+    req_ids: list[str]
+    states: list[RequestState | None]
+    thresholds: np.ndarray
+    generation: int
 
 
 @dataclass
@@ -102,6 +123,9 @@ class ConnectorScheduler:
         self._to_flush: set[JobId] = set()
         self._to_flush_next: set[JobId] = set()
         self._stats = SchedulerStats()
+        self._generation = 0
+        """Bumped whenever a request state comes, goes, or changes its store threshold outside a step."""
+        self._columns: _Columns | None = None
 
     # ---- load path -------------------------------------------------------------------------------------------
 
@@ -221,11 +245,9 @@ class ConnectorScheduler:
             if (state := self._requests.get(req_id)) is not None:
                 state.block_ids = []
                 state.scheduled = False
-        candidates: list[_StoreCandidate] = []
-        for scheduled in step.scheduled:
-            self._collect_stores(scheduled, candidates)
-        self._observe_step(len(candidates))
-        store = self._store_job(candidates)
+        full = self._collect_stores(step)
+        self._observe_step(0 if full is None else full.count())
+        store = None if full is None else self._store_job(full)
         if store is not None and self.flush_stores_next_step:
             self._to_flush_next.add(store.job_id)
         tier_jobs = [self._tier_job(t) for t in self.manager.take_transfers()]
@@ -233,52 +255,88 @@ class ConnectorScheduler:
         flush, self._to_flush, self._to_flush_next = self._to_flush, self._to_flush_next, set()
         return ConnectorMetadata(tuple(loads), (store,) if store else (), tuple(tier_jobs), frozenset(flush))
 
-    def _collect_stores(self, scheduled: ScheduledRequest, out: list[_StoreCandidate]) -> None:
-        """Track the request's new blocks; add its offload blocks that became full in this step to ``out``."""
-        state = self._requests.get(scheduled.req_id)
-        if state is None or state.ambiguous:
-            logger.debug("scheduled request %s was never looked up or shares its id; not storing it",
-                         scheduled.req_id)
-            return
-        if state.scheduled and not scheduled.resumed:
-            for ids, new in zip(state.block_ids, scheduled.new_block_ids, strict=True):  # hot: every step
-                if new:
-                    ids.extend(new)
-        else:
-            state.block_ids = [list(ids) for ids in scheduled.new_block_ids]
-            state.scheduled = True
+    def _collect_stores(self, step: StepSchedule) -> _FullBlocks | None:
+        """Track the scheduled requests' new blocks; their offload blocks that became full (None: none did).
+
+        Hot: every step, every running request. Python runs per request only for a request that got new blocks
+        or whose computed tokens reached its store threshold (the next offload block is full); finding those is
+        one vector comparison. Most decode steps of most requests are neither.
+        """
+        states, thresholds = self._columns_of(step.req_ids)
+        new_block_ids = step.new_block_ids
+        for i in itertools.compress(range(len(states)), new_block_ids):
+            if (state := states[i]) is not None:
+                _add_blocks(state, new_block_ids[i], step.req_ids[i] in step.resumed)  # type: ignore[arg-type]
+        computed = step.computed_tokens
+        full = None
+        for i in np.flatnonzero(computed >= thresholds).tolist():
+            state = states[i]
+            assert state is not None  # a request without state has the threshold NEVER
+            full = full or _FullBlocks.empty(self.num_groups)
+            self._full_blocks(state, int(computed[i]), full)
+            thresholds[i] = state.store_threshold()
+        return full
+
+    def _columns_of(self, req_ids: Sequence[str]) -> tuple[list[RequestState | None], np.ndarray]:
+        """The states of ``req_ids`` and their store thresholds, aligned with them.
+
+        Kept from the last step while the engine schedules the same requests in the same order and no request
+        state came or went (a decode step): then it costs one list comparison.
+        """
+        cached = self._columns
+        if cached is not None and cached.generation == self._generation and cached.req_ids == req_ids:
+            return cached.states, cached.thresholds
+        states = [self._requests.get(r) for r in req_ids]
+        for i, state in enumerate(states):
+            if state is None or state.ambiguous:
+                logger.debug("scheduled request %s was never looked up or shares its id; not storing it",
+                             req_ids[i])
+                states[i] = None
+        thresholds = np.array([NEVER if s is None else s.store_threshold() for s in states], dtype=np.int64)
+        self._columns = _Columns(list(req_ids), states, thresholds, self._generation)
+        return states, thresholds
+
+    def _full_blocks(self, state: RequestState, computed: int, out: _FullBlocks) -> None:
+        """Add the request's offload blocks that ``computed`` tokens fill and that are not yet stored to ``out``."""
         first = state.next_store_block
-        if scheduled.num_computed_tokens // self.offload_tokens <= first:
-            return  # most decode steps: no offload block filled up
-        end = state.full_blocks(scheduled.num_computed_tokens)
+        end = state.full_blocks(computed)
         if end <= first:
             return
         state.next_store_block = end
-        f = self.factor
+        f, null = self.factor, self.null_block_id
         for g in range(self.num_groups):
-            for i, key in enumerate(state.keys(first, end, g), start=first):
-                device = state.block_ids[g][i * f:(i + 1) * f]
-                if self.null_block_id not in device:
-                    out.append(_StoreCandidate(g, key, device, state))
+            keys = state.keys(first, end, g)
+            device = state.block_ids[g][first * f:end * f]
+            if null in device:  # a window group dropped some: those blocks are not stored
+                kept = [i for i in range(len(keys)) if null not in device[i * f:(i + 1) * f]]
+                keys = [keys[i] for i in kept]
+                device = [b for i in kept for b in device[i * f:(i + 1) * f]]
+            out.keys[g] += keys
+            out.device_blocks[g] += device
+            out.owners[g] += [state] * len(keys)
 
-    def _store_job(self, candidates: list[_StoreCandidate]) -> TransferJob | None:
+    def limit_stores(self, request: EngineRequest, tokens: int) -> None:
+        """Store no block of ``request`` past its first ``tokens`` tokens (models whose states are kept only
+        for the prompt: ``adapters.stores_prompt_blocks_only``)."""
+        state = self._state(request)
+        if state.store_limit != tokens:
+            state.store_limit = tokens
+            self._generation += 1
+
+    def _store_job(self, full: _FullBlocks) -> TransferJob | None:
         """One store job per step for every request's new full blocks: one submit, one copy plan."""
-        if not candidates:
+        keys = [k for group in full.keys for k in group]  # specs list group 0's blocks first
+        if not keys:
             return None
-        candidates.sort(key=lambda c: c.group)  # specs list group 0's blocks first (stable: prefix order kept)
-        out = self.manager.prepare_store([c.key for c in candidates])
+        out = self.manager.prepare_store(keys)
         if out is None or not out.keys_to_store:
             return None
-        chosen = set(out.keys_to_store)
-        picked = []
-        for c in candidates:
-            if c.key in chosen:
-                chosen.discard(c.key)  # two requests may share a block: store it once
-                picked.append(c)
-        group_sizes = tuple(sum(1 for c in picked if c.group == g) for g in range(self.num_groups))
-        src = DeviceBlocks(tuple(b for c in picked for b in c.device_blocks),
+        if len(out.keys_to_store) < len(keys):  # some are stored already, or two requests share a block
+            full = _only(full, set(out.keys_to_store), self.factor)
+        group_sizes = tuple(len(group) for group in full.keys)
+        src = DeviceBlocks(tuple(b for group in full.device_blocks for b in group),
                            tuple(n * self.factor for n in group_sizes))
-        owners = {id(c.state): c.state for c in picked}
+        owners = {id(st): st for group in full.owners for st in group}
         job = self._new_job(JobKind.STORE, tuple(st.request.request_id for st in owners.values()),
                             out.keys_to_store)
         for state in owners.values():
@@ -340,7 +398,8 @@ class ConnectorScheduler:
     def request_finished(self, req_id: str) -> None:
         """The request is done (finished or aborted): its blocks may be reused once its pending jobs are flushed."""
         self._fence(req_id)
-        self._requests.pop(req_id, None)
+        if self._requests.pop(req_id, None) is not None:
+            self._generation += 1
 
     def _fence(self, req_id: str) -> None:
         state = self._requests.get(req_id)
@@ -374,12 +433,14 @@ class ConnectorScheduler:
         if state is None:
             state = RequestState(request, self._root, self.offload_tokens, self.num_groups)
             self._requests[request.request_id] = state
+            self._generation += 1
         elif state.request is not request and state.request != request and not state.ambiguous:
             # Another live request with this id: its hashes (tokens, salt) are not this one's, and the engine's
             # schedule names requests by id alone, so neither's blocks can be told apart. Until the id is
             # finished, nothing is loaded into or stored from either of them.
             logger.warning("two live requests share the id %r; kvoffload skips both", request.request_id)
             state.ambiguous = True
+            self._generation += 1
         return state
 
     def _new_job(self, kind: JobKind, req_ids: tuple[str, ...], keys: tuple[OffloadKey, ...],
@@ -387,6 +448,30 @@ class ConnectorScheduler:
         job_id = JobId(next(self._job_ids))
         self._jobs[job_id] = _PendingJob(kind, req_ids, tuple(keys), transfer_id, blocks=blocks)
         return job_id
+
+
+def _only(full: _FullBlocks, chosen: set[OffloadKey], factor: int) -> _FullBlocks:
+    """The blocks of ``full`` whose keys are in ``chosen``, each once (in ``full``'s order)."""
+    kept = _FullBlocks.empty(len(full.keys))
+    for g, keys in enumerate(full.keys):
+        for i, key in enumerate(keys):
+            if key in chosen:
+                chosen.discard(key)  # two requests may share a block: store it once
+                kept.keys[g].append(key)
+                kept.device_blocks[g] += full.device_blocks[g][i * factor:(i + 1) * factor]
+                kept.owners[g].append(full.owners[g][i])
+    return kept
+
+
+def _add_blocks(state: RequestState, new: Sequence[Sequence[int]], resumed: bool) -> None:
+    """The engine allocated ``new`` blocks per group to the request: all of them on its first schedule and when
+    resumed after a preemption, else blocks appended to those it had."""
+    if state.scheduled and not resumed:
+        for ids, more in zip(state.block_ids, new, strict=True):
+            ids.extend(more)
+    else:
+        state.block_ids = [list(ids) for ids in new]
+        state.scheduled = True
 
 
 def _regroup(spec: BlockSpec, group_sizes: tuple[int, ...]) -> BlockSpec:

@@ -175,7 +175,7 @@ class SimEngine:
         self.step_count += 1
         self._work = []
         scheduled, preempted = self._schedule()
-        meta = self.scheduler.build_connector_meta(StepSchedule(tuple(scheduled), frozenset(preempted)))
+        meta = self.scheduler.build_connector_meta(StepSchedule.of(scheduled, frozenset(preempted)))
         report = WorkerMetadata()
         for rank, worker in enumerate(self.workers):
             worker.handle_preemptions(meta)

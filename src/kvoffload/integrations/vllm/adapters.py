@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1 import kv_cache_interface as vkv
 
 from kvoffload.config import OffloadConfig
-from kvoffload.connector.requests import ScheduledRequest, StepSchedule
+from kvoffload.connector.requests import StepSchedule
 from kvoffload.keys import Namespace
 from kvoffload.layout import AttentionSpec, KVBuffer, KVCacheLayout, KVGroup, LayerSpec, StateSpec
 from kvoffload.manager.base import EventKind, OffloadEvent
@@ -300,31 +301,33 @@ def block_ids_per_group(block_ids: Sequence[Sequence[int]] | None,
     return tuple(tuple(ids) for ids in block_ids)
 
 
-def step_schedule(out: SchedulerOutput, num_groups: int,
-                  store_limits: Mapping[str, int] | None = None) -> StepSchedule:
-    """This step's scheduled requests: blocks they gained and the tokens whose KV is computed after the step.
+def step_schedule(out: SchedulerOutput) -> StepSchedule:
+    """This step's scheduled requests, by columns: blocks they gained and the tokens whose KV is computed after
+    the step.
 
-    Speculative tokens are left out of the computed count: the engine may reject them. ``store_limits``
-    (request id -> tokens) caps a request's count, so that no block past the cap is ever stored
-    (``stores_prompt_blocks_only``).
+    The running requests' columns are vLLM's own lists (``CachedRequestData``), not copied per request; their
+    new blocks are vLLM's per-group lists, or None. Speculative tokens are left out of the computed count: the
+    engine may reject them.
     """
-    limits = store_limits or {}
-
-    def computed(req_id: str, before: int) -> int:
-        spec = len(out.scheduled_spec_decode_tokens.get(req_id, ()))
-        done = before + out.num_scheduled_tokens.get(req_id, 0) - spec
-        limit = limits.get(req_id)
-        return done if limit is None else min(done, limit)
-
-    scheduled = [ScheduledRequest(new.req_id, block_ids_per_group(new.block_ids, num_groups),
-                                  computed(new.req_id, new.num_computed_tokens))
-                 for new in out.scheduled_new_reqs]
-    cached = out.scheduled_cached_reqs
-    for i, req_id in enumerate(cached.req_ids):
-        scheduled.append(ScheduledRequest(req_id, block_ids_per_group(cached.new_block_ids[i], num_groups),
-                                          computed(req_id, cached.num_computed_tokens[i]),
-                                          resumed=req_id in cached.resumed_req_ids))
-    return StepSchedule(tuple(scheduled), frozenset(out.preempted_req_ids or ()))
+    new, cached = out.scheduled_new_reqs, out.scheduled_cached_reqs
+    req_ids: list[str] = cached.req_ids
+    new_block_ids: list[Any] = cached.new_block_ids
+    before: list[int] = cached.num_computed_tokens
+    if new:
+        req_ids = [r.req_id for r in new] + req_ids
+        new_block_ids = [r.block_ids for r in new] + new_block_ids
+        before = [r.num_computed_tokens for r in new] + before
+    computed = np.array(before, dtype=np.int64)
+    if out.total_num_scheduled_tokens == len(req_ids) and not out.scheduled_spec_decode_tokens:
+        computed += 1  # every request got one token (each gets at least one): a decode step
+    else:
+        computed += np.fromiter((out.num_scheduled_tokens[r] for r in req_ids), np.int64, len(req_ids))
+        if out.scheduled_spec_decode_tokens:
+            row = {r: i for i, r in enumerate(req_ids)}
+            for req_id, spec in out.scheduled_spec_decode_tokens.items():
+                computed[row[req_id]] -= len(spec)
+    return StepSchedule(req_ids, new_block_ids, computed, frozenset(cached.resumed_req_ids),
+                        frozenset(out.preempted_req_ids or ()))
 
 
 # ---- KV events ---------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ class SchedulerSide:
         # vLLM's block pool hands out block 0 as its null block (the placeholder for dropped window blocks).
         self.core = ConnectorScheduler(config, layout, block_size, namespace, null_block_id=0,
                                        flush_stores_next_step=blocks_change_while_running)
-        self._prompt_tokens: dict[str, int] | None = {} if prompt_blocks_only else None
+        self.prompt_blocks_only = prompt_blocks_only
         self.num_groups = len(layout.groups)
         self.block_tokens = self.core.offload_tokens
         self.slot_bytes = host_slot_bytes(layout, self.core.factor)
@@ -51,9 +51,10 @@ class SchedulerSide:
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         if not adapters.is_offloadable(request):
             return 0, False
-        if self._prompt_tokens is not None:
-            self._prompt_tokens[str(request.request_id)] = request.num_prompt_tokens
-        return self.core.get_num_new_matched_tokens(adapters.VllmRequest(request), num_computed_tokens)
+        engine_request = adapters.VllmRequest(request)
+        if self.prompt_blocks_only:
+            self.core.limit_stores(engine_request, request.num_prompt_tokens)
+        return self.core.get_num_new_matched_tokens(engine_request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -63,8 +64,7 @@ class SchedulerSide:
         self.core.update_state_after_alloc(adapters.VllmRequest(request), block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVOffloadMetadata:
-        return KVOffloadMetadata(self.core.build_connector_meta(
-            adapters.step_schedule(scheduler_output, self.num_groups, self._prompt_tokens)))
+        return KVOffloadMetadata(self.core.build_connector_meta(adapters.step_schedule(scheduler_output)))
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         report = output.kv_connector_worker_meta
@@ -72,8 +72,6 @@ class SchedulerSide:
             self.core.update_connector_output(report.report)
 
     def request_finished(self, request: Request) -> None:
-        if self._prompt_tokens is not None:
-            self._prompt_tokens.pop(str(request.request_id), None)
         self.core.request_finished(str(request.request_id))
 
     def take_events(self) -> list[KVCacheEvent]:

@@ -1,0 +1,54 @@
+"""adapters.step_schedule: vLLM's SchedulerOutput as columns, new requests first, with the tokens computed after
+the step (decode, chunked prefill, speculative tokens left out, resumed and preempted requests)."""
+
+from __future__ import annotations
+
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+from kvoffload.integrations.vllm import adapters
+
+
+def output(new: list[tuple[str, int, int]], cached: list[tuple[str, int, int]],
+           spec: dict[str, list[int]] | None = None) -> SchedulerOutput:
+    """``new`` and ``cached``: (request id, computed before the step, tokens scheduled)."""
+    out = SchedulerOutput.make_empty()
+    out.scheduled_new_reqs = [NewRequestData(r, [1] * 64, [], None, None, ([i, i + 1],), before, None)
+                              for i, (r, before, _) in enumerate(new)]
+    data = CachedRequestData.make_empty()
+    for i, (r, before, _) in enumerate(cached):
+        data.req_ids.append(r)
+        data.new_block_ids.append(([100 + i],) if i % 2 else None)
+        data.num_computed_tokens.append(before)
+        data.num_output_tokens.append(1)
+    out.scheduled_cached_reqs = data
+    out.num_scheduled_tokens = {r: n for r, _, n in [*new, *cached]}
+    out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+    out.scheduled_spec_decode_tokens = spec or {}
+    return out
+
+
+def test_a_decode_step_adds_one_token_to_every_request() -> None:
+    step = adapters.step_schedule(output([], [("a", 40, 1), ("b", 17, 1), ("c", 99, 1)]))
+    assert list(step.req_ids) == ["a", "b", "c"]
+    assert step.computed_tokens.tolist() == [41, 18, 100]
+    assert list(step.new_block_ids) == [None, ([101],), None]
+
+
+def test_new_requests_come_first_and_chunks_count_their_scheduled_tokens() -> None:
+    step = adapters.step_schedule(output([("n", 0, 32), ("m", 16, 48)], [("a", 40, 1), ("b", 64, 16)]))
+    assert list(step.req_ids) == ["n", "m", "a", "b"]
+    assert step.computed_tokens.tolist() == [32, 64, 41, 80]
+    assert list(step.new_block_ids) == [([0, 1],), ([1, 2],), None, ([101],)]
+
+
+def test_speculative_tokens_are_not_counted_as_computed() -> None:
+    step = adapters.step_schedule(output([], [("a", 40, 4), ("b", 17, 1)], spec={"a": [5, 6, 7]}))
+    assert step.computed_tokens.tolist() == [41, 18]
+
+
+def test_resumed_and_preempted_requests_are_named() -> None:
+    out = output([], [("a", 40, 1), ("b", 10, 1)])
+    out.scheduled_cached_reqs.resumed_req_ids = {"b"}
+    out.preempted_req_ids = {"c"}
+    step = adapters.step_schedule(out)
+    assert step.resumed == {"b"} and step.preempted_req_ids == {"c"}
