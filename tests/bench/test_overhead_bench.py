@@ -73,3 +73,33 @@ def test_run_prints_parseable_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_table_states_the_target_verdict(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench.run(_args()) == 0
     assert "decode target < 100 us/step:" in capsys.readouterr().out
+
+
+def test_vs_vllm_times_both_scheduler_halves_on_vllms_own_scheduler_outputs() -> None:
+    import subprocess
+    import sys
+
+    pytest.importorskip("vllm")
+    # A process of its own, as a user runs it: vLLM's logs must stay out of the JSON on stdout.
+    done = subprocess.run([sys.executable, "-m", "kvoffload.cli", "bench", "overhead", "--vs-vllm", "--requests",
+                           "4", "--prompt-tokens", "32", "--runs", "4", "--warmup", "1", "--rounds", "1", "--json",
+                           "--quiet"], capture_output=True, text=True, timeout=300, check=True)
+    report = json.loads(done.stdout)
+    rows = report["rows"]
+    assert [r["step_kind"] for r in rows] == ["admission", "decode", "finish"]
+    for r in rows:
+        assert r["requests"] == 4 and r["ours"]["median"] > 0 and r["vllm"]["median"] > 0
+        assert r["ratio"] == pytest.approx(r["vllm"]["median"] / r["ours"]["median"])
+    assert rows[1]["steps"] == 4  # --runs + --warmup decode steps, less the one that finishes the requests
+    assert rows[0]["ratio_with_vllm_hashing"] > rows[0]["ratio"]
+
+
+def test_vs_vllm_refuses_a_run_where_one_side_stored_less() -> None:
+    from kvoffload.bench.overhead_vllm import _check_same_work, _Side
+
+    sides = [_Side("ours", None, lambda m: m, lambda m: 0, stored_blocks=8),
+             _Side("vllm", None, lambda m: m, lambda m: 0, stored_blocks=6)]
+    with pytest.raises(RuntimeError, match="blocks stored"):
+        _check_same_work(sides, 8)
+    sides[1].stored_blocks = 8
+    _check_same_work(sides, 8)

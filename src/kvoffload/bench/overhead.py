@@ -169,11 +169,20 @@ def summarize_steps(samples: list[StepSample], warmup: int) -> list[dict[str, An
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser, runs=64, warmup=4)
     parser.add_argument("--requests", type=positive_int, default=256, help="requests running at once (256)")
+    parser.add_argument("--vs-vllm", action="store_true",
+                        help="instead: our scheduler half beside vLLM's OffloadingConnector, both on vLLM's own "
+                             "scheduler outputs, at 64 and --requests requests (bench/overhead_vllm.py)")
+    parser.add_argument("--rounds", type=positive_int, default=5,
+                        help="--vs-vllm: rounds of admission, decode and finish per request count (default 5)")
     parser.add_argument("--prompt-tokens", type=positive_int, default=128, help="prompt length (default 128)")
     parser.add_argument("--block-size", type=positive_int, default=16, help="engine block size (default 16)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.vs_vllm:
+        from kvoffload.bench import overhead_vllm
+
+        return overhead_vllm.run(args)
     # --runs is the number of timed decode steps; --warmup the decode steps left out before them. Requests admitted
     # early decode during the later admission steps, and finish early: ADMISSION_MARGIN keeps enough pure decode.
     decode_steps = args.runs + args.warmup + ADMISSION_MARGIN
