@@ -3,11 +3,11 @@
 Stores go through one ordered queue, so they finish in submission order (which covers the interface's rule
 that two jobs touching the same destination finish in order). Loads are copied during ``start``, in the
 caller's thread (why: see ``start``); a load writes device blocks and a store writes host slots, so the two
-never share a destination. A job's plan is cut into byte-balanced pieces (at least 1 MiB each, up to 4 per
-thread) that ``threads`` threads (the dispatcher or the caller, plus helpers) take in turn. Taking pieces rather
-than fixed halves matters on a shared machine: a thread the OS preempts delays the job by one piece, not by half
-of it. Torch's intra-op
-thread count is left alone: it is process-wide and belongs to the engine.
+never share a destination. A job's plan is turned into absolute addresses once (``Ranges``), then cut into
+byte-balanced pieces (at least 1 MiB each, up to 4 per thread) that ``threads`` threads (the dispatcher or the
+caller, plus helpers) take in turn. Taking pieces rather than fixed halves matters on a shared machine: a thread
+the OS preempts delays the job by one piece, not by half of it. Torch's intra-op thread count is left alone: it
+is process-wide and belongs to the engine.
 
 Why raw ``memmove``: each copy is a ``memmove`` between addresses computed from the tensors' data pointers, and
 ``kvoffload._blockcopy.copy_ranges`` (a small C extension) runs a whole piece of them in one call without the
@@ -21,20 +21,21 @@ the tensors whose memory it addresses.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy as np
-import numpy.typing as npt
 import torch
 
 from kvoffload.specs import JobId, Medium
 from kvoffload.transfer.base import TransferResult
-from kvoffload.transfer.copy_plan import STORE, CopyPlan
+from kvoffload.transfer.copy_plan import STORE, CopyPlan, Int64Array
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +117,9 @@ class CpuCopier:
             self._done.notify_all()
 
     def _run(self, plan: CopyPlan, store: bool) -> None:
-        parts = max(1, min(self._threads * PIECES_PER_THREAD, plan.nbytes // MIN_PIECE_BYTES))
-        pieces = iter(plan.split(parts) if parts > 1 else [plan])
+        ranges = self._ranges(plan, store)
+        parts = max(1, min(self._threads * PIECES_PER_THREAD, int(ranges.size.sum()) // MIN_PIECE_BYTES))
+        pieces = iter(split_ranges(ranges, parts))
         lock = threading.Lock()
 
         def drain() -> None:
@@ -128,7 +130,7 @@ class CpuCopier:
                     piece = next(pieces, None)
                 if piece is None:
                     return
-                self._copy(piece, store)
+                copy_ranges(*piece)
 
         futures: list[Future[None]] = []
         if self._helpers is not None and parts > 1:
@@ -145,15 +147,44 @@ class CpuCopier:
         if errors:
             raise errors[0]
 
-    def _copy(self, plan: CopyPlan, store: bool) -> None:
-        view_addr = plan.view_offset + self._view_base[plan.view]
-        pool_addr = plan.pool_offset + self._pool_base
+    def _ranges(self, plan: CopyPlan, store: bool) -> Ranges:
+        """The plan in absolute addresses, for the whole job at once (not per piece: fewer numpy calls)."""
+        base = self._view_base[0] if len(self._view_base) == 1 else self._view_base[plan.view]
+        view_addr, pool_addr = plan.view_offset + base, plan.pool_offset + self._pool_base
         dst, src = (pool_addr, view_addr) if store else (view_addr, pool_addr)
-        copy_ranges(np.ascontiguousarray(dst), np.ascontiguousarray(src), np.ascontiguousarray(plan.size))
+        return Ranges(dst, src, np.ascontiguousarray(plan.size))
 
 
-def _copy_ranges_in_python(dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64],
-                           size: npt.NDArray[np.int64]) -> None:
+class Ranges(NamedTuple):
+    """``size[i]`` bytes from address ``src[i]`` to address ``dst[i]``: the arguments of ``copy_ranges``."""
+
+    dst: Int64Array
+    src: Int64Array
+    size: Int64Array
+
+
+def split_ranges(ranges: Ranges, parts: int) -> list[Ranges]:
+    """Cut into at most ``parts`` pieces of near-equal bytes, in order; a range may be cut, more than once."""
+    dst, src, size = ranges
+    if parts <= 1 or len(size) == 0:
+        return [ranges]
+    start = np.cumsum(size) - size  # each range's first byte, counted from the job's first byte
+    total = int(start[-1] + size[-1])
+    cuts = np.unique(np.arange(1, parts, dtype=np.int64) * total // parts)
+    cuts = cuts[cuts > 0]
+    holder = np.searchsorted(start, cuts, side="right") - 1  # the range that holds each cut's byte
+    inside = cuts - start[holder]
+    if (mid := inside > 0).any():  # cut those ranges in two (or more) where a cut falls inside them
+        at, inside = holder[mid] + 1, inside[mid]
+        dst = np.insert(dst, at, dst[at - 1] + inside)
+        src = np.insert(src, at, src[at - 1] + inside)
+        start = np.insert(start, at, cuts[mid])
+        size = np.diff(start, append=total)
+    bounds = [0, *np.searchsorted(start, cuts).tolist(), len(size)]
+    return [Ranges(dst[lo:hi], src[lo:hi], size[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
+
+
+def _copy_ranges_in_python(dst: Int64Array, src: Int64Array, size: Int64Array) -> None:
     memmove = ctypes.memmove
     for d, s, n in zip(dst.tolist(), src.tolist(), size.tolist(), strict=True):
         memmove(d, s, n)
