@@ -1,8 +1,7 @@
-"""DeviceHostHandler: bytes land where the job says, on every layout; failures are results; the copy bench."""
+"""DeviceHostHandler: bytes land where the job says, on every layout; failures are results."""
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable
 from itertools import chain
@@ -12,7 +11,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload import cli
 from kvoffload.canonical import BlockRef, CanonicalKV, canonicalize
 from kvoffload.specs import DeviceBlocks, HostBlocks, JobId, Medium, TransferJob
 from kvoffload.testing.device_host_harness import FaultyDeviceHostHandler
@@ -124,6 +122,18 @@ def test_a_job_cut_into_pieces_mid_copy_lands_intact(monkeypatch: pytest.MonkeyP
     handler.shutdown()
 
 
+def test_plan_seconds_adds_up_the_planning_of_every_accepted_job() -> None:
+    kv = _kv("attention")
+    handler = DeviceHostHandler(kv, HostPool(4, kv.max_block_bytes), factor=1)
+    assert handler.plan_seconds == 0.0
+    assert _run(handler, _store_job(1, [[0, 1]], [[0, 1]])).success
+    first = handler.plan_seconds
+    assert first > 0
+    assert _run(handler, _store_job(2, [[2]], [[2]])).success
+    assert handler.plan_seconds > first
+    handler.shutdown()
+
+
 def test_an_exception_inside_a_copy_is_a_failed_result_and_later_jobs_still_run() -> None:
     kv = _kv("attention")
     handler = FaultyDeviceHostHandler(kv, HostPool(4, kv.max_block_bytes), 1, 2, failing={JobId(1)})
@@ -193,22 +203,3 @@ def test_cuda_store_sees_compute_stream_writes_made_before_submit() -> None:
     assert _run(handler, _store_job(1, [[3]], [[1]])).success
     assert torch.all(pool.buffer[1] == 5)
     handler.shutdown()
-
-
-def test_bench_copy_prints_one_json_row_per_page_size_and_direction(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["bench", "copy", "--json", "--runs", "2", "--page-sizes", "4K,8K", "--blocks-per-job", "3"]
-    assert cli.main(argv) == 0
-    rows = json.loads(capsys.readouterr().out)
-    assert [(r["page_bytes"], r["direction"]) for r in rows] == [
-        (4096, "device_to_host"), (4096, "host_to_device"), (8192, "device_to_host"), (8192, "host_to_device")]
-    for row in rows:
-        assert set(row) == {"page_bytes", "blocks_per_job", "direction", "gbps", "memcpy_gbps", "ratio", "runs",
-                            "spread"}
-        assert row["blocks_per_job"] == 3 and row["runs"] == 2
-        assert row["gbps"] > 0 and row["memcpy_gbps"] > 0 and row["ratio"] > 0 and row["spread"] >= 0
-
-
-def test_bench_copy_rejects_a_page_size_out_of_range(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        cli.main(["bench", "copy", "--page-sizes", "4M"])
-    assert "outside 4K..2M" in capsys.readouterr().err

@@ -6,10 +6,15 @@ handler (submit, wait), each run paired with one memcpy of the same bytes, buffe
 both see the same machine load. The baseline is libc ``memcpy`` (one call, one core) on CPU and one contiguous
 ``copy_`` (a single cudaMemcpy) with CUDA. Rows report medians after warm-up runs: the handler's GB/s (submit to
 wait returning: planning, queueing and copies), memcpy GB/s, their ratio (median of the per-run ratios) and
-the spread (max - min) / median of the handler's GB/s. Block ids and slots are a random permutation, so no
-two blocks of a job are adjacent: runs of consecutive blocks, which the handler merges into one copy, only
-make it faster. On a machine without CUDA the "device" is a KV cache in CPU memory; with CUDA it is on the
-GPU.
+the spread (max - min) / median of the handler's GB/s. Block ids and slots are a random permutation, so
+hardly two blocks of a job are adjacent: runs of consecutive blocks, which the handler merges into one copy,
+only make it faster. On a machine without CUDA the "device" is a KV cache in CPU memory; with CUDA it is on
+the GPU.
+
+Where a run's time goes: ``plan_ms`` is the time ``submit`` spent checking and planning the job (the
+handler's ``plan_seconds``), ``copy_ms`` the copier's own time for it (``TransferResult.seconds``: the copies,
+cut into pieces across threads); the shares are their medians over runs as parts of the handler's time. What
+neither covers is handing the job between threads.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +51,10 @@ class Row:
     ratio: float
     runs: int
     spread: float
+    plan_ms: float
+    copy_ms: float
+    plan_share: float
+    copy_share: float
 
 
 def _size(text: str) -> int:
@@ -129,23 +138,33 @@ def measure(page_bytes: int, blocks: int, store: bool, runs: int, threads: int) 
     view_bytes, pool_bytes = view.view(-1), pool.buffer.view(-1)
     src, dst = (view_bytes, pool_bytes) if store else (pool_bytes, view_bytes)
     handler = DeviceHostHandler(kv, pool, factor=1, threads=threads)
-    handler_s, memcpy_s = [], []
+    runs_s: list[_Run] = []
     try:
         for i in range(WARMUP_RUNS + runs):
             job_id = JobId(i)
             job = (TransferJob(job_id, device_spec, host_spec) if store
                    else TransferJob(job_id, host_spec, device_spec))
-            h = _time_job(handler, job)
+            h, p, c = _time_job(handler, job)
             m = _time_memcpy(dst, src)
             if i >= WARMUP_RUNS:
-                handler_s.append(h)
-                memcpy_s.append(m)
+                runs_s.append(_Run(h, m, p, c))
     finally:
         handler.shutdown()
-    return _row(page_bytes, blocks, store, total, handler_s, memcpy_s)
+    return _row(page_bytes, blocks, store, total, runs_s)
 
 
-def _time_job(handler: DeviceHostHandler, job: TransferJob) -> float:
+class _Run(NamedTuple):
+    """Seconds of one timed run: the handler's job, the memcpy, planning the job, the copier's part of the job."""
+
+    handler: float
+    memcpy: float
+    plan: float
+    copy: float
+
+
+def _time_job(handler: DeviceHostHandler, job: TransferJob) -> tuple[float, float, float]:
+    """The job's seconds from submit to wait returning, the handler's planning and the copier's part of them."""
+    planned = handler.plan_seconds
     start = time.perf_counter()
     handler.submit(job)
     handler.wait([job.job_id])
@@ -153,7 +172,7 @@ def _time_job(handler: DeviceHostHandler, job: TransferJob) -> float:
     results = handler.get_finished()
     if not all(r.success for r in results):
         raise RuntimeError(f"bench copy: a job failed: {results}")
-    return seconds
+    return seconds, handler.plan_seconds - planned, sum(r.seconds for r in results)
 
 
 def _time_memcpy(dst: torch.Tensor, src: torch.Tensor) -> float:
@@ -170,30 +189,34 @@ def _time_memcpy(dst: torch.Tensor, src: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def _row(
-    page: int, blocks: int, store: bool, total: int, handler_s: list[float], memcpy_s: list[float]
-) -> Row:
-    gbps = [total / s / 1e9 for s in handler_s]
+def _row(page: int, blocks: int, store: bool, total: int, runs: list[_Run]) -> Row:
+    gbps = [total / r.handler / 1e9 for r in runs]
     median = statistics.median(gbps)
     return Row(
         page_bytes=page,
         blocks_per_job=blocks,
         direction="device_to_host" if store else "host_to_device",
         gbps=round(median, 3),
-        memcpy_gbps=round(statistics.median(total / s / 1e9 for s in memcpy_s), 3),
-        ratio=round(statistics.median(m / h for h, m in zip(handler_s, memcpy_s, strict=True)), 3),
-        runs=len(handler_s),
+        memcpy_gbps=round(statistics.median(total / r.memcpy / 1e9 for r in runs), 3),
+        ratio=round(statistics.median(r.memcpy / r.handler for r in runs), 3),
+        runs=len(runs),
         spread=round((max(gbps) - min(gbps)) / median, 3),
+        plan_ms=round(statistics.median(r.plan for r in runs) * 1e3, 4),
+        copy_ms=round(statistics.median(r.copy for r in runs) * 1e3, 4),
+        plan_share=round(statistics.median(r.plan / r.handler for r in runs), 3),
+        copy_share=round(statistics.median(r.copy / r.handler for r in runs), 3),
     )
 
 
 def _table(rows: list[Row]) -> str:
-    header = ("page", "blocks", "direction", "GB/s", "memcpy", "ratio", "spread")
-    lines = ["{:>8} {:>6} {:<15} {:>7} {:>7} {:>6} {:>6}".format(*header)]
+    header = ("page", "blocks", "direction", "GB/s", "memcpy", "ratio", "spread", "plan", "copy")
+    lines = ["{:>8} {:>6} {:<15} {:>7} {:>7} {:>6} {:>6} {:>6} {:>6}".format(*header)]
     for r in rows:
         lines.append(f"{_human(r.page_bytes):>8} {r.blocks_per_job:>6} {r.direction:<15} {r.gbps:>7.2f} "
-                     f"{r.memcpy_gbps:>7.2f} {r.ratio:>6.2f} {r.spread:>6.2f}")
-    lines.append(f"median of {rows[0].runs if rows else 0} runs; ratio = handler / memcpy of the same bytes")
+                     f"{r.memcpy_gbps:>7.2f} {r.ratio:>6.2f} {r.spread:>6.2f} {r.plan_share:>6.0%} "
+                     f"{r.copy_share:>6.0%}")
+    lines.append(f"median of {rows[0].runs if rows else 0} runs; ratio = handler / memcpy of the same bytes; "
+                 "plan, copy = shares of the handler's time spent planning the job and copying it")
     return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ a GPU: a copy stream and events).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Collection
 
 import torch
@@ -40,6 +41,8 @@ class DeviceHostHandler(TransferHandler):
             threads count.
 
     Jobs finish in submission order (one stream on CUDA; on CPU one queue for stores, loads during submit).
+    ``plan_seconds`` adds up the time ``submit`` spent checking and planning jobs (the rest of a job's time is
+    its copies, ``TransferResult.seconds``, and handing it between threads).
     """
 
     def __init__(self, kv: CanonicalKV, pool: HostPool, factor: int, threads: int = 2) -> None:
@@ -58,12 +61,16 @@ class DeviceHostHandler(TransferHandler):
         else:
             self._copier = CpuCopier(kv.views, pool.buffer, threads, self._before_copy)
         self._closed = False
+        self.plan_seconds = 0.0
 
     def submit(self, job: TransferJob) -> bool:
         if self._closed:
             return False
+        start = time.perf_counter()
         validate_job(self._layout, job)
-        self._copier.start(job.job_id, job.transfer_type, build_plan(self._layout, job))
+        plan = build_plan(self._layout, job)
+        self.plan_seconds += time.perf_counter() - start
+        self._copier.start(job.job_id, job.transfer_type, plan)
         return True
 
     def get_finished(self) -> list[TransferResult]:
