@@ -44,7 +44,15 @@ def test_every_operation_gets_a_row_with_both_sides_measured(policy: EvictionPol
 def test_keys_per_call_are_the_prompt_and_the_store_batch() -> None:
     rows = {r["operation"]: r for r in _rows(EvictionPolicy.LRU)}
     assert rows["lookup"]["keys_per_call"] == 8
-    assert rows["prepare_store"]["keys_per_call"] == 4
+    assert rows["prepare_store"]["keys_per_call"] == rows["store"]["keys_per_call"] == 4
+
+
+@pytest.mark.parametrize("policy", list(EvictionPolicy))
+def test_the_store_row_is_both_halves_of_a_store(policy: EvictionPolicy) -> None:
+    work = bench.make_workload(128, 16, 32, 4, runs=1, reps=1)
+    for side in (bench.OurSide, bench.VllmSide):
+        seconds = bench._run_once(*bench._build(side, work, policy), work, 0)
+        assert seconds["store"] == pytest.approx(seconds["prepare_store"] + seconds["complete_store"])
 
 
 def test_workload_refuses_a_prompt_larger_than_the_tier() -> None:
