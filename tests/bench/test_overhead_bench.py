@@ -90,7 +90,9 @@ def test_vs_vllm_times_both_scheduler_halves_on_vllms_own_scheduler_outputs() ->
     for r in rows:
         assert r["requests"] == 4 and r["ours"]["median"] > 0 and r["vllm"]["median"] > 0
         assert r["ratio"] == pytest.approx(r["vllm"]["median"] / r["ours"]["median"])
-    assert rows[1]["steps"] == 4  # --runs + --warmup decode steps, less the one that finishes the requests
+    # --runs + --warmup tokens each: the first comes with the admission step, the last with a finish step (and a
+    # second finish step tells vLLM's connector of the finished requests)
+    assert [r["steps"] for r in rows] == [1, 3, 2]
     assert rows[0]["ratio_with_vllm_hashing"] > rows[0]["ratio"]
 
 

@@ -1,14 +1,15 @@
 """``kvoffload bench overhead --vs-vllm``: our scheduler half beside vLLM 0.32's own offloading connector.
 
 Both run in vLLM's scheduler role, as vLLM builds them (``KVOffloadConnector`` and vLLM's ``OffloadingConnector``,
-each with a 1 GiB host tier), and are driven through their vLLM connector entry points with the same live vLLM
+each with a 1 GiB host tier, both storing every block that fills: vLLM's with ``offload_prompt_only`` off), and are driven through their vLLM connector entry points with the same live vLLM
 objects: vLLM's real ``Scheduler`` (no connector of its own) schedules ``--requests`` distinct prompts of a tiny
 real-weight Llama (``model.write_tiny_model``; no forward pass runs: each scheduled request samples a fixed token),
 and in every step each connector gets, in vLLM's order, ``on_new_request`` (vLLM calls it when a request
 arrives), ``get_num_new_matched_tokens`` and
 ``update_state_after_alloc`` for each admitted request, ``build_connector_meta`` with the step's
 ``SchedulerOutput``, ``update_connector_output`` with a worker report completing the jobs of its previous step's
-metadata, and ``request_finished`` for each finished request. Which connector goes first turns step by step.
+metadata, ``get_kv_connector_stats`` and ``take_events``, and ``request_finished_all_groups`` for each finished
+request. Which connector goes first turns step by step.
 
 Steps are sorted as in ``bench overhead``: ``admission`` (new prompts: every one looked up, all of them misses, and
 their blocks stored), ``decode``, ``finish``. The prompts' block hashes that vLLM's connector reads are computed by
@@ -102,7 +103,10 @@ class _Configs:
             kv_role="kv_both", kv_connector_extra_config={"host_bytes": HOST_BYTES}), tokens, requests)
         self.vllm = self._config(KVTransferConfig(
             kv_connector="OffloadingConnector", kv_role="kv_both",
-            kv_connector_extra_config={"cpu_bytes_to_use": HOST_BYTES}), tokens, requests)
+            # vLLM stores only prompt blocks by default; ours stores every block that fills (a chat's replies are
+            # the next turn's prompt): the same work on both sides.
+            kv_connector_extra_config={"cpu_bytes_to_use": HOST_BYTES, "offload_prompt_only": False}), tokens,
+            requests)
         for config in (self.plain, self.ours, self.vllm):
             config.cache_config.num_gpu_blocks = self.kv_cache.num_blocks
 
@@ -183,7 +187,8 @@ def _one_round(configs: _Configs, requests: int, prompt_tokens: int, decode_step
         if new:
             times["vllm_hash"] = hashing
         scheduler.update_from_output(out, _model_output(scheduler, out))
-        kind = "finish" if finishing else "admission" if new else "decode"
+        # A finish step: requests reach their last token, or (the step after) vLLM's connector hears of them.
+        kind = "finish" if finishing or out.finished_req_ids else "admission" if new else "decode"
         steps.append((kind, times))
         if len(steps) > 4 * (decode_steps + requests):
             raise RuntimeError("bench overhead --vs-vllm: vLLM's scheduler did not finish the requests")
@@ -230,8 +235,10 @@ def _connector_step(side: _Side, scheduler: Any, out: Any, new: list[Any],
     meta = connector.build_connector_meta(out)
     if side.last_output is not None:
         connector.update_connector_output(side.last_output)
+    connector.get_kv_connector_stats()  # vLLM asks for both every step (update_from_output)
+    connector.take_events()
     for request, block_ids in finishing:
-        connector.request_finished(request, block_ids)
+        connector.request_finished_all_groups(request, block_ids)  # what vLLM calls on a SupportsHMA connector
     elapsed = clock() - start
     side.last_output = side.report(meta)
     side.stored_blocks += side.stored(meta)
