@@ -168,19 +168,22 @@ def split_ranges(ranges: Ranges, parts: int) -> list[Ranges]:
     dst, src, size = ranges
     if parts <= 1 or len(size) == 0:
         return [ranges]
-    start = np.cumsum(size) - size  # each range's first byte, counted from the job's first byte
-    total = int(start[-1] + size[-1])
-    cuts = np.unique(np.arange(1, parts, dtype=np.int64) * total // parts)
-    cuts = cuts[cuts > 0]
-    holder = np.searchsorted(start, cuts, side="right") - 1  # the range that holds each cut's byte
-    inside = cuts - start[holder]
+    # Few numpy calls on whole arrays (each costs ~10 us in the cold caches a job meets): one cumsum, then work
+    # on the few cut points, unless a cut falls inside a range.
+    ends = np.cumsum(size)
+    total = int(ends[-1])
+    cuts = np.array(sorted({k * total // parts for k in range(1, parts)} - {0}), dtype=np.int64)
+    holder = np.searchsorted(ends, cuts, side="right")  # the range that holds each cut's byte
+    inside = cuts - (ends[holder] - size[holder])
     if (mid := inside > 0).any():  # cut those ranges in two (or more) where a cut falls inside them
+        start = ends - size
         at, inside = holder[mid] + 1, inside[mid]
         dst = np.insert(dst, at, dst[at - 1] + inside)
         src = np.insert(src, at, src[at - 1] + inside)
         start = np.insert(start, at, cuts[mid])
         size = np.diff(start, append=total)
-    bounds = [0, *np.searchsorted(start, cuts).tolist(), len(size)]
+        holder = np.searchsorted(start, cuts)
+    bounds = [0, *holder.tolist(), len(size)]
     return [Ranges(dst[lo:hi], src[lo:hi], size[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
 
 
