@@ -54,7 +54,7 @@ NOTES = {
     "complete_load": "both: one call per prompt",
     "prepare_store": "both: one call per batch, each evicting a batch; vLLM also gets a ReqContext",
     "complete_store": "both: one call per batch",
-    "store": "prepare_store + complete_store of a batch: vLLM inserts into its policy in the first, ours in the second",
+    "store": "prepare_store + complete_store of a batch: both insert into their policy in the first",
 }
 
 

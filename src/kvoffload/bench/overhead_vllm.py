@@ -1,15 +1,15 @@
 """``kvoffload bench overhead --vs-vllm``: our scheduler half beside vLLM 0.32's own offloading connector.
 
 Both run in vLLM's scheduler role, as vLLM builds them (``KVOffloadConnector`` and vLLM's ``OffloadingConnector``,
-each with a 1 GiB host tier, both storing every block that fills: vLLM's with ``offload_prompt_only`` off), and are driven through their vLLM connector entry points with the same live vLLM
-objects: vLLM's real ``Scheduler`` (no connector of its own) schedules ``--requests`` distinct prompts of a tiny
-real-weight Llama (``model.write_tiny_model``; no forward pass runs: each scheduled request samples a fixed token),
-and in every step each connector gets, in vLLM's order, ``on_new_request`` (vLLM calls it when a request
-arrives), ``get_num_new_matched_tokens`` and
-``update_state_after_alloc`` for each admitted request, ``build_connector_meta`` with the step's
-``SchedulerOutput``, ``update_connector_output`` with a worker report completing the jobs of its previous step's
-metadata, ``get_kv_connector_stats`` and ``take_events``, and ``request_finished_all_groups`` for each finished
-request. Which connector goes first turns step by step.
+each with a 1 GiB host tier, both storing every block that fills: vLLM's with ``offload_prompt_only`` off), and are
+driven through their vLLM connector entry points with the same live vLLM objects: vLLM's real ``Scheduler`` (no
+connector of its own) schedules ``--requests`` distinct prompts of a tiny real-weight Llama
+(``model.write_tiny_model``; no forward pass runs: each scheduled request samples a fixed token), and in every step
+each connector gets, in vLLM's order, ``on_new_request`` (vLLM calls it when a request arrives),
+``get_num_new_matched_tokens`` and ``update_state_after_alloc`` for each admitted request, ``build_connector_meta``
+with the step's ``SchedulerOutput``, ``update_connector_output`` with a worker report completing the jobs of its
+previous step's metadata, ``get_kv_connector_stats`` and ``take_events``, and ``request_finished_all_groups`` for
+each finished request. Which connector goes first turns step by step.
 
 Steps are sorted as in ``bench overhead``: ``admission`` (new prompts: every one looked up, all of them misses, and
 their blocks stored), ``decode``, ``finish``. The prompts' block hashes that vLLM's connector reads are computed by

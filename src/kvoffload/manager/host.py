@@ -6,7 +6,8 @@ copies into and out of the slots named in the specs it returns.
 
 Per key, one of:
 
-- in flight: ``prepare_store`` reserved a slot, the copy has not completed; not loadable, not evictable.
+- in flight: ``prepare_store`` reserved a slot, the copy has not completed; not loadable, not evictable. It is in
+  the policy already (which never gets to evict it), so that completing a store is cheap.
 - ready: loadable; evictable unless pinned. Every ready key is in the policy.
 - doomed: a load of it failed while another load still pins it; not loadable, dropped when the last pin
   goes.
@@ -147,26 +148,34 @@ class HostTierManager(ResidencyManager):
         if evicted is None:
             return None
         slots = self._take(len(new))
-        for key, slot in zip(new, slots, strict=True):
-            in_flight[key] = slot
+        in_flight.update(zip(new, slots, strict=True))
+        # The policy hears of a store when room is reserved for it (ARC adapts to a key's return then: the miss
+        # that made the engine compute it again), so that completing it only moves keys from in flight to ready.
+        # In-flight keys are never offered as victims. Back to front for the same reason as ``touch``.
+        self._policy.insert_all(reversed(new))
         return PrepareStoreOutput(tuple(new), self._spec(new, slots), tuple(evicted))
 
     def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
-        in_flight = self._in_flight
+        in_flight, ready = self._in_flight, self._ready
+        if not success:
+            self._fail_stores(keys)
+            return
         stored: list[OffloadKey] = []
         for key in keys:
             slot = in_flight.pop(key, None)
-            if slot is None:
-                continue  # not in flight: a repeated key or completion
-            if success:
-                self._ready[key] = slot
+            if slot is not None:  # else not in flight: a repeated key or completion
+                ready[key] = slot
                 stored.append(key)
-            else:
-                self._free.append(slot)
-        # Inserted back to front for the same reason as ``touch``.
-        self._policy.insert_all(reversed(stored))
         if stored:
             self._emit(EventKind.STORED, stored)
+
+    def _fail_stores(self, keys: Sequence[OffloadKey]) -> None:
+        in_flight, free, policy = self._in_flight, self._free, self._policy
+        for key in keys:
+            slot = in_flight.pop(key, None)
+            if slot is not None:
+                free.append(slot)
+                policy.remove(key)
 
     def take_events(self) -> list[OffloadEvent]:
         events, self._events = self._events, []
@@ -190,7 +199,7 @@ class HostTierManager(ResidencyManager):
         - free + ready + in flight + doomed == capacity (pinned keys are among ready and doomed);
         - every slot ever handed out appears exactly once among given-back and held slots; no key in two states;
         - pins are positive and only on ready or doomed keys; every doomed key is pinned;
-        - the policy tracks exactly the ready keys (pinned ones included; in-flight and doomed ones not).
+        - the policy tracks exactly the ready and in-flight keys (pinned ones included; doomed ones not).
         """
         ready, in_flight, doomed, free = self._ready, self._in_flight, self._doomed, self._free
         counts = (f"free {self._num_free()}, ready {len(ready)}, in flight {len(in_flight)}, "
@@ -216,10 +225,10 @@ class HostTierManager(ResidencyManager):
             raise IntegrityError(f"{self.medium.value} tier: {len(unpinned)} doomed keys are not pinned")
 
     def _check_policy(self) -> None:
-        policy = self._policy
-        if len(policy) != len(self._ready) or not all(key in policy for key in self._ready):
+        policy, tracked = self._policy, len(self._ready) + len(self._in_flight)
+        if len(policy) != tracked or not all(key in policy for key in (*self._ready, *self._in_flight)):
             raise IntegrityError(f"{self.medium.value} tier: policy tracks {len(policy)} keys, "
-                                 f"not the {len(self._ready)} ready ones")
+                                 f"not the {tracked} ready and in-flight ones")
         policy.check_integrity()
 
     def _num_free(self) -> int:
@@ -244,7 +253,9 @@ class HostTierManager(ResidencyManager):
         if n > len(ready) - (len(pins) - len(self._doomed)):
             return None
         protected = set(storing)
-        victims = self._policy.victims(n, lambda key: key not in pins and key not in protected)
+        in_flight = self._in_flight
+        victims = self._policy.victims(
+            n, lambda key: key not in pins and key not in protected and key not in in_flight)
         if victims is None:
             return None
         for key in victims:

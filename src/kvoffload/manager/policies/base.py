@@ -1,10 +1,10 @@
 """The eviction-policy interface: which resident keys a tier gives up first when it needs room.
 
 A policy only orders keys; it knows nothing of slots, pins or in-flight stores. The tier manager inserts a
-key when it becomes loadable, touches it when it is used, removes it when it is dropped for another reason
-(failed load, reset), and asks for victims when a store needs room. Keys that must not go now (pinned by a
-load, part of the store being prepared) are refused through ``victims``' ``can_evict`` and keep their place
-in the order.
+key when a store reserves room for it, touches it when it is used, removes it when it is dropped for another
+reason (failed store or load, reset), and asks for victims when a store needs room. Keys that must not go now
+(still in flight, pinned by a load, part of the store being prepared) are refused through ``victims``'
+``can_evict`` and keep their place in the order.
 
 Policies are not thread-safe (the scheduler half calls its managers from one thread).
 """
@@ -33,7 +33,7 @@ class Policy(ABC):
 
     @abstractmethod
     def insert(self, key: OffloadKey) -> None:
-        """Make ``key`` resident (it just became loadable). Inserting a resident key counts as a use.
+        """Make ``key`` resident (a store reserved room for it). Inserting a resident key counts as a use.
 
         Args:
             key: the key to track.
