@@ -6,8 +6,9 @@ list was too short: back from B1 grows the target size ``p`` of T1 (recency pays
 (frequency pays). A one-time scan therefore only churns T1 and leaves the frequently used keys in T2 alone.
 
 Differences from the paper, because a tier's manager reserves room before the data arrives: the choice of
-victims (the paper's REPLACE) happens in ``victims``, separately from the insertion of the new key, and it
-skips keys the manager refuses (pinned by a load, part of the same store) without moving them. ``remove``
+victims (the paper's REPLACE) happens in ``victims``, separately from the insertion of the new key (which the
+manager makes when it reserves the key's room, the paper's miss), and it skips keys the manager refuses (still in
+flight, pinned by a load, part of the same store) without moving them. ``remove``
 drops a key without remembering it: a key dropped because its load failed or because the tier was reset says
 nothing about the policy.
 """
