@@ -130,7 +130,7 @@ class _Engine:
     """The parent's handle on one child engine (``demo_engine.engine_main``)."""
 
     def __init__(self, ctx: Any, settings: EngineSettings) -> None:
-        self.name = "on" if settings.with_kvoffload else "off"
+        self.name = settings.name
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=engine_main, args=(child, settings), name=f"kvoffload-demo-{self.name}")
         self.process.start()
@@ -172,13 +172,30 @@ def serve_both(settings: list[EngineSettings], progress: Progress
 
     Conversations are served round-robin, turn by turn; each engine keeps its own histories (its own replies).
     """
-    workload = settings[0].workload
     progress("starting two vLLM engines (without and with kvoffload) in child processes")
+    (off, on), controls = serve_engines(settings, progress)
+    return off, on, controls["on"]
+
+
+def serve_engines(settings: list[EngineSettings], progress: Progress,
+                  on_start: Callable[[int], None] | None = None, on_ready: Callable[[], None] | None = None
+                  ) -> tuple[list[RunResult], dict[str, Control | None]]:
+    """``serve_both`` for any number of engines, the plain one first in ``settings``: each request goes to every
+    engine in turn, the order reversed every request; then a control on the plain engine for each other engine
+    (keyed by its name; None when it loaded nothing). ``on_start`` gets each child's pid as it starts,
+    ``on_ready`` is called once every engine is warm, before the first request."""
+    workload = settings[0].workload
     ctx = multiprocessing.get_context("spawn")
-    engines = [_Engine(ctx, s) for s in settings]
+    engines: list[_Engine] = []
     try:
+        for s in settings:
+            engines.append(_Engine(ctx, s))
+            if on_start is not None and engines[-1].process.pid is not None:
+                on_start(engines[-1].process.pid)
         for engine in engines:
             engine.wait_ready()
+        if on_ready is not None:
+            on_ready()
         messages = user_turns(workload, _vocab_size(settings[0].model_dir))
         histories: dict[str, list[list[int]]] = {e.name: [[] for _ in messages] for e in engines}
         results: dict[str, list[TurnResult]] = {e.name: [] for e in engines}
@@ -193,19 +210,19 @@ def serve_both(settings: list[EngineSettings], progress: Progress
                 history += result.tokens
                 results[engine.name].append(result)
                 progress(format_turn(engine.name, result))
-        check = run_control(engines[0], results, plain_prompts, _vocab_size(settings[0].model_dir), progress)
+        checks = {e.name: run_control(engines[0], results, plain_prompts, _vocab_size(settings[0].model_dir),
+                                      progress, side=e.name) for e in engines[1:]}
     finally:
         for engine in engines:
             engine.stop()
-    off, on = (RunResult(e.name, tuple(results[e.name]), e.busy_s) for e in engines)
-    return off, on, check
+    return [RunResult(e.name, tuple(results[e.name]), e.busy_s) for e in engines], checks
 
 
 def run_control(plain: _Engine, results: dict[str, list[TurnResult]], plain_prompts: list[list[int]],
-                vocab_size: int, progress: Progress) -> Control | None:
-    """Serve the last hit turn's prompt on the plain engine with one token changed inside the run kvoffload
-    loaded for it: the outputs must move, or comparing the two engines' outputs proves nothing."""
-    hits = [(i, p) for i, t in enumerate(results["on"]) if (p := t.loaded_position()) is not None]
+                vocab_size: int, progress: Progress, side: str = "on") -> Control | None:
+    """Serve the last hit turn's prompt on the plain engine with one token changed inside the run the ``side``
+    engine (kvoffload) loaded for it: the outputs must move, or comparing the two engines' outputs proves nothing."""
+    hits = [(i, p) for i, t in enumerate(results[side]) if (p := t.loaded_position()) is not None]
     if not hits:
         return None
     i, position = hits[-1]

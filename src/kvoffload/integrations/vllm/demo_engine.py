@@ -1,11 +1,12 @@
 """One vLLM engine of the demo, in a child process, serving one request at a time for the parent.
 
-Data flow: the parent (``demo.py``) starts two of these, one without and one with kvoffload, and sends both the
-same turns alternately, so each pair of measurements is taken seconds apart under the same machine load (on a
-shared machine the load drifts far more over a minute than kvoffload's effect on a miss). Each child runs vLLM
-in its own process with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (both connector halves and vLLM's metrics in one
-place), answers each prompt with a ``TurnResult`` built from vLLM's first-token latency and the request's
-deltas of vLLM's metrics, and its stdout goes to stderr so the parent's stdout stays clean.
+Data flow: the parent (``demo.py``) starts two of these, one without and one with kvoffload (``kvoffload bench
+peer`` adds a third, with LMCache: ``peer_lmcache``), and sends them the same turns alternately, so each pair of
+measurements is taken seconds apart under the same machine load (on a shared machine the load drifts far more
+over a minute than kvoffload's effect on a miss). Each child runs vLLM in its own process with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (both connector halves and vLLM's metrics in one place), answers each prompt
+with a ``TurnResult`` built from vLLM's first-token latency and the request's deltas of vLLM's metrics, and its
+stdout goes to stderr so the parent's stdout stays clean.
 
 Protocol over a ``multiprocessing`` pipe: child sends ``("ready", None)`` or ``("error", text)``; parent sends
 ``(conversation, turn, prompt_ids)`` and gets ``("turn", TurnResult)`` or ``("error", text)``; ``None`` stops.
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload.integrations.vllm.demo_report import TurnResult, Workload, user_turns
+from kvoffload.integrations.vllm.peer_lmcache import LMCacheSide, connector_config, kv_bytes_per_token, prepare_engine
 from kvoffload.testing.outputs import TOP_LOGPROBS
 
 CONNECTOR = {"kv_connector": "KVOffloadConnector", "kv_connector_module_path": "kvoffload.integrations.vllm",
@@ -27,6 +29,8 @@ CONNECTOR = {"kv_connector": "KVOffloadConnector", "kv_connector_module_path": "
 # vLLM metric names (Prometheus) whose per-request deltas make up a TurnResult.
 DEVICE_HITS = "vllm:prefix_cache_hits"
 OFFLOAD_HITS = "vllm:kvoffload_hit_tokens"
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits"
+"""Prompt tokens any KV connector loaded (vLLM's own count): LMCache's hits, which it has no metric of its own for."""
 BYTES = "vllm:kvoffload_transfer_bytes"
 LOADED, STORED = "host_to_device", "device_to_host"
 
@@ -46,6 +50,13 @@ class EngineSettings:
     host_gib: float
     remote_url: str | None = None
     """kvoffload's remote tier (a Redis-protocol server) below its host tier; None: host tier only."""
+    lmcache: LMCacheSide | None = None
+    """Use LMCache (a running server) instead of kvoffload; ``with_kvoffload`` must then be False."""
+
+    @property
+    def name(self) -> str:
+        """The engine's short name in reports: ``off`` (plain vLLM), ``on`` (kvoffload), ``lmc`` (LMCache)."""
+        return "lmc" if self.lmcache else "on" if self.with_kvoffload else "off"
 
     def max_model_len(self) -> int:
         """The longest conversation, rounded up to whole blocks."""
@@ -58,6 +69,7 @@ def engine_main(conn: Any, settings: EngineSettings) -> None:
     try:
         llm = build_llm(settings)
         warm_up(llm, settings.workload)
+        kv_bytes = kv_bytes_per_token(settings.model_dir, settings.dtype) if settings.lmcache else 0
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
@@ -65,7 +77,7 @@ def engine_main(conn: Any, settings: EngineSettings) -> None:
     while (request := conn.recv()) is not None:
         conv, turn, prompt = request
         try:
-            conn.send(("turn", serve_turn(llm, conv, turn, prompt, settings.workload.reply_tokens)))
+            conn.send(("turn", serve_turn(llm, conv, turn, prompt, settings.workload.reply_tokens, kv_bytes)))
         except Exception:
             conn.send(("error", traceback.format_exc()))
             return
@@ -86,6 +98,9 @@ def build_llm(settings: EngineSettings) -> Any:
         if settings.remote_url:
             extra["remote_url"] = settings.remote_url
         kwargs["kv_transfer_config"] = {**CONNECTOR, "kv_connector_extra_config": extra}
+    elif settings.lmcache:
+        prepare_engine(settings.lmcache)
+        kwargs["kv_transfer_config"] = connector_config(settings.lmcache)
     return LLM(model=str(settings.model_dir), seed=settings.workload.seed,
                block_size=settings.block_size, max_model_len=max_len,
                num_gpu_blocks_override=blocks, enable_prefix_caching=True, disable_log_stats=False, **kwargs)
@@ -103,8 +118,13 @@ def warm_up(llm: Any, workload: Workload) -> None:
         llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
 
 
-def serve_turn(llm: Any, conv: int, turn: int, prompt: list[int], reply_tokens: int) -> TurnResult:
-    """One greedy request; TTFT is vLLM's first-token latency (arrival to first token, loads included)."""
+def serve_turn(llm: Any, conv: int, turn: int, prompt: list[int], reply_tokens: int,
+               external_kv_bytes_per_token: int = 0) -> TurnResult:
+    """One greedy request; TTFT is vLLM's first-token latency (arrival to first token, loads included).
+
+    With ``external_kv_bytes_per_token`` (LMCache), the offload hits are vLLM's count of connector-loaded tokens
+    and the bytes loaded are those tokens' KV; the bytes stored are left 0 (the server's L1 growth says them).
+    """
     from vllm import SamplingParams, TokensPrompt
 
     params = SamplingParams(max_tokens=reply_tokens, temperature=0.0, ignore_eos=True, logprobs=TOP_LOGPROBS)
@@ -113,6 +133,9 @@ def serve_turn(llm: Any, conv: int, turn: int, prompt: list[int], reply_tokens: 
     delta = {k: v - before.get(k, 0.0) for k, v in counters(llm).items()}
     completion = output.outputs[0]
     tokens = tuple(completion.token_ids)
+    if external_kv_bytes_per_token:
+        hits = int(delta.get(EXTERNAL_HITS, 0))
+        delta.update({OFFLOAD_HITS: hits, f"{BYTES}/{LOADED}": hits * external_kv_bytes_per_token})
     return TurnResult(
         conversation=conv,
         turn=turn,
@@ -131,7 +154,7 @@ def counters(llm: Any) -> Counters:
     """vLLM's counters of interest, summed over labels; transfer bytes keyed ``name/direction``."""
     totals: Counters = {}
     for metric in llm.get_metrics():
-        if metric.name in (DEVICE_HITS, OFFLOAD_HITS):
+        if metric.name in (DEVICE_HITS, OFFLOAD_HITS, EXTERNAL_HITS):
             totals[metric.name] = totals.get(metric.name, 0.0) + metric.value
         elif metric.name == BYTES:
             key = f"{BYTES}/{metric.labels.get('direction', '')}"
