@@ -22,6 +22,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "manager": ("kvoffload.bench.manager", "scheduler-side operations per second beside vLLM's manager"),
     "overhead": ("kvoffload.bench.overhead", "connector time per engine step on the miss path"),
     "e2e": ("kvoffload.bench.e2e", "the vLLM demo's TTFT figures"),
+    "peer": ("kvoffload.bench.peer", "the demo beside vLLM + LMCache: TTFT, tier hits, bytes, outputs"),
 }
 
 
