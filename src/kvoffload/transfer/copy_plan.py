@@ -130,8 +130,8 @@ def build_plan(layout: PlanLayout, job: TransferJob) -> CopyPlan:
     block_ids = _int64(job, device.block_ids)
     real = _real_entries(job, block_ids, layout.num_blocks)
     slots = _int64(job, host.slots)
-    if slots.size:
-        _in_range(job, "slot", slots.min(), slots.max(), layout.num_slots)
+    if not _all_below(slots, layout.num_slots):
+        raise ValueError(f"job {job.job_id}: a slot is outside [0, {layout.num_slots})")
     groups: list[CopyPlan] = []
     d0 = h0 = 0
     for g, (dn, hn) in enumerate(zip(device.group_sizes, host.group_sizes, strict=True)):
@@ -166,24 +166,19 @@ def _packer(n: int) -> struct.Struct:
 def _real_entries(job: TransferJob, block_ids: Int64Array, num_blocks: int) -> BoolArray | None:
     """Range-check the block ids; where they have holes, the mask of the real entries, else None (the common
     case)."""
-    if not block_ids.size:
-        return None
-    lo, hi = block_ids.min(), block_ids.max()
-    if lo >= 0:
-        _in_range(job, "block id", lo, hi, num_blocks)
+    if _all_below(block_ids, num_blocks):
         return None
     real = block_ids != NO_BLOCK
     if job.transfer_type == STORE and not real.all():
         raise ValueError(f"job {job.job_id}: a store has a hole (NO_BLOCK); stores copy whole offload blocks")
-    if real.any():
-        ids = block_ids[real]
-        _in_range(job, "block id", ids.min(), ids.max(), num_blocks)
+    if not _all_below(block_ids[real], num_blocks):
+        raise ValueError(f"job {job.job_id}: a block id is outside [0, {num_blocks})")
     return real
 
 
-def _in_range(job: TransferJob, what: str, lo: np.int64, hi: np.int64, end: int) -> None:
-    if lo < 0 or hi >= end:
-        raise ValueError(f"job {job.job_id}: a {what} is outside [0, {end})")
+def _all_below(array: Int64Array, end: int) -> bool:
+    """Whether every entry is in [0, end), in one pass: seen unsigned, a negative entry is above 2**63."""
+    return not array.size or int(array.view(np.uint64).max()) < end
 
 
 def _group_copies(layout: PlanLayout, g: int, ids: Int64Array, slots: Int64Array, skip: int,
