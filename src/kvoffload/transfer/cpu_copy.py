@@ -21,7 +21,6 @@ the tensors whose memory it addresses.
 from __future__ import annotations
 
 import ctypes
-import itertools
 import logging
 import queue
 import threading
@@ -165,26 +164,38 @@ class Ranges(NamedTuple):
 
 def split_ranges(ranges: Ranges, parts: int) -> list[Ranges]:
     """Cut into at most ``parts`` pieces of near-equal bytes, in order; a range may be cut, more than once."""
-    dst, src, size = ranges
+    size = ranges.size
     if parts <= 1 or len(size) == 0:
         return [ranges]
-    # Few numpy calls on whole arrays (each costs ~10 us in the cold caches a job meets): one cumsum, then work
-    # on the few cut points, unless a cut falls inside a range.
+    # One numpy call over the whole job (each costs ~10 us in the cold caches a job meets, np.insert and the like
+    # far more), then plain Python on the few cut points.
     ends = np.cumsum(size)
     total = int(ends[-1])
-    cuts = np.array(sorted({k * total // parts for k in range(1, parts)} - {0}), dtype=np.int64)
-    holder = np.searchsorted(ends, cuts, side="right")  # the range that holds each cut's byte
-    inside = cuts - (ends[holder] - size[holder])
-    if (mid := inside > 0).any():  # cut those ranges in two (or more) where a cut falls inside them
-        start = ends - size
-        at, inside = holder[mid] + 1, inside[mid]
-        dst = np.insert(dst, at, dst[at - 1] + inside)
-        src = np.insert(src, at, src[at - 1] + inside)
-        start = np.insert(start, at, cuts[mid])
-        size = np.diff(start, append=total)
-        holder = np.searchsorted(start, cuts)
-    bounds = [0, *holder.tolist(), len(size)]
-    return [Ranges(dst[lo:hi], src[lo:hi], size[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
+    cuts = sorted({k * total // parts for k in range(1, parts)} - {0})
+    holders = np.searchsorted(ends, cuts, side="right").tolist()  # the range that holds each cut's byte
+    starts = (ends[holders] - size[holders]).tolist()
+    pieces, lo, skip = [], 0, 0  # the next piece starts ``skip`` bytes into range ``lo``
+    for cut, holder, start in zip(cuts, holders, starts, strict=True):
+        pieces.append(_piece(ranges, lo, skip, holder, cut - start))
+        lo, skip = holder, cut - start
+    pieces.append(_piece(ranges, lo, skip, len(size), 0))
+    return pieces
+
+
+def _piece(ranges: Ranges, lo: int, skip: int, hi: int, tail: int) -> Ranges:
+    """Ranges ``lo`` to ``hi`` (excluded) less the first ``skip`` bytes, then the first ``tail`` bytes of ``hi``."""
+    dst, src, size = ranges
+    stop = hi + 1 if tail else hi
+    if not skip and not tail:
+        return Ranges(dst[lo:stop], src[lo:stop], size[lo:stop])
+    d, s, n = dst[lo:stop].copy(), src[lo:stop].copy(), size[lo:stop].copy()
+    if tail:
+        n[-1] = tail
+    if skip:
+        d[0] += skip
+        s[0] += skip
+        n[0] -= skip
+    return Ranges(d, s, n)
 
 
 def _copy_ranges_in_python(dst: Int64Array, src: Int64Array, size: Int64Array) -> None:
