@@ -281,13 +281,12 @@ def test_a_state_group_needs_only_the_last_block_of_a_hit_and_loads_only_that_on
 
 # ---- the columnar step: decode steps, thresholds, the aligned cache -----------------------------------------------
 
-def decode(sched, reqs, computed, new_blocks=None):
-    """One decode step of ``reqs`` (computed tokens after it per request; new blocks per request or None)."""
-    import numpy as np
-
+def decode(sched, reqs, computed, new_blocks=None, offset=0):
+    """One decode step of ``reqs`` (computed tokens after it per request, less ``offset``; new blocks per request
+    or None)."""
     new_blocks = new_blocks or [None] * len(reqs)
     return sched.build_connector_meta(StepSchedule([r.request_id for r in reqs], new_blocks,
-                                                   np.array(computed, dtype=np.int64)))
+                                                   [c - offset for c in computed], offset))
 
 
 def stored_blocks(meta):
@@ -333,9 +332,19 @@ def test_a_finished_and_readmitted_id_gets_a_fresh_threshold():
     assert stored_blocks(decode(sched, [again], [48])) == [22]
 
 
+def test_the_engines_count_from_before_a_decode_step_with_offset_one_stores_the_same_blocks():
+    for offset in (0, 1):
+        sched = make_scheduler()
+        a = Req("a", list(range(20)))
+        run_prefill(sched, a)
+        a.all_token_ids += [1] * 20
+        stored = [stored_blocks(decode(sched, [a], [n], offset=offset)) for n in range(21, 34)]
+        assert stored == [[]] * 11 + [[1], []], offset  # the block fills at 32 computed tokens, not before
+
+
 def test_columns_of_different_lengths_are_refused():
-    import numpy as np
     import pytest
 
-    with pytest.raises(ValueError, match="columns"):
-        StepSchedule(["a", "b"], [None], np.zeros(2, dtype=np.int64))
+    for bad in (StepSchedule(["a", "b"], [None], [1, 2]), StepSchedule(["a"], [None], [1], 2)):
+        with pytest.raises(ValueError, match="columns"):
+            make_scheduler().build_connector_meta(bad)

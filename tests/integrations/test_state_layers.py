@@ -261,4 +261,4 @@ def decode_step(req_id: str, computed_before: int) -> SchedulerOutput:
 def test_a_decode_step_is_one_column_per_request_of_the_tokens_computed_after_it() -> None:
     step = adapters.step_schedule(decode_step("r", computed_before=383))
     assert list(step.req_ids) == ["r"] and list(step.new_block_ids) == [None]
-    assert step.computed_tokens.tolist() == [384]
+    assert step.computed_after() == [384]

@@ -30,20 +30,20 @@ def output(new: list[tuple[str, int, int]], cached: list[tuple[str, int, int]],
 def test_a_decode_step_adds_one_token_to_every_request() -> None:
     step = adapters.step_schedule(output([], [("a", 40, 1), ("b", 17, 1), ("c", 99, 1)]))
     assert list(step.req_ids) == ["a", "b", "c"]
-    assert step.computed_tokens.tolist() == [41, 18, 100]
+    assert step.computed_after() == [41, 18, 100]
     assert list(step.new_block_ids) == [None, ([101],), None]
 
 
 def test_new_requests_come_first_and_chunks_count_their_scheduled_tokens() -> None:
     step = adapters.step_schedule(output([("n", 0, 32), ("m", 16, 48)], [("a", 40, 1), ("b", 64, 16)]))
     assert list(step.req_ids) == ["n", "m", "a", "b"]
-    assert step.computed_tokens.tolist() == [32, 64, 41, 80]
+    assert step.computed_after() == [32, 64, 41, 80]
     assert list(step.new_block_ids) == [([0, 1],), ([1, 2],), None, ([101],)]
 
 
 def test_speculative_tokens_are_not_counted_as_computed() -> None:
     step = adapters.step_schedule(output([], [("a", 40, 4), ("b", 17, 1)], spec={"a": [5, 6, 7]}))
-    assert step.computed_tokens.tolist() == [41, 18]
+    assert step.computed_after() == [41, 18]
 
 
 def test_resumed_and_preempted_requests_are_named() -> None:

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
-
-import numpy as np
+from typing import NamedTuple, Protocol
 
 from kvoffload.keys import BlockHash, OffloadKey, chain_hashes, frame_extra_keys, offload_key
 from kvoffload.specs import JobId
@@ -48,29 +46,24 @@ class ScheduledRequest:
     resumed: bool = False
 
 
-@dataclass(frozen=True)
-class StepSchedule:
+class StepSchedule(NamedTuple):
     """The requests scheduled in one engine step, by columns: entry ``i`` of each column is request ``i``.
 
     Columns, not an object per request: a decode step of hundreds of requests costs the scheduler half a few
-    vector operations (``ConnectorScheduler.build_connector_meta``), and an engine adapter passes the engine's own
-    lists as they are. ``new_block_ids[i]``: request ``i``'s new blocks per group (see ``ScheduledRequest``), or
-    None (or empty) when it got none. ``computed_tokens[i]``: its tokens whose KV is in the device cache once the
-    step has run. ``resumed``: requests scheduled again after a preemption (their ``new_block_ids`` are all of
-    their blocks).
+    C-level passes over them (``ConnectorScheduler.build_connector_meta``), and an engine adapter passes the
+    engine's own lists as they are. ``new_block_ids[i]``: request ``i``'s new blocks per group (see
+    ``ScheduledRequest``), or None (or empty) when it got none. ``computed_tokens[i] + computed_offset``: its
+    tokens whose KV is in the device cache once the step has run; the offset is 0 or 1 (1: the engine's own count
+    from before a decode step in which every request computes one token, passed without a copy). ``resumed``:
+    requests scheduled again after a preemption (their ``new_block_ids`` are all of their blocks).
     """
 
     req_ids: Sequence[str]
     new_block_ids: Sequence[Sequence[Sequence[int]] | None]
-    computed_tokens: np.ndarray
+    computed_tokens: Sequence[int]
+    computed_offset: int = 0
     resumed: frozenset[str] = frozenset()
     preempted_req_ids: frozenset[str] = frozenset()
-
-    def __post_init__(self) -> None:
-        n = len(self.req_ids)
-        if len(self.new_block_ids) != n or self.computed_tokens.shape != (n,):
-            raise ValueError(f"StepSchedule: columns of {n} ids, {len(self.new_block_ids)} block lists and "
-                             f"{self.computed_tokens.shape} computed counts")
 
     @classmethod
     def of(cls, scheduled: Sequence[ScheduledRequest] = (),
@@ -78,8 +71,19 @@ class StepSchedule:
         """The columns of ``scheduled`` (a request whose every group got no block has None)."""
         return cls([r.req_id for r in scheduled],
                    [r.new_block_ids if any(r.new_block_ids) else None for r in scheduled],
-                   np.array([r.num_computed_tokens for r in scheduled], dtype=np.int64),
+                   [r.num_computed_tokens for r in scheduled], 0,
                    frozenset(r.req_id for r in scheduled if r.resumed), preempted_req_ids)
+
+    def computed_after(self) -> list[int]:
+        """Each request's tokens computed once the step has run."""
+        return [n + self.computed_offset for n in self.computed_tokens]
+
+    def check(self) -> None:
+        """Raises ValueError when the columns differ in length or the offset is not 0 or 1."""
+        n = len(self.req_ids)
+        if len(self.new_block_ids) != n or len(self.computed_tokens) != n or self.computed_offset not in (0, 1):
+            raise ValueError(f"StepSchedule: columns of {n} ids, {len(self.new_block_ids)} block lists and "
+                             f"{len(self.computed_tokens)} computed counts, offset {self.computed_offset}")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1 import kv_cache_interface as vkv
 
@@ -317,17 +316,17 @@ def step_schedule(out: SchedulerOutput) -> StepSchedule:
         req_ids = [r.req_id for r in new] + req_ids
         new_block_ids = [r.block_ids for r in new] + new_block_ids
         before = [r.num_computed_tokens for r in new] + before
-    computed = np.array(before, dtype=np.int64)
+    resumed, preempted = frozenset(cached.resumed_req_ids), frozenset(out.preempted_req_ids or ())
     if out.total_num_scheduled_tokens == len(req_ids) and not out.scheduled_spec_decode_tokens:
-        computed += 1  # every request got one token (each gets at least one): a decode step
-    else:
-        computed += np.fromiter((out.num_scheduled_tokens[r] for r in req_ids), np.int64, len(req_ids))
-        if out.scheduled_spec_decode_tokens:
-            row = {r: i for i, r in enumerate(req_ids)}
-            for req_id, spec in out.scheduled_spec_decode_tokens.items():
-                computed[row[req_id]] -= len(spec)
-    return StepSchedule(req_ids, new_block_ids, computed, frozenset(cached.resumed_req_ids),
-                        frozenset(out.preempted_req_ids or ()))
+        # Every request got one token (each gets at least one): a decode step. vLLM's list goes as it is.
+        return StepSchedule(req_ids, new_block_ids, before, 1, resumed, preempted)
+    scheduled = out.num_scheduled_tokens
+    computed = [n + scheduled[r] for n, r in zip(before, req_ids, strict=True)]
+    if out.scheduled_spec_decode_tokens:
+        row = {r: i for i, r in enumerate(req_ids)}
+        for req_id, spec in out.scheduled_spec_decode_tokens.items():
+            computed[row[req_id]] -= len(spec)
+    return StepSchedule(req_ids, new_block_ids, computed, 0, resumed, preempted)
 
 
 # ---- KV events ---------------------------------------------------------------------------------------------
