@@ -33,3 +33,4 @@ def test_remote_transfers_are_counted_per_direction() -> None:
     stats.record(TransferResult(JobId(2), False, 0, 0.1, (Medium.REMOTE, Medium.HOST)))
     reduced = KVOffloadStats.of(stats).aggregate(KVOffloadStats.of(stats)).reduce()
     assert reduced["host_to_remote_bytes"] == 200 and reduced["remote_to_host_failed_jobs"] == 2
+

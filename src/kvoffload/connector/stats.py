@@ -73,6 +73,11 @@ class SchedulerStats:
     def miss_tokens(self) -> int:
         return self.query_tokens - self.hit_tokens
 
+    def is_empty(self) -> bool:
+        """Nothing counted: a step without lookups may still count failed loads or skipped slow hits."""
+        return not (self.requests or self.query_tokens or self.hit_tokens or self.failed_load_tokens
+                    or self.skipped_slow_tokens)
+
     def aggregate(self, other: SchedulerStats) -> SchedulerStats:
         return SchedulerStats(self.requests + other.requests, self.query_tokens + other.query_tokens,
                               self.hit_tokens + other.hit_tokens,

@@ -53,7 +53,7 @@ class KVOffloadStats(KVConnectorStats):
         data: dict[str, Any] = {}
         if transfers is not None and not transfers.is_empty():
             data[TRANSFERS] = transfers.as_dict()
-        if lookups is not None and lookups.requests:
+        if lookups is not None and not lookups.is_empty():
             data[LOOKUPS] = {name: getattr(lookups, name) for name in _LOOKUP_FIELDS}
         if host_used_bytes is not None:
             data[HOST_USED_BYTES] = host_used_bytes
