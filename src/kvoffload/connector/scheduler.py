@@ -251,6 +251,8 @@ class ConnectorScheduler:
         if store is not None and self.flush_stores_next_step:
             self._to_flush_next.add(store.job_id)
         tier_jobs = [self._tier_job(t) for t in self.manager.take_transfers()]
+        if not (store or tier_jobs or self._new_loads or self._to_flush or self._to_flush_next):
+            return NO_JOBS  # most decode steps
         loads, self._new_loads = self._new_loads, []
         flush, self._to_flush, self._to_flush_next = self._to_flush, self._to_flush_next, set()
         return ConnectorMetadata(tuple(loads), (store,) if store else (), tuple(tier_jobs), frozenset(flush))
@@ -454,6 +456,10 @@ class ConnectorScheduler:
         job_id = JobId(next(self._job_ids))
         self._jobs[job_id] = _PendingJob(kind, req_ids, tuple(keys), transfer_id, blocks=blocks)
         return job_id
+
+
+NO_JOBS = ConnectorMetadata()
+"""A step's metadata when it has no job (frozen: one instance serves every such step)."""
 
 
 def _only(full: _FullBlocks, chosen: set[OffloadKey], factor: int) -> _FullBlocks:

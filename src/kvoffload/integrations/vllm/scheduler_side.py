@@ -16,6 +16,7 @@ from vllm.distributed.kv_events import KVCacheEvent
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvoffload.config import OffloadConfig
+from kvoffload.connector.scheduler import NO_JOBS as CORE_NO_JOBS
 from kvoffload.connector.scheduler import ConnectorScheduler
 from kvoffload.connector.tiers import host_slot_bytes
 from kvoffload.integrations.vllm import adapters
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+
+NO_JOBS = KVOffloadMetadata(CORE_NO_JOBS)
+"""The metadata of a step without jobs (frozen, so one instance serves them all)."""
 
 
 class SchedulerSide:
@@ -64,7 +68,8 @@ class SchedulerSide:
         self.core.update_state_after_alloc(adapters.VllmRequest(request), block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVOffloadMetadata:
-        return KVOffloadMetadata(self.core.build_connector_meta(adapters.step_schedule(scheduler_output)))
+        meta = self.core.build_connector_meta(adapters.step_schedule(scheduler_output))
+        return NO_JOBS if meta is CORE_NO_JOBS else KVOffloadMetadata(meta)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         report = output.kv_connector_worker_meta
