@@ -83,6 +83,17 @@ def evict_from_host(m: TieredManager, workers: Workers, n: int) -> None:
     workers.finish_all(m)
 
 
+def split_between_disk_and_remote(m: TieredManager, ks: list[OffloadKey], redis_client: Any) -> None:
+    """The first half of ``ks`` on disk and in the remote tier, the second in the remote tier only; none on the
+    host."""
+    half = len(ks) // 2
+    store(m, ks[:half])
+    Workers(redis_client).finish_all(m)
+    store(m, ks[half:])
+    Workers(redis_client, fail=Medium.DISK).finish_all(m)
+    evict_from_host(m, Workers(redis_client), len(ks))
+
+
 def test_a_stored_block_is_written_to_both_tiers_at_once(make: Any, redis_client: Any) -> None:
     m, workers = make(), Workers(redis_client)
     ks = keys(2)
@@ -131,11 +142,7 @@ def test_a_prefix_split_between_disk_and_remote_is_promoted_from_both_in_one_loo
         make: Any, redis_client: Any) -> None:
     m = make(host_slots=4)
     ks = keys(4)
-    store(m, ks[:2])
-    Workers(redis_client).finish_all(m)
-    store(m, ks[2:])
-    Workers(redis_client, fail=Medium.DISK).finish_all(m)  # ks[2:] reach the remote tier only
-    evict_from_host(m, Workers(redis_client), 4)
+    split_between_disk_and_remote(m, ks, redis_client)
     assert m.lookup(ks) == LookupResult(0, pending=True)
     promotions = m.take_transfers()
     assert [p.src for p in promotions] == [DiskBlocks(tuple(ks[:2]), (2,)), RemoteBlocks(tuple(ks[2:]), (2,))]
@@ -151,11 +158,7 @@ def test_a_prefix_split_between_disk_and_remote_is_promoted_from_both_in_one_loo
 def test_a_failed_remote_promotion_keeps_the_disk_part_of_the_hit(make: Any, redis_client: Any) -> None:
     m = make(host_slots=4)
     ks = keys(4)
-    store(m, ks[:2])
-    Workers(redis_client).finish_all(m)
-    store(m, ks[2:])
-    Workers(redis_client, fail=Medium.DISK).finish_all(m)
-    evict_from_host(m, Workers(redis_client), 4)
+    split_between_disk_and_remote(m, ks, redis_client)
     assert m.lookup(ks).pending
     for p in m.take_transfers():
         Workers(redis_client, fail=Medium.REMOTE).finish(m, p)  # e.g. the server evicted the values
@@ -172,11 +175,7 @@ def test_a_slow_remote_tier_ends_the_hit_where_the_disk_run_ends(make: Any, redi
     m = make(host_slots=4)
     m.set_load_cost(SlowRemote())
     ks = keys(4)
-    store(m, ks[:2])
-    Workers(redis_client).finish_all(m)
-    store(m, ks[2:])
-    Workers(redis_client, fail=Medium.DISK).finish_all(m)
-    evict_from_host(m, Workers(redis_client), 4)
+    split_between_disk_and_remote(m, ks, redis_client)
     assert m.lookup(ks) == LookupResult(0, pending=True)
     (promotion,) = m.take_transfers()
     assert promotion.src == DiskBlocks(tuple(ks[:2]), (2,))
