@@ -348,3 +348,15 @@ def test_columns_of_different_lengths_are_refused():
     for bad in (StepSchedule(["a", "b"], [None], [1, 2]), StepSchedule(["a"], [None], [1], 2)):
         with pytest.raises(ValueError, match="columns"):
             make_scheduler().build_connector_meta(bad)
+
+
+def test_usage_is_said_to_move_only_after_calls_that_can_move_it():
+    sched = make_scheduler()
+    a = Req("a", list(range(40)))
+    meta = run_prefill(sched, a)  # a lookup and a store: host slots reserved
+    assert sched.take_usage_moved() and not sched.take_usage_moved()
+    a.all_token_ids += [1]
+    decode(sched, [a], [41])  # no block filled: nothing reserved or freed
+    assert not sched.take_usage_moved()
+    complete(sched, meta)
+    assert sched.take_usage_moved()

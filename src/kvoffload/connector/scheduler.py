@@ -124,6 +124,8 @@ class ConnectorScheduler:
         self._to_flush_next: set[JobId] = set()
         self._stats = SchedulerStats()
         self._generation = 0
+        self._usage_moved = True
+        """A manager call that may change tier usage ran since ``take_usage_moved`` (stats skip it otherwise)."""
         """Bumped whenever a request state comes, goes, or changes its store threshold outside a step."""
         self._columns: _Columns | None = None
 
@@ -138,6 +140,7 @@ class ConnectorScheduler:
         """
         state = self._state(request)
         state.planned_load = None
+        self._usage_moved = True  # a lookup may reserve host room for a promotion
         num_tokens = len(request.all_token_ids)
         state.query_tokens = max(0, num_tokens - num_computed_tokens)
         if state.ambiguous:
@@ -335,6 +338,7 @@ class ConnectorScheduler:
         keys = [k for group in full.keys for k in group]  # specs list group 0's blocks first
         if not keys:
             return None
+        self._usage_moved = True
         out = self.manager.prepare_store(keys)
         if out is None or not out.keys_to_store:
             return None
@@ -383,6 +387,7 @@ class ConnectorScheduler:
 
     def _finish(self, job_id: JobId, job: _PendingJob) -> None:
         del self._jobs[job_id]
+        self._usage_moved = True
         success = job.failed == 0
         for req_id in job.req_ids:
             if (state := self._requests.get(req_id)) is not None:
@@ -419,7 +424,13 @@ class ConnectorScheduler:
 
     def reset(self) -> bool:
         self.manager.reset()
+        self._usage_moved = True
         return True
+
+    def take_usage_moved(self) -> bool:
+        """Whether the tiers' usage may have changed since the last call (a decode step without jobs: no)."""
+        moved, self._usage_moved = self._usage_moved, False
+        return moved
 
     def take_stats(self) -> SchedulerStats:
         """What was counted since the last call (the caller owns it)."""

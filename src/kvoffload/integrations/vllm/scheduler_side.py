@@ -94,10 +94,12 @@ class SchedulerSide:
 
     def stats(self) -> KVOffloadStats | None:
         """Hit and miss tokens since the last call, and the host tier's bytes in use when they changed."""
-        used = self.host_used_bytes()
         lookups = self.core.take_stats()
-        if used == self._reported_host_bytes and lookups.is_empty():
+        if not self.core.take_usage_moved() and lookups.is_empty():
             return None  # most decode steps: nothing to say
+        used = self.host_used_bytes()
+        if used == self._reported_host_bytes and lookups.is_empty():
+            return None
         gauge = used if used != self._reported_host_bytes else None
         self._reported_host_bytes = used
         return KVOffloadStats.of(lookups=lookups, host_used_bytes=gauge)
