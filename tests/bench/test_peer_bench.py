@@ -110,7 +110,7 @@ def test_only_segments_of_exited_processes_are_removed(tmp_path: Path) -> None:
         (tmp_path / f"lmcache_kv_{pid}_0").write_bytes(b"x")
     assert list(leftover_segments([dead, alive], tmp_path)) == [tmp_path / f"lmcache_kv_{dead}_0"]
     assert remove_segments([dead, alive], tmp_path) == [tmp_path / f"lmcache_kv_{dead}_0"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["lmcache_kv_1_0", f"lmcache_kv_{alive}_0"]
+    assert {p.name for p in tmp_path.iterdir()} == {"lmcache_kv_1_0", f"lmcache_kv_{alive}_0"}  # any pid digits
 
 
 def test_engine_settings_name_the_three_engine_kinds() -> None:
