@@ -16,8 +16,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvoffload.disk_format import HEADER_BYTES, BlockFormat, checksum, encode_header
+from kvoffload.disk_format import BlockFormat
 from kvoffload.keys import OffloadKey
+from kvoffload.transfer.remote_values import seal_into
 
 BATCH_BYTES = 8 << 20
 """About this many value bytes per pipeline: large enough that a pipeline's round trip is noise, small enough that
@@ -54,21 +55,13 @@ class SealStage:
         Returns views of the values, valid until the next ``seal`` into the same buffer. The CRC is taken of the
         staged copy, so a value's checksum always matches the bytes it is sent with.
         """
-        stage, fmt = self._buffers[buffer], self._fmt
+        stage = self._buffers[buffer]
         values: list[memoryview] = []
-        at = 0
-        for key, payload in blocks:
-            end = at + HEADER_BYTES + payload.nbytes
-            staged = stage[at + HEADER_BYTES:end]
-            np.copyto(staged, payload.view(np.uint8))
-            header = encode_header(self._fingerprint, key, payload.nbytes, checksum(staged.data), fmt.algorithm)
-            stage[at:at + HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
-            if fmt.auth is not None:
-                mac = fmt.auth.mac(header, staged.data)
-                stage[end:end + len(mac)] = np.frombuffer(mac, dtype=np.uint8)
-                end += len(mac)
-            values.append(stage[at:end].data)
-            at += self._value_bytes
+        for i, (key, payload) in enumerate(blocks):
+            at = i * self._value_bytes
+            out = stage[at:at + self._value_bytes].data
+            end = seal_into(self._fmt, self._fingerprint, key, payload.data, out)
+            values.append(out[:end])
         return values
 
 

@@ -22,16 +22,28 @@ from kvoffload.keys import OffloadKey
 
 
 def encode_value(fmt: BlockFormat, fingerprint: bytes, key: OffloadKey, payload: memoryview) -> bytes:
-    """Header, payload and (with a secret) MAC as one ``bytes``: the one copy a store makes of the slot.
+    """Header, payload and (with a secret) MAC as one new ``bytes`` (``seal_into`` a fresh buffer)."""
+    value = bytearray(fmt.file_bytes(len(payload)))
+    seal_into(fmt, fingerprint, key, payload, memoryview(value))
+    return bytes(value)
 
-    A ``SET`` needs its value in one buffer (redis-py hands ``bytes`` to the socket as they are), so the slot's
-    bytes are copied once here, by ``bytes.join``.
+
+def seal_into(fmt: BlockFormat, fingerprint: bytes, key: OffloadKey, payload: memoryview, out: memoryview) -> int:
+    """Write the value of ``payload`` at the start of ``out``: the payload is copied behind the header, its CRC is
+    taken of that copy (so the checksum always matches the bytes written), and the MAC follows. Returns its length.
     """
-    header = encode_header(fingerprint, key, len(payload), checksum(payload), fmt.algorithm)
-    parts: list[bytes | memoryview] = [header, payload]
+    raw = payload if payload.format == "B" else payload.cast("B")  # e.g. an int8 slot: its bytes as they are
+    n = len(raw)
+    staged = out[HEADER_BYTES:HEADER_BYTES + n]
+    staged[:] = raw
+    header = encode_header(fingerprint, key, n, checksum(staged), fmt.algorithm)
+    out[:HEADER_BYTES] = header
+    end = HEADER_BYTES + n
     if fmt.auth is not None:
-        parts.append(fmt.auth.mac(header, payload))
-    return b"".join(parts)
+        mac = fmt.auth.mac(header, staged)
+        out[end:end + len(mac)] = mac
+        end += len(mac)
+    return end
 
 
 def verified_payload(fmt: BlockFormat, fingerprint: bytes, key: OffloadKey, value: bytes,
