@@ -124,10 +124,10 @@ class ConnectorScheduler:
         self._to_flush_next: set[JobId] = set()
         self._stats = SchedulerStats()
         self._generation = 0
-        self._usage_moved = True
-        """A manager call that may change tier usage ran since ``take_usage_moved`` (stats skip it otherwise)."""
         """Bumped whenever a request state comes, goes, or changes its store threshold outside a step."""
         self._columns: _Columns | None = None
+        self._usage_moved = True
+        """A manager call that may change tier usage ran since ``take_usage_moved`` (stats skip it otherwise)."""
 
     # ---- load path -------------------------------------------------------------------------------------------
 

@@ -273,9 +273,9 @@ class TieredManager(ResidencyManager):
         per_tier = [(t.tier, k) for t in self._transfers.values() for k in t.keys]
         if len(per_tier) != len(set(per_tier)):
             raise IntegrityError("tiered: a key is in two transfers of one tier at once")
-        promoted = {k for t in self._transfers.values() if t.kind is _Kind.PROMOTE for k in t.keys}
-        if len(promoted) != sum(len(t.keys) for t in self._transfers.values() if t.kind is _Kind.PROMOTE) or (
-                promoted & {k for t in self._transfers.values() if t.kind is _Kind.WRITE for k in t.keys}):
+        promoted = [k for t in self._transfers.values() if t.kind is _Kind.PROMOTE for k in t.keys]
+        written = {k for t in self._transfers.values() if t.kind is _Kind.WRITE for k in t.keys}
+        if len(promoted) != len(set(promoted)) or not written.isdisjoint(promoted):
             raise IntegrityError("tiered: a key being promoted is in another transfer")
         if any(t.tier == self._on_evict and not self._dirty.keys().isdisjoint(t.keys)
                for t in self._transfers.values()):
