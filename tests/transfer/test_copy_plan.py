@@ -83,6 +83,19 @@ def test_malformed_jobs_raise_value_error_naming_the_problem(job: TransferJob, c
         build_plan(layout, job)  # block ids and slots, on the arrays the plan is built from
 
 
+def test_the_planner_refuses_sizes_that_validation_would_have_caught() -> None:
+    # The planner writes through the sizes it is given, so it checks them even though validate_job comes first.
+    job = TransferJob(JobId(1), DeviceBlocks((1, 2, 3), (3,)), HostBlocks((0,), (1,)))
+    with pytest.raises(ValueError, match="job 1: more block ids than the slots hold"):
+        build_plan(_layout(), job)
+
+
+def test_a_plan_reports_the_bytes_of_its_copies() -> None:
+    plan = build_plan(_layout(), _store((3, 4, 9), (0, 1, 5)))
+    assert plan.nbytes == int(plan.size.sum()) == 3 * PAGE
+    assert len(plan) == 2
+
+
 def test_a_load_of_an_empty_group_copies_nothing_for_it() -> None:
     kv = CanonicalKV((torch.zeros((8, PAGE), dtype=torch.int8),),
                      ((BlockRef(0, PAGE),), (BlockRef(0, PAGE // 2),)), 8)

@@ -12,15 +12,14 @@ is process-wide and belongs to the engine.
 Why raw ``memmove``: each copy is a ``memmove`` between addresses computed from the tensors' data pointers, and
 ``kvoffload._blockcopy.copy_ranges`` (a small C extension) runs a whole piece of them in one call without the
 GIL. Measured on a 2-core box: a torch ``copy_`` per block costs ~3 us of dispatch, ``index_select`` /
-``index_copy_`` reach well under 1 GB/s on int8 rows, and a Python loop of ``ctypes.memmove`` (the fallback when
-the extension is not built) pays about a microsecond per call, a quarter of the speed at 4 KiB pages. Safety
+``index_copy_`` reach well under 1 GB/s on int8 rows, and a Python loop of ``ctypes.memmove`` pays about a
+microsecond per call, a quarter of the speed at 4 KiB pages. Safety
 rests on ``copy_plan`` (every block id and slot is in range before a plan exists) and on this object holding
 the tensors whose memory it addresses.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import queue
 import threading
@@ -32,6 +31,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kvoffload._blockcopy import copy_ranges
 from kvoffload.specs import JobId, Medium
 from kvoffload.transfer.base import TransferResult
 from kvoffload.transfer.copy_plan import STORE, CopyPlan, Int64Array
@@ -196,16 +196,3 @@ def _piece(ranges: Ranges, lo: int, skip: int, hi: int, tail: int) -> Ranges:
         s[0] += skip
         n[0] -= skip
     return Ranges(d, s, n)
-
-
-def _copy_ranges_in_python(dst: Int64Array, src: Int64Array, size: Int64Array) -> None:
-    memmove = ctypes.memmove
-    for d, s, n in zip(dst.tolist(), src.tolist(), size.tolist(), strict=True):
-        memmove(d, s, n)
-
-
-try:
-    from kvoffload._blockcopy import copy_ranges
-except ImportError:  # built without a C compiler: correct, several times slower on small pages
-    logger.warning("kvoffload._blockcopy is not built; CPU copies use a slower Python loop")
-    copy_ranges = _copy_ranges_in_python
