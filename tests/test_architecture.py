@@ -32,3 +32,11 @@ def test_the_scheduler_side_index_imports_no_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_trace_replay_imports_no_torch_and_no_engine():
+    code = ("import sys, kvoffload.replay, kvoffload.replay.replay_command, kvoffload.replay.plan_command, "
+            "kvoffload.replay.plot;"
+            "print(sorted(m for m in ('torch', 'vllm', 'matplotlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -14,6 +14,8 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("kvoffload.testing.simulate", "run a multi-turn chat workload through the simulated engine"),
     "demo": ("kvoffload.integrations.vllm.demo", "real vLLM (CPU) with and without kvoffload, TTFT per turn"),
+    "replay": ("kvoffload.replay.replay_command", "a request trace through every policy, beside the offline optimum"),
+    "plan": ("kvoffload.replay.plan_command", "size a tier: hit rate against capacity for a trace and a model"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "copy": ("kvoffload.bench.copy", "device<->host copy GB/s beside memcpy of the same bytes"),
