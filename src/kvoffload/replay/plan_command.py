@@ -186,13 +186,17 @@ def _print(args: argparse.Namespace, inputs: Inputs, results: Sequence[ReplayRes
     _print_costs(args, inputs, grid)
 
 
+_HEADERS = {"loaded_gib": "loaded GiB", "stored_gib": "stored GiB", "loaded_bytes_per_hit_token": "loaded B/hit token",
+            "stored_bytes_per_hit_token": "stored B/hit token"}
+
+
 def _print_costs(args: argparse.Namespace, inputs: Inputs, grid: Grid) -> None:
     tps = args.prefill_tokens_per_s
     costs = [_cost_row(row[inputs.cost_policy.value], inputs, tps) for row in grid]
     keys = ["capacity_tokens", "hit_tokens", *(["prefill_saved_s"] if tps else []), "loaded_gib", "stored_gib",
             "loaded_bytes_per_hit_token", "stored_bytes_per_hit_token", *(f"load_s_{m}" for m in inputs.bandwidths)]
     print(f"\nwhat the hits buy and cost, policy {inputs.cost_policy.value}:")
-    print(format_table([k.replace("_", " ") for k in keys], [[c[k] for k in keys] for c in costs]))
+    print(format_table([_HEADERS.get(k, k.replace("_", " ")) for k in keys], [[c[k] for k in keys] for c in costs]))
     for name, seconds in _per_token(inputs, tps).items():
         print(f"  per hit token, {name.replace('_s_', ' from ').replace('_s', '')}: {seconds * 1e6:.3g} us")
 

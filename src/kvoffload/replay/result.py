@@ -36,6 +36,7 @@ class ReplayResult:
     unread_blocks: int
     """Stored blocks still resident at the end that no request read."""
     seconds: float
+    """The replay's wall time, not counting reading the trace nor a next-use table the caller passed in."""
 
     @property
     def capacity_tokens(self) -> int:
