@@ -11,7 +11,7 @@ from tests.replay.traces import brute_force_hits, chained_prompts, random_chaine
 
 from kvoffload.config import EvictionPolicy
 from kvoffload.keys import OffloadKey
-from kvoffload.replay import Bound, OptimumPolicy, next_uses, replay
+from kvoffload.replay import Bound, OptimumPolicy, Trace, int_key, next_uses, replay
 from kvoffload.replay.optimum import NEVER
 
 
@@ -91,3 +91,41 @@ def test_the_brute_force_comparison_catches_wrong_optimum_variants() -> None:
     for wrong in (_EvictsNearest, _NeverBypasses, _EvictsAncestorsOnTies):
         got = [optimum_hits(*p, capacity=c, policy=wrong) for p, c in cases]
         assert got != expected, wrong.__name__
+
+
+def policy_at(t: Trace, request: int) -> OptimumPolicy:
+    """The policy with every block of ``t``'s requests up to ``request`` inserted, the future as of ``request``."""
+    future = next_uses(t)
+    policy = OptimumPolicy(future)
+    for index in range(request + 1):
+        policy.advance(t.requests[index].keys, future.after[index])
+        policy.insert_all(t.requests[index].keys)
+    return policy
+
+
+def test_victims_go_farthest_next_use_first_and_deeper_first_on_ties() -> None:
+    t = trace([0, 1], [2], [0], [2], [0, 1])
+    policy = policy_at(t, 1)  # next uses: 0 at 2, 1 at 4, 2 at 3
+    assert policy.victims(3, lambda key: True) == [int_key(1), int_key(2), int_key(0)]
+    assert len(policy) == 0
+    tie = policy_at(trace([0, 1], [0, 1]), 0)
+    assert tie.victims(1, lambda key: True) == [int_key(1)]
+
+
+def test_advance_gives_resident_keys_their_new_future() -> None:
+    t = trace([0], [1], [0], [1])
+    assert policy_at(t, 1).victims(1, lambda key: True) == [int_key(1)]  # 0 is next used at 2, 1 at 3
+    # Request 2 uses block 0 for the last time: from then on it goes first, even before anything touches it.
+    policy = policy_at(t, 1)
+    policy.advance(t.requests[2].keys, next_uses(t).after[2])
+    assert policy.victims(1, lambda key: True) == [int_key(0)]
+
+
+def test_refused_victims_keep_their_place_and_a_short_choice_changes_nothing() -> None:
+    t = trace([0, 1, 2], [0], [0, 1])
+    policy = policy_at(t, 0)  # next uses: 0 at 1, 1 at 2, 2 never
+    assert policy.victims(1, lambda key: key != int_key(2)) == [int_key(1)]
+    assert policy.victims(3, lambda key: True) is None
+    assert (len(policy), int_key(2) in policy, int_key(1) in policy) == (2, True, False)
+    policy.remove(int_key(2))
+    assert policy.victims(1, lambda key: True) == [int_key(0)]
