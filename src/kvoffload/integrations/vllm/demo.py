@@ -43,10 +43,14 @@ from kvoffload.testing.outputs import CONTROL_FACTOR, TOLERANCE, Control, contro
 
 Progress = Callable[[str], None]
 
+DEMO_SHAPE = TinyShape(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=2, head_dim=64,
+                       intermediate_size=4 * 512)
+"""The demo's model (also ``bench serve``'s): big enough that recomputing a long prompt costs real time on CPU."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's flags: output, workload size, model size, engine knobs."""
-    w, m = Workload(), TinyShape(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=2, head_dim=64)
+    w, m = Workload(), DEMO_SHAPE
     parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
     parser.add_argument("--out", type=Path, default=Path("out"), help="directory for demo.json and the chart")
     parser.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
