@@ -65,3 +65,11 @@ def test_the_bounds_ignore_the_admission_rule(stand_in: None) -> None:
     t = trace([0, 1], [0, 1], [0, 1])
     assert replay(t, 4, Bound.OPTIMUM, admission="second-sighting").admission == "all"
     assert replay(t, 4, Bound.UNBOUNDED, admission="second-sighting").hit_blocks == 4
+
+
+def test_second_sighting_of_the_manager_stores_a_block_seen_before() -> None:
+    pytest.importorskip("kvoffload.manager.admission")
+    t = trace([0, 1], [0, 1], [0, 1], [2])
+    result = replay(t, 4, EvictionPolicy.LRU, admission="second-sighting")
+    # Request 0 offers 0, 1 (declined), request 1 offers them again (stored), request 2 hits, 2 is seen once.
+    assert (result.stored_blocks, result.declined_blocks, result.hit_blocks) == (2, 3, 2)
