@@ -204,13 +204,15 @@ def test_usage_counts_every_held_slot() -> None:
     assert manager.usage() == [TierUsage(Medium.HOST, 3, 5)]
 
 
-def test_arc_manager_keeps_loaded_keys_through_a_scan() -> None:
-    manager = stored(HostTierManager(4, policy=EvictionPolicy.ARC), 1, 2)
-    manager.touch(keys(1, 2))
-    for i in range(100, 110):
-        stored(manager, i)
-    assert manager.lookup(keys(1, 2)) == LookupResult(2)
-    manager.check_integrity()
+@pytest.mark.parametrize("policy", [p for p in EvictionPolicy if p is not EvictionPolicy.LRU], ids=lambda p: p.value)
+def test_a_scan_resistant_manager_keeps_loaded_keys_through_a_scan(policy: EvictionPolicy) -> None:
+    for kind, kept in ((EvictionPolicy.LRU, 0), (policy, 2)):
+        manager = stored(HostTierManager(10, policy=kind), *range(1, 6))
+        manager.touch(keys(1, 2))
+        for i in range(100, 130):
+            stored(manager, i)
+        assert manager.lookup(keys(1, 2)) == LookupResult(kept)
+        manager.check_integrity()
 
 
 def test_spec_factory_builds_the_specs_of_another_medium() -> None:
@@ -364,8 +366,9 @@ class HostTierMachine(RuleBasedStateMachine):
         assert held(self.manager) == 0
 
 
-class ARCHostTierMachine(HostTierMachine):
-    policy = EvictionPolicy.ARC
+MACHINES = {kind: type(f"{kind.name}HostTierMachine", (HostTierMachine,), {"policy": kind})
+            for kind in EvictionPolicy}
+"""The randomized model check, once per eviction policy."""
 
 
 def drive(machine: HostTierMachine, rng: random.Random, steps: int) -> None:
@@ -389,23 +392,26 @@ def drive(machine: HostTierMachine, rng: random.Random, steps: int) -> None:
     machine.teardown()
 
 
-@pytest.mark.parametrize("machine", [HostTierMachine, ARCHostTierMachine], ids=["lru", "arc"])
+@pytest.mark.parametrize("policy", list(EvictionPolicy), ids=lambda p: p.value)
 @pytest.mark.parametrize("seed", range(20))
-def test_random_operations_keep_the_index_consistent(machine: type[HostTierMachine], seed: int) -> None:
-    drive(machine(), random.Random(seed), steps=150)
+def test_random_operations_keep_the_index_consistent(policy: EvictionPolicy, seed: int) -> None:
+    drive(MACHINES[policy](), random.Random(seed), steps=150)
 
 
 _SETTINGS = settings(max_examples=25, stateful_step_count=30, deadline=None)
-TestHostTierLRU = HostTierMachine.TestCase
-TestHostTierLRU.settings = _SETTINGS
-TestHostTierARC = ARCHostTierMachine.TestCase
-TestHostTierARC.settings = _SETTINGS
+TestHostTierLRU = MACHINES[EvictionPolicy.LRU].TestCase
+TestHostTierARC = MACHINES[EvictionPolicy.ARC].TestCase
+TestHostTierS3FIFO = MACHINES[EvictionPolicy.S3FIFO].TestCase
+TestHostTierTinyLFU = MACHINES[EvictionPolicy.TINYLFU].TestCase
+for _case in (TestHostTierLRU, TestHostTierARC, TestHostTierS3FIFO, TestHostTierTinyLFU):
+    _case.settings = _SETTINGS
 
 
-def test_a_hundred_million_slot_tier_allocates_little_until_its_slots_are_used() -> None:
+@pytest.mark.parametrize("policy", list(EvictionPolicy), ids=lambda p: p.value)
+def test_a_hundred_million_slot_tier_allocates_little_until_its_slots_are_used(policy: EvictionPolicy) -> None:
     tracemalloc.start()
     try:
-        manager = HostTierManager(100_000_000)
+        manager = HostTierManager(100_000_000, policy)
         stored(manager, 1, 2, 3)
         _, peak = tracemalloc.get_traced_memory()
     finally:

@@ -1,4 +1,5 @@
-"""Eviction policies: victim order, atomicity, refused keys, ARC scan resistance and adaptation."""
+"""Eviction policies: every policy through the conformance suite; then what each one does that LRU does not (scan
+and loop resistance, ARC's adaptation, S3-FIFO's ghost, TinyLFU's duels)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,17 @@ import pytest
 from kvoffload.config import EvictionPolicy
 from kvoffload.keys import OffloadKey
 from kvoffload.manager.base import IntegrityError
-from kvoffload.manager.policies import ARCPolicy, CanEvict, LRUPolicy, Policy, make_policy
+from kvoffload.manager.policies import (
+    ARCPolicy,
+    CanEvict,
+    LRUPolicy,
+    Policy,
+    S3FIFOPolicy,
+    TinyLFUPolicy,
+    make_policy,
+)
 from kvoffload.manager.policies.arc import _FAST_RUNS
+from kvoffload.testing.policy_conformance import POLICY_CHECKS, PolicyFactory, check_policy
 
 
 def key(i: int) -> OffloadKey:
@@ -31,56 +41,40 @@ def anything(k: OffloadKey) -> bool:
     return True
 
 
-BOTH = [pytest.param(LRUPolicy, id="lru"), pytest.param(lambda: ARCPolicy(8), id="arc")]
+POLICIES = [pytest.param(kind, id=kind.value) for kind in EvictionPolicy]
+
+
+def factory(kind: EvictionPolicy) -> PolicyFactory:
+    return lambda capacity: make_policy(kind, capacity)
 
 
 def test_make_policy_builds_the_named_policy() -> None:
     assert isinstance(make_policy(EvictionPolicy.LRU), LRUPolicy)
     assert isinstance(make_policy(EvictionPolicy.ARC, 16), ARCPolicy)
+    assert isinstance(make_policy(EvictionPolicy.S3FIFO, 16), S3FIFOPolicy)
+    assert isinstance(make_policy(EvictionPolicy.TINYLFU, 16), TinyLFUPolicy)
 
 
-def test_make_policy_rejects_non_positive_capacity() -> None:
+@pytest.mark.parametrize("kind", POLICIES)
+def test_make_policy_rejects_non_positive_capacity(kind: EvictionPolicy) -> None:
     with pytest.raises(ValueError, match="capacity 0"):
-        make_policy(EvictionPolicy.ARC, 0)
+        make_policy(kind, 0)
 
 
-@pytest.mark.parametrize("new", BOTH)
-def test_victims_come_oldest_first_and_stop_being_resident(new) -> None:
-    policy = filled(new(), 1, 2, 3)
-    assert policy.victims(2, anything) == keys(1, 2)
-    assert len(policy) == 1
-    assert key(1) not in policy and key(3) in policy
+@pytest.mark.parametrize("kind", [EvictionPolicy.S3FIFO, EvictionPolicy.TINYLFU])
+def test_make_policy_needs_the_capacity_of_policies_sized_by_it(kind: EvictionPolicy) -> None:
+    with pytest.raises(ValueError, match="needs the tier's capacity"):
+        make_policy(kind)
 
 
-@pytest.mark.parametrize("new", BOTH)
-def test_victims_is_atomic_when_too_few_keys_may_go(new) -> None:
-    policy = filled(new(), 1, 2, 3)
-    assert policy.victims(3, lambda k: k != key(2)) is None
-    assert len(policy) == 3
-    assert policy.victims(3, anything) == keys(1, 2, 3)
+@pytest.mark.parametrize("kind", POLICIES)
+@pytest.mark.parametrize("check", POLICY_CHECKS, ids=lambda c: c.__name__)
+def test_every_policy_passes_the_conformance_check(check, kind: EvictionPolicy) -> None:  # type: ignore[no-untyped-def]
+    check(factory(kind))
 
 
-@pytest.mark.parametrize("new", BOTH)
-def test_refused_keys_are_skipped_and_keep_their_place(new) -> None:
-    policy = filled(new(), 1, 2, 3)
-    assert policy.victims(1, lambda k: k != key(1)) == keys(2)
-    assert policy.victims(1, anything) == keys(1)
-
-
-@pytest.mark.parametrize("new", BOTH)
-def test_zero_victims_is_an_empty_list(new) -> None:
-    assert filled(new(), 1).victims(0, anything) == []
-    assert new().victims(0, anything) == []
-
-
-@pytest.mark.parametrize("new", BOTH)
-def test_removed_and_unknown_keys(new) -> None:
-    policy = filled(new(), 1, 2)
-    policy.remove(key(1))
-    policy.remove(key(9))
-    policy.touch(key(9))
-    assert len(policy) == 1 and key(1) not in policy
-    assert policy.victims(2, anything) is None
+def test_arc_without_a_capacity_conforms() -> None:
+    check_policy(lambda capacity: ARCPolicy())
 
 
 def test_lru_touch_moves_a_key_to_the_back() -> None:
@@ -104,14 +98,38 @@ def scan(policy: Policy, capacity: int, ids: range) -> None:
         policy.insert(key(i))
 
 
-def test_a_scan_flushes_lru_but_not_arcs_frequent_keys() -> None:
-    for policy in (LRUPolicy(), ARCPolicy(4)):
-        filled(policy, 1, 2)
-        policy.touch(key(1))
-        policy.touch(key(2))
-        scan(policy, 4, range(100, 120))
-        survivors = {k for k in keys(1, 2) if k in policy}
-        assert survivors == (set() if isinstance(policy, LRUPolicy) else set(keys(1, 2)))
+SCAN_RESISTANT = [pytest.param(kind, id=kind.value) for kind in EvictionPolicy if kind is not EvictionPolicy.LRU]
+
+
+@pytest.mark.parametrize("kind", SCAN_RESISTANT)
+def test_a_one_time_scan_flushes_lrus_used_keys_but_not_theirs(kind: EvictionPolicy) -> None:
+    for policy, survive in ((LRUPolicy(), False), (make_policy(kind, 10), True)):
+        filled(policy, *range(1, 6))
+        policy.touch_all(keys(1, 2))
+        scan(policy, 10, range(100, 140))
+        assert (key(1) in policy and key(2) in policy) is survive, type(policy).__name__
+        policy.check_integrity()
+
+
+def loop_hits(policy: Policy, capacity: int, loop: int, rounds: int) -> int:
+    """Hits of a tier of ``capacity`` keys used in a loop over ``loop`` keys (one miss stores the key)."""
+    hits = 0
+    for i in range(loop * rounds):
+        k = key(i % loop)
+        if k in policy:
+            policy.touch(k)
+            hits += 1
+            continue
+        if len(policy) == capacity:
+            assert policy.victims(1, anything) is not None
+        policy.insert(k)
+    return hits
+
+
+@pytest.mark.parametrize("kind", [EvictionPolicy.S3FIFO, EvictionPolicy.TINYLFU])
+def test_a_loop_larger_than_the_tier_never_hits_in_lru_but_does_in_theirs(kind: EvictionPolicy) -> None:
+    assert loop_hits(LRUPolicy(), 100, 150, 6) == 0
+    assert loop_hits(make_policy(kind, 100), 100, 150, 6) > 150
 
 
 def test_arc_used_keys_outlive_recent_ones() -> None:
@@ -298,3 +316,107 @@ def test_insert_all_is_insert_key_by_key(new, seed: int) -> None:  # type: ignor
         batch.check_integrity()
         extra = max(0, len(batch) - 16)
         assert batch.victims(extra, anything) == single.victims(extra, anything)
+
+
+# ---- S3-FIFO -----------------------------------------------------------------------------------------------------
+
+
+def test_s3fifo_keys_used_in_the_small_queue_move_to_main_and_outlive_new_ones() -> None:
+    policy = filled(S3FIFOPolicy(10), *range(1, 11))
+    policy.touch(key(1))
+    # Victims come from the small queue: key 1 was used there, so it moves to main instead.
+    assert policy.victims(3, anything) == keys(2, 3, 4)
+    scan(policy, 10, range(100, 130))
+    assert key(1) in policy
+    policy.check_integrity()
+
+
+def test_s3fifo_a_key_back_from_the_ghost_queue_goes_to_main() -> None:
+    policy = filled(S3FIFOPolicy(10), *range(1, 11))
+    assert policy.victims(1, anything) == keys(1)  # unused: out, remembered in the ghost queue
+    policy.insert(key(1))
+    scan(policy, 10, range(100, 130))  # new keys churn the small queue only
+    assert key(1) in policy
+    lru = filled(LRUPolicy(), *range(2, 11), 1)
+    scan(lru, 10, range(100, 130))
+    assert key(1) not in lru
+
+
+def test_s3fifo_main_gives_a_used_key_another_round_once() -> None:
+    policy = S3FIFOPolicy(10)
+    for i in range(1, 4):  # three keys in main through the ghost queue, key 1 used there
+        policy.insert(key(i))
+        policy.victims(1, anything)
+        policy.insert(key(i))
+    policy.touch(key(1))
+    assert policy.victims(3, anything) == keys(2, 3, 1)
+
+
+def test_s3fifo_ghost_queue_holds_at_most_the_capacity() -> None:
+    policy = S3FIFOPolicy(4)
+    scan(policy, 4, range(50))
+    assert len(policy._ghost) == 4
+    policy.check_integrity()
+
+
+def test_s3fifo_check_integrity_raises_on_a_key_in_both_queues() -> None:
+    policy = filled(S3FIFOPolicy(8), 1, 2)
+    policy._main[key(1)] = None
+    with pytest.raises(IntegrityError, match="partition"):
+        policy.check_integrity()
+
+
+# ---- TinyLFU -----------------------------------------------------------------------------------------------------
+
+
+def full_tinylfu(capacity: int) -> TinyLFUPolicy:
+    """A full tier: keys 0 .. capacity-1 inserted once each (the oldest have left the window for main)."""
+    policy = TinyLFUPolicy(capacity)
+    scan(policy, capacity, range(capacity))
+    assert policy.victims(1, anything) is not None  # the window overflows into main
+    policy.insert(key(capacity))
+    return policy
+
+
+def test_tinylfu_a_candidate_used_more_than_the_victim_displaces_it() -> None:
+    policy = full_tinylfu(100)
+    candidate = next(iter(policy._window))
+    victim = next(iter(policy._main))
+    policy.touch(candidate)
+    assert policy.frequency(candidate) > policy.frequency(victim)
+    assert policy.victims(1, anything) == [victim]
+    assert candidate in policy._main
+
+
+def test_tinylfu_a_candidate_used_no_more_than_the_victim_is_evicted() -> None:
+    policy = full_tinylfu(100)
+    candidate = next(iter(policy._window))
+    victim = next(iter(policy._main))
+    assert policy.frequency(candidate) == policy.frequency(victim)
+    assert policy.victims(1, anything) == [candidate]
+    assert victim in policy
+
+
+def test_tinylfu_counts_age_after_a_sample_period() -> None:
+    policy = TinyLFUPolicy(4)
+    policy.insert(key(1))
+    for _ in range(4):
+        policy.touch(key(1))
+    assert policy.frequency(key(1)) == 5
+    scan(policy, 4, range(100, 112))  # more than a period of counted events, with victims asked
+    assert policy.frequency(key(1)) <= 2
+    policy.check_integrity()
+
+
+def test_tinylfu_remembers_the_frequency_of_an_evicted_key() -> None:
+    policy = filled(TinyLFUPolicy(4), 1)
+    policy.touch(key(1))
+    policy.remove(key(1))
+    assert policy.frequency(key(1)) == 2
+
+
+def test_tinylfu_check_integrity_raises_on_a_key_in_both_spaces() -> None:
+    policy = filled(TinyLFUPolicy(8), 1, 2)
+    policy._main[key(1)] = None
+    with pytest.raises(IntegrityError, match="partition"):
+        policy.check_integrity()

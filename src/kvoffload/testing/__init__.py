@@ -5,6 +5,7 @@
   per-token KV bytes so every loaded block can be checked bit for bit.
 - ``layouts``: ready-made KV cache layouts (attention, padded, shared buffer, multi-group, Mamba-style).
 - ``conformance``: checks any ``TransferHandler`` must pass.
+- ``policy_conformance``: checks any eviction ``Policy`` must pass.
 - ``simulate``: the ``kvoffload simulate`` workload.
 - ``outputs``: comparing an engine's outputs with and without kvoffload, with the control that makes the
   comparison able to fail (the e2e tests and ``kvoffload demo`` use it).

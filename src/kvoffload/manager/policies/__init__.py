@@ -3,5 +3,7 @@
 from kvoffload.manager.policies.arc import ARCPolicy
 from kvoffload.manager.policies.base import CanEvict, Policy, make_policy
 from kvoffload.manager.policies.lru import LRUPolicy
+from kvoffload.manager.policies.s3fifo import S3FIFOPolicy
+from kvoffload.manager.policies.tinylfu import TinyLFUPolicy
 
-__all__ = ["ARCPolicy", "CanEvict", "LRUPolicy", "Policy", "make_policy"]
+__all__ = ["ARCPolicy", "CanEvict", "LRUPolicy", "Policy", "S3FIFOPolicy", "TinyLFUPolicy", "make_policy"]

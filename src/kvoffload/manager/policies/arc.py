@@ -63,24 +63,31 @@ class ARCPolicy(Policy):
         else:
             # Only a new key grows T1 + B1 and the total: only it can push the history past its bounds.
             t1[key] = None
-            if self._capacity is None:
-                self._seen_max = max(self._seen_max, len(t1) + len(t2))
-            self._trim_history()
+            self._grown()
 
     def insert_all(self, keys: Iterable[OffloadKey]) -> None:
-        # A store completes a batch of keys: trim the history once for all of them, not once per key.
-        t1, t2 = self._t1, self._t2
+        # A store reserves room for a batch of new keys: trim the history once for a run of them, not once per
+        # key. Any other key trims first: one by one, the new keys before it would have trimmed the history while
+        # T1 was as long as it is now (a use shrinks T1, a key from the history may be trimmed away).
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
         grew = False
         for key in keys:
-            if key in t1 or key in t2 or key in self._b1 or key in self._b2:
+            if key in t1 or key in t2 or key in b1 or key in b2:
+                if grew:
+                    self._grown()
+                    grew = False
                 self.insert(key)
             else:
                 t1[key] = None
                 grew = True
         if grew:
-            if self._capacity is None:
-                self._seen_max = max(self._seen_max, len(t1) + len(t2))
-            self._trim_history()
+            self._grown()
+
+    def _grown(self) -> None:
+        """New keys joined T1: follow the largest resident count, and trim the history to its bounds."""
+        if self._capacity is None:
+            self._seen_max = max(self._seen_max, len(self._t1) + len(self._t2))
+        self._trim_history()
 
     def touch(self, key: OffloadKey) -> None:
         if key in self._t2:
