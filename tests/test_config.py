@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.config import GIB, ConfigError, EvictionPolicy, OffloadConfig, WritePolicy
+from kvoffload.config import GIB, ConfigError, EvictionPolicy, OffloadConfig, StoreAdmission, WritePolicy
 
 
 def test_defaults():
@@ -11,6 +11,21 @@ def test_defaults():
     assert config.host.policy is EvictionPolicy.LRU
     assert config.disk is None
     assert config.offload_block_tokens is None
+    assert config.store_admission is StoreAdmission.ALL
+
+
+@pytest.mark.parametrize("policy", list(EvictionPolicy), ids=lambda p: p.value)
+def test_every_eviction_policy_is_accepted_for_every_tier(policy: EvictionPolicy) -> None:
+    config = OffloadConfig.from_dict({"eviction_policy": policy.value.upper(), "disk_path": "/tmp/kv"})
+    assert config.host.policy is policy
+    assert config.disk is not None and config.disk.policy is policy
+
+
+def test_store_admission_is_parsed_and_a_bad_one_is_named() -> None:
+    config = OffloadConfig.from_dict({"store_admission": "second-sighting"})
+    assert config.store_admission is StoreAdmission.SECOND_SIGHTING
+    with pytest.raises(ConfigError, match=r"store_admission='first-sighting': must be one of \['all', "):
+        OffloadConfig.from_dict({"store_admission": "first-sighting"})
 
 
 def test_full_configuration_is_typed():

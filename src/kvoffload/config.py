@@ -27,8 +27,23 @@ class ConfigError(ValueError):
 
 
 class EvictionPolicy(enum.Enum):
+    """Which resident block a tier gives up first (manager/policies/; docs/configuration.md compares them)."""
+
     LRU = "lru"
     ARC = "arc"
+    S3FIFO = "s3fifo"
+    """S3-FIFO: blocks used once leave through a small FIFO; scan- and loop-resistant."""
+    TINYLFU = "tinylfu"
+    """W-TinyLFU: a block leaving a small LRU window enters the main LRU only if used more often than its victim."""
+
+
+class StoreAdmission(enum.Enum):
+    """Which full blocks the connector stores (manager/admission.py)."""
+
+    ALL = "all"
+    """Every full block."""
+    SECOND_SIGHTING = "second-sighting"
+    """A block the second time its key is offered for storing, within a bounded memory of recent keys."""
 
 
 class LoadPolicy(enum.Enum):
@@ -107,6 +122,7 @@ class OffloadConfig:
     disk: DiskTierConfig | None = None
     remote: RemoteTierConfig | None = None
     load_policy: LoadPolicy = LoadPolicy.AUTO
+    store_admission: StoreAdmission = StoreAdmission.ALL
     prefill_tokens_per_s: float | None = None
     """The engine's prefill speed, for cost-aware loading; None: measured from its steps."""
     model_id: str | None = None
@@ -269,7 +285,9 @@ KEYS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "offload_block_tokens": (_positive_int, "tokens per offload block; a multiple of the engine block size"),
     "host_bytes": (_positive_int, "host tier capacity in bytes (default 4 GiB)"),
     "host_gib": (_gib, "host tier capacity in GiB (a float); alternative to host_bytes"),
-    "eviction_policy": (_enum(EvictionPolicy), "lru or arc, for every tier"),
+    "eviction_policy": (_enum(EvictionPolicy), "lru, arc, s3fifo or tinylfu, for every tier"),
+    "store_admission": (_enum(StoreAdmission), "all (store every full block) or second-sighting (store a block "
+                                               "the second time it is seen)"),
     "copy_threads": (_positive_int, "CPU threads copying device<->host when the KV cache is on the CPU"),
     "disk_path": (_path, "directory of the disk tier; no disk tier when absent"),
     "disk_bytes": (_positive_int, "disk tier capacity in bytes (default 64 GiB)"),
@@ -397,6 +415,7 @@ class _Parser:
             disk=disk,
             remote=self._remote(host.policy),
             load_policy=v.get("load_policy", LoadPolicy.AUTO),
+            store_admission=v.get("store_admission", StoreAdmission.ALL),
             prefill_tokens_per_s=v.get("prefill_tokens_per_s"),
             model_id=v.get("model_id"),
             model_version=v.get("model_version"),
