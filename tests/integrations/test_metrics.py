@@ -16,3 +16,50 @@ def test_failed_load_tokens_of_a_step_without_lookups_reach_the_stats() -> None:
     assert not stats.is_empty() and stats.lookups.failed_load_tokens == 64
     assert KVOffloadStats.of(lookups=SchedulerStats(skipped_slow_tokens=32)).lookups.skipped_slow_tokens == 32
     assert KVOffloadStats.of(lookups=SchedulerStats()).is_empty()
+
+
+def test_store_admission_counts_reach_the_stats_add_up_and_show_in_the_log_line() -> None:
+    step = KVOffloadStats.of(lookups=SchedulerStats(admitted_blocks=3, declined_blocks=5))
+    assert not step.is_empty()
+    total = step.aggregate(step)
+    assert (total.lookups.admitted_blocks, total.lookups.declined_blocks) == (6, 10)
+    reduced = total.reduce()
+    assert reduced["admitted_blocks"] == 6 and reduced["declined_blocks"] == 10
+    # With every block admitted (store_admission: all) the log line says nothing of admission.
+    assert "declined_blocks" not in KVOffloadStats.of(lookups=SchedulerStats(admitted_blocks=3)).reduce()
+
+
+class _Metric:
+    """A stand-in for a Prometheus counter or gauge: remembers what was added per label values."""
+
+    def __init__(self, name: str, documentation: str, labelnames: list[str], **_: object) -> None:
+        self.name = name
+        self.values: dict[tuple[object, ...], float] = {}
+
+    def labels(self, *values: object) -> _Metric:
+        self._at = values
+        return self
+
+    def inc(self, value: float) -> None:
+        self.values[self._at] = self.values.get(self._at, 0) + value
+
+    def set(self, value: float) -> None:
+        self.values[self._at] = value
+
+
+def test_store_admission_counts_feed_their_prometheus_counters() -> None:
+    from types import SimpleNamespace
+
+    from prometheus_client import Counter, Gauge, Histogram
+
+    from kvoffload.integrations.vllm.metrics import KVOffloadPromMetrics
+
+    prom = KVOffloadPromMetrics(SimpleNamespace(kv_transfer_config=None),
+                                {Counter: _Metric, Gauge: _Metric, Histogram: _Metric},  # type: ignore[dict-item]
+                                ["engine"], {0: ["0"]})
+    data = KVOffloadStats.of(lookups=SchedulerStats(admitted_blocks=3, declined_blocks=5)).data
+    prom.observe(data)
+    prom.observe(data)
+    assert prom._tokens["admitted_blocks"].name == "vllm:kvoffload_store_admitted_blocks"
+    assert prom._tokens["admitted_blocks"].values == {("0",): 6}
+    assert prom._tokens["declined_blocks"].values == {("0",): 10}

@@ -5,6 +5,11 @@ Per step the engine asks it, for each new request, how many prefix tokens kvoffl
 creates a load job), then asks for the step's ``ConnectorMetadata`` (``build_connector_meta``: stores for every block
 that becomes full this step, background tier jobs, fences). Workers report finished jobs back
 (``update_connector_output``); a job is done once every worker reported it, and failed if any worker failed it.
+
+Store admission (``config.store_admission``, manager/admission.py) sees each block a request computes once, when
+it becomes full: the rule says how many leading ones of the step's new full blocks to store, and the request stores
+none after one it declined (a block is useless without its parent). Blocks the request found cached (device prefix
+cache or a kvoffload load) are reuses, stored without asking (the manager skips those it holds).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from kvoffload.connector.stats import SchedulerStats
 from kvoffload.connector.tiers import build_manager, host_slot_bytes, offload_factor
 from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.layout import KVCacheLayout
+from kvoffload.manager.admission import AdmitAll, make_admission
 from kvoffload.manager.base import OffloadEvent, ResidencyManager, TierTransfer, TierUsage
 from kvoffload.specs import NO_BLOCK, BlockSpec, DeviceBlocks, HostBlocks, JobId, Medium, TransferJob
 
@@ -128,6 +134,12 @@ class ConnectorScheduler:
         self._columns: _Columns | None = None
         self._usage_moved = True
         """A manager call that may change tier usage ran since ``take_usage_moved`` (stats skip it otherwise)."""
+        host = next(u for u in self.manager.usage() if u.medium is Medium.HOST)
+        self.admission = make_admission(config.store_admission, host.capacity_blocks)
+        self._admit_all = isinstance(self.admission, AdmitAll)
+        self._offer_from: dict[str, int] = {}
+        """Per request, the first offload block it computed itself (the ones before are reuses), or ``DECLINED``
+        once admission declined one of its blocks; kept only when admission is not ``all``."""
 
     # ---- load path -------------------------------------------------------------------------------------------
 
@@ -141,6 +153,7 @@ class ConnectorScheduler:
         state = self._state(request)
         state.planned_load = None
         self._usage_moved = True  # a lookup may reserve host room for a promotion
+        self._reused(request.request_id, num_computed_tokens // self.offload_tokens)
         num_tokens = len(request.all_token_ids)
         state.query_tokens = max(0, num_tokens - num_computed_tokens)
         if state.ambiguous:
@@ -216,6 +229,7 @@ class ConnectorScheduler:
             device_ids = [NO_BLOCK if b == self.null_block_id else b for b in device_ids]
         dst = DeviceBlocks(tuple(device_ids), (per_group,) * self.num_groups)
         job = self._new_job(JobKind.LOAD, (request.request_id,), flat_keys, blocks=n)
+        self._reused(request.request_id, plan.end)
         src = self._load_source(src, n, skip)
         self._new_loads.append(LoadJob(request.request_id, TransferJob(job, src, dst)))
         state.jobs.add(job)
@@ -313,6 +327,9 @@ class ConnectorScheduler:
         if end <= first:
             return
         state.next_store_block = end
+        end = self._admitted_end(state, first, end)
+        if end <= first:
+            return
         f, null = self.factor, self.null_block_id
         for g in range(self.num_groups):
             keys = state.keys(first, end, g)
@@ -324,6 +341,37 @@ class ConnectorScheduler:
             out.keys[g] += keys
             out.device_blocks[g] += device
             out.owners[g] += [state] * len(keys)
+
+    def _reused(self, req_id: str, blocks: int) -> None:
+        """The request found its first ``blocks`` offload blocks cached: admission is not asked about them."""
+        if not self._admit_all:
+            mark = self._offer_from.get(req_id, 0)
+            if mark != DECLINED and blocks > mark:
+                self._offer_from[req_id] = blocks
+
+    def _admitted_end(self, state: RequestState, first: int, end: int) -> int:
+        """Where the stored part of the request's new full blocks ``[first, end)`` ends, admission asked.
+
+        Each block is offered once (``next_store_block`` moves past it); after a declined block the request
+        stores nothing more, though its later blocks are still offered, so that they count as seen.
+        """
+        stats = self._stats
+        if self._admit_all:
+            stats.admitted_blocks += end - first
+            return end
+        req_id = state.request.request_id
+        mark = self._offer_from.get(req_id, 0)
+        start = first if mark == DECLINED else min(end, max(first, mark))
+        offered = state.keys(start, end, 0)  # group 0's keys name the blocks: all groups' go or stay together
+        admitted = self.admission.admit(offered)
+        if mark == DECLINED:
+            stats.declined_blocks += len(offered)
+            return first
+        stats.admitted_blocks += admitted
+        stats.declined_blocks += len(offered) - admitted
+        if admitted < len(offered):
+            self._offer_from[req_id] = DECLINED
+        return start + admitted
 
     def limit_stores(self, request: EngineRequest, tokens: int) -> None:
         """Store no block of ``request`` past its first ``tokens`` tokens (models whose states are kept only
@@ -410,6 +458,7 @@ class ConnectorScheduler:
     def request_finished(self, req_id: str) -> None:
         """The request is done (finished or aborted): its blocks may be reused once its pending jobs are flushed."""
         self._fence(req_id)
+        self._offer_from.pop(req_id, None)
         if self._requests.pop(req_id, None) is not None:
             self._generation += 1
 
@@ -468,6 +517,9 @@ class ConnectorScheduler:
         self._jobs[job_id] = _PendingJob(kind, req_ids, tuple(keys), transfer_id, blocks=blocks)
         return job_id
 
+
+DECLINED = -1
+"""``_offer_from`` mark of a request whose store admission declined a block: it stores no later block."""
 
 NO_JOBS = ConnectorMetadata()
 """A step's metadata when it has no job (frozen: one instance serves every such step)."""

@@ -6,7 +6,7 @@ ship them each step and a metrics exporter can sum them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from kvoffload.specs import transfer_name
 from kvoffload.transfer.base import TransferResult
@@ -60,7 +60,8 @@ class TransferStats:
 
 @dataclass
 class SchedulerStats:
-    """Prefix tokens asked for beyond the engine's own cache (``query_tokens``) and served by kvoffload."""
+    """Prefix tokens asked for beyond the engine's own cache (``query_tokens``) and served by kvoffload; offload
+    blocks that store admission let through or declined."""
 
     requests: int = 0
     query_tokens: int = 0
@@ -68,18 +69,19 @@ class SchedulerStats:
     failed_load_tokens: int = 0
     skipped_slow_tokens: int = 0
     """Tokens a lower tier held but that were recomputed, as loading them was expected to be slower."""
+    admitted_blocks: int = 0
+    """Offload blocks a request computed that store admission let through (the manager still skips those it
+    holds); every one with ``store_admission: all``. Counted per block of tokens, not per KV-cache group."""
+    declined_blocks: int = 0
+    """Offload blocks a request computed that store admission declined: not stored."""
 
     @property
     def miss_tokens(self) -> int:
         return self.query_tokens - self.hit_tokens
 
     def is_empty(self) -> bool:
-        """Nothing counted: a step without lookups may still count failed loads or skipped slow hits."""
-        return not (self.requests or self.query_tokens or self.hit_tokens or self.failed_load_tokens
-                    or self.skipped_slow_tokens)
+        """Nothing counted: a step without lookups may still count failed loads, skipped slow hits or stores."""
+        return not any(getattr(self, f.name) for f in fields(self))
 
     def aggregate(self, other: SchedulerStats) -> SchedulerStats:
-        return SchedulerStats(self.requests + other.requests, self.query_tokens + other.query_tokens,
-                              self.hit_tokens + other.hit_tokens,
-                              self.failed_load_tokens + other.failed_load_tokens,
-                              self.skipped_slow_tokens + other.skipped_slow_tokens)
+        return SchedulerStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))

@@ -15,6 +15,8 @@ the counters that a vLLM server shows on ``/metrics``:
     vllm:kvoffload_miss_tokens_total                   prompt tokens looked up but not found
     vllm:kvoffload_failed_load_tokens_total            tokens whose load failed (recomputed)
     vllm:kvoffload_skipped_slow_hit_tokens_total       lower-tier hits recomputed as faster than loading them
+    vllm:kvoffload_store_admitted_blocks_total         computed blocks store admission let through
+    vllm:kvoffload_store_declined_blocks_total         computed blocks store admission declined (not stored)
     vllm:kvoffload_host_used_bytes                     host tier bytes in use (gauge)
 
 Names start with ``vllm:`` so that vLLM's own metric clean-up (between engines in one process) covers them.
@@ -37,7 +39,8 @@ from kvoffload.connector.stats import SchedulerStats, TransferStats
 TRANSFERS = "transfers"
 LOOKUPS = "lookups"
 HOST_USED_BYTES = "host_used_bytes"
-_LOOKUP_FIELDS = ("requests", "query_tokens", "hit_tokens", "failed_load_tokens", "skipped_slow_tokens")
+_LOOKUP_FIELDS = ("requests", "query_tokens", "hit_tokens", "failed_load_tokens", "skipped_slow_tokens",
+                  "admitted_blocks", "declined_blocks")
 
 
 @dataclass
@@ -66,7 +69,7 @@ class KVOffloadStats(KVConnectorStats):
     @property
     def lookups(self) -> SchedulerStats:
         raw = self.data.get(LOOKUPS, {})
-        return SchedulerStats(*(int(raw.get(name, 0)) for name in _LOOKUP_FIELDS))
+        return SchedulerStats(**{name: int(raw.get(name, 0)) for name in _LOOKUP_FIELDS})
 
     def reset(self) -> None:
         self.data = {}
@@ -89,6 +92,9 @@ class KVOffloadStats(KVConnectorStats):
             out["miss_tokens"] = lookups.miss_tokens
             rate = lookups.hit_tokens / lookups.query_tokens if lookups.query_tokens else 0.0
             out["hit_rate"] = round(rate, 3)
+        if lookups.declined_blocks:
+            out["declined_blocks"] = lookups.declined_blocks
+            out["admitted_blocks"] = lookups.admitted_blocks
         if HOST_USED_BYTES in self.data:
             out[HOST_USED_BYTES] = self.data[HOST_USED_BYTES]
         return out
@@ -109,6 +115,10 @@ _TOKEN_COUNTERS = {
     "failed_load_tokens": ("vllm:kvoffload_failed_load_tokens", "Tokens whose kvoffload load failed."),
     "skipped_slow_tokens": ("vllm:kvoffload_skipped_slow_hit_tokens",
                             "Tokens a tier below host held but that were recomputed: loading them was slower."),
+    "admitted_blocks": ("vllm:kvoffload_store_admitted_blocks",
+                        "Computed offload blocks that kvoffload's store admission let through."),
+    "declined_blocks": ("vllm:kvoffload_store_declined_blocks",
+                        "Computed offload blocks that kvoffload's store admission declined (not stored)."),
 }
 
 
