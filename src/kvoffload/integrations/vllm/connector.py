@@ -1,4 +1,4 @@
-"""``KVOffloadConnector``: kvoffload as a vLLM 0.32 KV connector.
+"""``KVOffloadConnector``: kvoffload as a vLLM KV connector (tested with vLLM 0.31 and 0.32: compat.py).
 
 vLLM builds one instance per role: the scheduler role (``SchedulerSide``, in the process that runs vLLM's
 scheduler) and the worker role (``WorkerSide``, in every worker process). This class only parses the
@@ -10,12 +10,14 @@ Configuration: ``kv_connector_extra_config`` goes to ``OffloadConfig.from_dict``
 stops start-up with one ``ConfigError`` naming every culprit, as does an ``offload_block_tokens`` that is not
 a multiple of vLLM's block size. Hybrid models (several KV-cache groups) are supported (``SupportsHMA``);
 state layers only where their blocks can be restored (``adapters.check_state_layers``), else start-up stops
-with ``UnsupportedKVCacheError``.
+with ``UnsupportedKVCacheError``. A vLLM outside the tested releases stops it with ``UntestedVLLMError``
+(``compat.require_tested_vllm``) unless ``KVOFFLOAD_ALLOW_UNTESTED_VLLM=1``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -30,17 +32,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.tiers import offload_factor
-from kvoffload.integrations.vllm import adapters
+from kvoffload.integrations.vllm import adapters, compat
 from kvoffload.integrations.vllm.messages import KVOffloadMetadata, KVOffloadWorkerMetadata
 from kvoffload.integrations.vllm.metrics import KVOffloadPromMetrics, KVOffloadStats
 from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
 from kvoffload.integrations.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
-    from vllm.attention.backends.abstract import AttentionMetadata
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -50,9 +52,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
+class KVOffloadConnector(compat.VersionHooks, KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
+        compat.require_tested_vllm(compat.installed_vllm_version(), os.environ)
         super().__init__(vllm_config, role, kv_cache_config)
         config = OffloadConfig.from_dict(self._kv_transfer_config.kv_connector_extra_config)
         adapters.check_state_layers(vllm_config, kv_cache_config)

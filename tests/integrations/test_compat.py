@@ -1,0 +1,128 @@
+"""The tested vLLM range: which versions are refused, the override, and the connector refusing at start-up."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvoffload.integrations.vllm import compat
+from kvoffload.integrations.vllm.compat import ALLOW_UNTESTED_ENV, UntestedVLLMError
+
+
+@pytest.mark.parametrize(("version", "expected"), [
+    ("0.32.0", (0, 32, 0)),
+    ("0.32.0+cpu", (0, 32, 0)),
+    ("0.32.1.dev3+g1234abc", (0, 32, 1)),
+    ("0.33.0rc1", (0, 33, 0)),
+    ("1.0", (1, 0, 0)),
+    ("dev", None),
+    ("", None),
+])
+def test_release_is_the_numbers_a_version_starts_with(version: str, expected: tuple[int, int, int] | None) -> None:
+    assert compat.release(version) == expected
+
+
+@pytest.mark.parametrize("version", ["0.31.0", "0.31.2", "0.32.0", "0.32.0+cpu", "0.32.1.dev3+g1234abc"])
+def test_releases_of_the_tested_series_are_accepted(version: str) -> None:
+    assert compat.untested_reason(version) is None
+    compat.require_tested_vllm(version, {})  # returns: nothing to refuse
+
+
+@pytest.mark.parametrize("version", ["0.30.2", "0.33.0", "0.33.0rc1", "0.33.0.dev12+gabc", "1.0.0", "dev"])
+def test_versions_outside_the_tested_range_are_refused_naming_the_range_and_the_override(version: str) -> None:
+    with pytest.raises(UntestedVLLMError) as raised:
+        compat.require_tested_vllm(version, {})
+
+    message = str(raised.value)
+    assert version in message
+    assert "0.31 to 0.32" in message
+    assert f"{ALLOW_UNTESTED_ENV}=1" in message
+
+
+@pytest.mark.parametrize("value", ["1", "true", "YES"])
+def test_the_override_turns_the_refusal_into_one_warning(value: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger=compat.__name__):
+        compat.require_tested_vllm("0.33.0", {ALLOW_UNTESTED_ENV: value})
+
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING
+    assert "0.33.0" in record.getMessage() and "0.31 to 0.32" in record.getMessage()
+
+
+@pytest.mark.parametrize("value", ["0", "", "no"])
+def test_an_override_that_is_not_yes_refuses(value: str) -> None:
+    with pytest.raises(UntestedVLLMError):
+        compat.require_tested_vllm("0.33.0", {ALLOW_UNTESTED_ENV: value})
+
+
+def test_the_tested_range_is_what_the_docs_say() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "vllm.md").read_text()
+    assert f"vLLM {compat.tested_range_text()}" in doc
+    assert ALLOW_UNTESTED_ENV in doc
+
+
+# ---- the connector -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def connector_cls(monkeypatch: pytest.MonkeyPatch) -> Any:
+    vllm = pytest.importorskip("vllm")
+    from kvoffload.integrations.vllm.connector import KVOffloadConnector
+
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
+    return KVOffloadConnector
+
+
+def test_the_connector_refuses_an_untested_vllm_before_it_reads_any_config(connector_cls: Any) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    with pytest.raises(UntestedVLLMError, match=r"vLLM 0\.33\.0 is outside .* \(vLLM 0\.31 to 0\.32\)"):
+        connector_cls(None, KVConnectorRole.SCHEDULER, None)
+
+
+def test_with_the_override_the_connector_starts_on_an_untested_vllm(
+        connector_cls: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    vllm_config, kv_cache_config = scheduler_configs(tmp_path)
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
+
+    with caplog.at_level(logging.WARNING, logger=compat.__name__):
+        connector = connector_cls(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+
+    assert connector.scheduler.block_tokens == 32
+    assert any("0.33.0" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+
+
+def test_the_connector_says_no_to_sleep_mode(connector_cls: Any) -> None:
+    # vLLM 0.33 asks the class before it builds one; older releases never ask.
+    assert connector_cls.supports_sleep_mode(None) is False
+
+
+def scheduler_configs(tmp_path: Path) -> tuple[Any, Any]:
+    """A real VllmConfig with the connector configured, and a KV cache config for it (no engine runs)."""
+    import torch
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from kvoffload.integrations.vllm.model import ModelFamily, TinyShape, write_tiny_model
+
+    shape = TinyShape(num_layers=1)
+    model = write_tiny_model(tmp_path / "model", ModelFamily.LLAMA, shape)
+    transfer = KVTransferConfig(kv_connector="KVOffloadConnector",
+                                kv_connector_module_path="kvoffload.integrations.vllm.connector",
+                                kv_role="kv_both", kv_connector_extra_config={"host_bytes": 1 << 20})
+    config = EngineArgs(model=str(model), block_size=32, max_model_len=256, dtype="float32",
+                        kv_transfer_config=transfer).create_engine_config()
+    config.cache_config.kv_cache_layout = "LBNHC"  # no worker runs to resolve it; the CPU backend's own
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=shape.num_kv_heads, head_size=shape.head_dim,
+                             dtype=torch.float32)
+    kv_cache = get_kv_cache_configs(config, [{"model.layers.0.self_attn.attn": spec}], [16 << 20])[0]
+    return config, kv_cache
