@@ -96,3 +96,12 @@ def test_a_missing_or_malformed_trace_exits_2_naming_file_and_line(tmp_path: Pat
     bad.write_text('{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [0]}\nnot json\n')
     assert main(["plan", "--trace", str(bad), "--model", "llama-3.1-8b"]) == 2
     assert f"{bad}, line 2: not JSON" in capsys.readouterr().err
+
+
+def test_replay_runs_the_policies_behind_the_admission_rule(trace_file: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    doc = run_json(capsys, "replay", "--trace", trace_file, "--capacity", "1536", "--admission", "second-sighting")
+    assert doc["admission"] == "second-sighting"
+    admissions = {r["strategy"]: r["admission"] for r in doc["results"]}
+    assert admissions == {**{p.value: "second-sighting" for p in EvictionPolicy}, "optimum": "all",
+                          "unbounded": "all"}

@@ -62,8 +62,6 @@ def test_every_policy_replays_through_the_manager(policy: EvictionPolicy) -> Non
     assert 0 < result.hit_blocks <= replay(t, 3, Bound.OPTIMUM).hit_blocks
 
 
-def test_replay_refuses_a_capacity_below_one_block_and_unknown_admission() -> None:
+def test_replay_refuses_a_capacity_below_one_block() -> None:
     with pytest.raises(ValueError, match="capacity 0 blocks"):
         replay(trace([0]), 0)
-    with pytest.raises(ValueError, match="unknown store admission 'sometimes'"):
-        replay(trace([0]), 1, admission="sometimes")

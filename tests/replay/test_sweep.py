@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tests.replay.traces import trace, write_jsonl
 
-from kvoffload.config import EvictionPolicy
+from kvoffload.config import EvictionPolicy, StoreAdmission
 from kvoffload.replay import Bound, Trace
 from kvoffload.replay.sweep import capacity_sweep, run_points, sweep_points
 
@@ -31,7 +31,7 @@ def test_capacities_stop_at_the_trace_footprint() -> None:
 
 
 def test_a_sweep_has_one_unbounded_point() -> None:
-    points = sweep_points([4, 8], [EvictionPolicy.LRU, Bound.OPTIMUM], "all")
+    points = sweep_points([4, 8], [EvictionPolicy.LRU, Bound.OPTIMUM], StoreAdmission.ALL)
     assert [(p.strategy, p.capacity_blocks) for p in points] == [
         (Bound.UNBOUNDED, 8), (EvictionPolicy.LRU, 4), (Bound.OPTIMUM, 4), (EvictionPolicy.LRU, 8),
         (Bound.OPTIMUM, 8)]
@@ -39,7 +39,7 @@ def test_a_sweep_has_one_unbounded_point() -> None:
 
 def test_points_replayed_in_worker_processes_equal_those_replayed_here(tmp_path: Path) -> None:
     path = str(write_jsonl(tmp_path / "t.jsonl", [[0, 1, 2], [0, 1, 3], [4, 5], [0, 1, 2], [4, 6], [0, 1, 3]]))
-    points = sweep_points([2, 3], [*EvictionPolicy, Bound.OPTIMUM], "all")
+    points = sweep_points([2, 3], [*EvictionPolicy, Bound.OPTIMUM], StoreAdmission.ALL)
     here = run_points(path, points, workers=1)
     pooled = run_points(path, points, workers=2)
     assert [replace(r, seconds=0) for r in pooled] == [replace(r, seconds=0) for r in here]

@@ -1,10 +1,11 @@
 """The replay loop: a trace's requests, in arrival order, through the real host tier manager and its policies.
 
 Per request: ``lookup`` of the longest cached prefix run; ``prepare_load``, ``touch`` and ``complete_load`` of the
-hit keys (so the policy sees the use, as in the engine); then the store admission's say on the missed keys, and
-``prepare_store`` plus ``complete_store(success=True)`` of the leading part it admits. When ``prepare_store`` finds no
-room (a prompt of more blocks than the tier holds), the largest leading part that fits is stored: as many distinct
-keys as the tier has slots, since between requests nothing is pinned or in flight and every resident block may go.
+hit keys (so the policy sees the use, as in the engine); then the store admission rule (``manager/admission.py``)
+on the missed keys, and ``prepare_store`` plus ``complete_store(success=True)`` of the leading part it admits. When
+``prepare_store`` finds no room (a prompt of more blocks than the tier holds), the largest leading part that fits is
+stored: as many distinct keys as the tier has slots, since between requests nothing is pinned or in flight and
+every resident block may go.
 
 The two bounds run through the same loop: ``Bound.UNBOUNDED`` is LRU with a slot for every key the trace ever
 references (nothing is evicted), ``Bound.OPTIMUM`` is Belady's policy (``optimum.py``) with its bypass as the
@@ -21,11 +22,11 @@ import enum
 import time
 from collections.abc import Callable, Sequence
 
-from kvoffload.config import EvictionPolicy
+from kvoffload.config import EvictionPolicy, StoreAdmission
 from kvoffload.keys import OffloadKey
+from kvoffload.manager.admission import make_admission
 from kvoffload.manager.base import EventKind
 from kvoffload.manager.host import HostTierManager
-from kvoffload.replay.admission import ADMIT_ALL, make_admit
 from kvoffload.replay.optimum import NextUse, OptimumPolicy, next_uses
 from kvoffload.replay.result import ReplayResult
 from kvoffload.replay.trace import Request, Trace
@@ -58,7 +59,7 @@ class _OracleTier(HostTierManager):
 
 
 def replay(trace: Trace, capacity_blocks: int, strategy: Strategy = EvictionPolicy.LRU,
-           admission: str = ADMIT_ALL, future: NextUse | None = None,
+           admission: StoreAdmission = StoreAdmission.ALL, future: NextUse | None = None,
            optimum: type[OptimumPolicy] = OptimumPolicy) -> ReplayResult:
     """Replay ``trace`` through a host tier of ``capacity_blocks`` slots.
 
@@ -66,16 +67,16 @@ def replay(trace: Trace, capacity_blocks: int, strategy: Strategy = EvictionPoli
         trace: the requests, in arrival order.
         capacity_blocks: tier capacity in blocks of ``trace.block_tokens`` (ignored by ``Bound.UNBOUNDED``).
         strategy: an eviction policy, or one of the bounds.
-        admission: the store admission rule's name (``StoreAdmission`` values; ignored by the bounds).
+        admission: the store admission rule the policy runs behind (the bounds ignore it).
         future: ``next_uses(trace)`` when the caller has it already (the optimum needs it; built here otherwise,
             and its time counted in the result's).
         optimum: the offline policy ``Bound.OPTIMUM`` runs (tests put a wrong one here to show they catch it).
     Raises:
-        ValueError: ``capacity_blocks`` is not positive, or ``admission`` is unknown.
+        ValueError: ``capacity_blocks`` is not positive.
     """
     start = time.perf_counter()
     if isinstance(strategy, Bound):
-        admission = ADMIT_ALL
+        admission = StoreAdmission.ALL
     if strategy is Bound.UNBOUNDED:
         capacity_blocks = max(1, trace.distinct_keys())
     if capacity_blocks <= 0:
@@ -87,11 +88,11 @@ def replay(trace: Trace, capacity_blocks: int, strategy: Strategy = EvictionPoli
     else:
         tier = HostTierManager(capacity_blocks, strategy if isinstance(strategy, EvictionPolicy)
                                else EvictionPolicy.LRU)
-        admit = make_admit(admission, capacity_blocks)
+        admit = make_admission(admission, capacity_blocks).admit
         for request in trace.requests:
             _step(tier, request, trace.block_tokens, admit, counts)
     tier.check_integrity()
-    return counts.result(trace, strategy.value, admission, capacity_blocks, time.perf_counter() - start)
+    return counts.result(trace, strategy.value, admission.value, capacity_blocks, time.perf_counter() - start)
 
 
 def _replay_optimum(trace: Trace, capacity_blocks: int, oracle: OptimumPolicy, future: NextUse,

@@ -10,14 +10,14 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from kvoffload.bench.common import Progress, format_table
-from kvoffload.config import EvictionPolicy, HostTierConfig
-from kvoffload.replay.admission import check_admission
+from kvoffload.config import EvictionPolicy, HostTierConfig, StoreAdmission
 from kvoffload.replay.loop import Bound, Strategy
 from kvoffload.replay.models import GIB, kv_shape, parse_capacity
 from kvoffload.replay.report import (
     add_trace_arguments,
     bounds_at,
     fail,
+    parse_admission,
     parse_policies,
     result_doc,
 )
@@ -37,7 +37,7 @@ class Inputs(NamedTuple):
     """In blocks."""
     block_tokens: int
     requests: int
-    admission: str
+    admission: StoreAdmission
     cost_policy: EvictionPolicy
     bandwidths: dict[str, float]
     """GB/s (10^9 bytes per second, as ``kvoffload bench`` prints) per medium."""
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _inputs(args: argparse.Namespace) -> Inputs:
     bpt = kv_shape(args.model).bytes_per_token
-    admission = check_admission(args.admission)
+    admission = parse_admission(args.admission)
     cost_policy = parse_policies([args.policy])[0]
     bandwidths = dict(_bandwidth(text) for text in args.bandwidth)
     if args.prefill_tokens_per_s is not None and args.prefill_tokens_per_s <= 0:
@@ -153,7 +153,7 @@ def _doc(args: argparse.Namespace, inputs: Inputs, results: Sequence[ReplayResul
                        "capacity_gib": bounds.optimum.capacity_tokens * bpt / GIB,
                        "results": {name: result_doc(r, bounds, bpt) for name, r in row.items()}})
     return {"trace": args.trace, "model": args.model, "bytes_per_token": bpt, "block_tokens": inputs.block_tokens,
-            "requests": inputs.requests, "admission": inputs.admission,
+            "requests": inputs.requests, "admission": inputs.admission.value,
             "unbounded": unbounded.to_dict(bpt), "points": points,
             "costs": [_cost_row(row[inputs.cost_policy.value], inputs, args.prefill_tokens_per_s) for row in grid],
             "per_hit_token": _per_token(inputs, args.prefill_tokens_per_s)}
@@ -170,7 +170,7 @@ def _per_token(inputs: Inputs, tps: float | None) -> dict[str, float]:
 def _print(args: argparse.Namespace, inputs: Inputs, results: Sequence[ReplayResult], grid: Grid) -> None:
     bpt, unbounded = inputs.bpt, _unbounded(results)
     print(f"kvoffload plan: {args.trace}, {inputs.requests} requests, {args.model} ({bpt:,} KV bytes per token), "
-          f"admission {inputs.admission}")
+          f"admission {inputs.admission.value}")
     names = [p.value for p in EvictionPolicy]
     headers = ["tokens", "GiB", *(h for n in names for h in (n, f"{n}/opt")), "optimum"]
     rows = []
@@ -207,7 +207,7 @@ def _plot(args: argparse.Namespace, inputs: Inputs, results: Sequence[ReplayResu
     tokens = [next(iter(row.values())).capacity_tokens for row in grid]
     curves = {p.value: [row[p.value].token_hit_rate for row in grid] for p in EvictionPolicy}
     optimum = [row[Bound.OPTIMUM.value].token_hit_rate for row in grid]
-    title = f"{args.trace.rsplit('/', 1)[-1]}: {inputs.requests} requests, admission {inputs.admission}"
+    title = f"{args.trace.rsplit('/', 1)[-1]}: {inputs.requests} requests, admission {inputs.admission.value}"
     try:
         draw_plan(args.plot, title, tokens, curves, optimum, _unbounded(results).token_hit_rate, inputs.bpt)
     except ModuleNotFoundError as e:

@@ -8,7 +8,6 @@ import json
 from typing import Any
 
 from kvoffload.bench.common import format_table
-from kvoffload.replay.admission import check_admission
 from kvoffload.replay.loop import Bound, Strategy
 from kvoffload.replay.models import GIB, parse_capacity
 from kvoffload.replay.report import (
@@ -18,6 +17,7 @@ from kvoffload.replay.report import (
     bytes_per_token,
     fail,
     gib,
+    parse_admission,
     parse_policies,
     result_doc,
 )
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         bpt = bytes_per_token(args.model)
         capacity_tokens = parse_capacity(args.capacity, bpt)
         policies = parse_policies(args.policy)
-        admission = check_admission(args.admission)
+        admission = parse_admission(args.admission)
         trace, _ = load(args.trace, with_future=False)
     except ValueError as e:
         return fail("replay", e)
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         doc: dict[str, Any] = {
             "trace": args.trace, "requests": len(trace.requests), "block_tokens": trace.block_tokens,
-            "capacity_tokens": blocks * trace.block_tokens, "bytes_per_token": bpt, "admission": admission,
+            "capacity_tokens": blocks * trace.block_tokens, "bytes_per_token": bpt, "admission": admission.value,
             "results": [result_doc(r, bounds, bpt) for r in results]}
         print(json.dumps(doc, indent=1))
     else:

@@ -8,8 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from kvoffload.config import EvictionPolicy
-from kvoffload.replay.admission import ADMIT_ALL, admission_names
+from kvoffload.config import EvictionPolicy, StoreAdmission
 from kvoffload.replay.loop import Bound
 from kvoffload.replay.models import GIB, kv_shape
 from kvoffload.replay.result import ReplayResult
@@ -32,9 +31,9 @@ class Bounds(NamedTuple):
 def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
     """``--trace``, ``--admission``, ``--json`` and ``--workers``."""
     parser.add_argument("--trace", required=True, help="trace JSONL (the Mooncake format, or one kvoffload recorded)")
-    names = admission_names()
-    parser.add_argument("--admission", default=ADMIT_ALL,
-                        help=f"store admission rule for the policies: {', '.join(names)} (default {ADMIT_ALL})")
+    names, default = [a.value for a in StoreAdmission], StoreAdmission.ALL.value
+    parser.add_argument("--admission", default=default,
+                        help=f"store admission rule for the policies: {', '.join(names)} (default {default})")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     parser.add_argument("--workers", type=int, default=None,
                         help="processes replaying points in parallel (default: one per core; 1: in this process)")
@@ -53,6 +52,19 @@ def parse_policies(names: Sequence[str] | None) -> list[EvictionPolicy]:
     if bad:
         raise ValueError(f"unknown policy {bad[0]!r}; known: {', '.join(known)}")
     return [EvictionPolicy(n) for n in dict.fromkeys(names)]
+
+
+def parse_admission(name: str) -> StoreAdmission:
+    """The ``--admission`` value.
+
+    Raises:
+        ValueError: a name that is no ``StoreAdmission`` value.
+    """
+    try:
+        return StoreAdmission(name)
+    except ValueError:
+        known = ", ".join(a.value for a in StoreAdmission)
+        raise ValueError(f"unknown store admission {name!r}; known: {known}") from None
 
 
 def bytes_per_token(model: str | None) -> int | None:

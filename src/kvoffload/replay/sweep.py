@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import NamedTuple
 
-from kvoffload.config import EvictionPolicy
+from kvoffload.config import EvictionPolicy, StoreAdmission
 from kvoffload.replay.loop import Bound, Strategy, replay
 from kvoffload.replay.optimum import NextUse, next_uses
 from kvoffload.replay.result import ReplayResult
@@ -23,7 +23,7 @@ class Point(NamedTuple):
 
     strategy: Strategy
     capacity_blocks: int
-    admission: str
+    admission: StoreAdmission
 
 
 def policies() -> list[EvictionPolicy]:
@@ -92,7 +92,8 @@ def run_points(path: str, points: Sequence[Point], workers: int | None = None,
         return results
 
 
-def sweep_points(capacities: Sequence[int], strategies: Sequence[Strategy], admission: str) -> list[Point]:
+def sweep_points(capacities: Sequence[int], strategies: Sequence[Strategy],
+                 admission: StoreAdmission) -> list[Point]:
     """Every strategy at every capacity, plus one unbounded point (its capacity is the trace's footprint)."""
     points = [Point(Bound.UNBOUNDED, max(capacities), admission)]
     points.extend(Point(s, c, admission) for c in capacities for s in strategies if s is not Bound.UNBOUNDED)
