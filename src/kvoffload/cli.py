@@ -25,6 +25,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "overhead": ("kvoffload.bench.overhead", "connector time per engine step on the miss path"),
     "e2e": ("kvoffload.bench.e2e", "the vLLM demo's TTFT figures"),
     "peer": ("kvoffload.bench.peer", "the demo beside vLLM + LMCache: TTFT, tier hits, bytes, outputs"),
+    "serve": ("kvoffload.bench.serve", "vLLM's OpenAI server without and with kvoffload, driven by vLLM's own client"),
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -68,6 +69,7 @@ def test_ratios_are_medians_over_repeats_of_each_repeat_s_ratio() -> None:
 def test_metrics_parsing_keeps_the_prefix_s_series_with_their_labels() -> None:
     text = ("# HELP vllm:kvoffload_hit_tokens_total x\n"
             'vllm:kvoffload_hit_tokens_total{engine="0"} 12.0\n'
+            'vllm:kvoffload_hit_tokens_created{engine="0"} 1.79e+09\n'
             'vllm:prefix_cache_hits_total{engine="0"} 5.0\n'
             'vllm:kvoffload_host_used_bytes{engine="0"} 3.5e+06\n')
     assert parse_metrics(text, "vllm:kvoffload_") == {'vllm:kvoffload_hit_tokens_total{engine="0"}': 12.0,
@@ -113,6 +115,16 @@ def test_a_small_run_serves_both_sides_with_hits_and_leaves_nothing_behind(tmp_p
         assert server.segments, "vLLM's server maps shared-memory segments: none found, the clean-up is untested"
         assert not any(p.exists() for p in server.segments)
         assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
+    # A fresh server lists every kvoffload series, at 0, before its first request.
+    fresh = runs["kvoffload"]["metrics_before"]
+    names = {series.partition("{")[0] for series in fresh}
+    assert {"vllm:kvoffload_hit_tokens_total", "vllm:kvoffload_failed_load_tokens_total",
+            "vllm:kvoffload_transfer_failed_jobs_total", "vllm:kvoffload_host_used_bytes"} <= names
+    assert len(fresh) == 6 + 4 * 2 + 1 and not any(fresh.values())  # tokens, per direction, host usage
+    # kvoffload's lines in the server's log read like vLLM's own: level, time, logger name.
+    log = (tmp_path / "kvoffload.log").read_text()
+    assert re.search(r"\(\S+ pid=\d+\) INFO \d\d-\d\d [\d:]+ \[kvoffload\.integrations\.vllm\.connector:\d+\] "
+                     r"kvoffload scheduler role", log)
     summary = serve.summarize([runs])
     plain, ours = summary["rows"]
     assert plain["completed"] == ours["completed"] == 9 and summary["failed_requests"] == 0

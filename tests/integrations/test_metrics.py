@@ -63,3 +63,37 @@ def test_store_admission_counts_feed_their_prometheus_counters() -> None:
     assert prom._tokens["admitted_blocks"].name == "vllm:kvoffload_store_admitted_blocks"
     assert prom._tokens["admitted_blocks"].values == {("0",): 6}
     assert prom._tokens["declined_blocks"].values == {("0",): 10}
+
+
+def _registered(extra_config: dict[str, object]) -> str:
+    """What /metrics shows for a fresh KVOffloadPromMetrics of this kvoffload config, before any event."""
+    import functools
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from kvoffload.integrations.vllm.metrics import KVOffloadPromMetrics
+
+    registry = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra_config))
+    KVOffloadPromMetrics(config, types, ["model_name", "engine"], {0: ["tiny", "0"]})  # type: ignore[arg-type]
+    return generate_latest(registry).decode()
+
+
+def test_every_series_is_listed_at_zero_before_the_first_event(tmp_path) -> None:
+    text = _registered({"disk_path": str(tmp_path), "disk_bytes": 1 << 30})
+    labels = 'engine="0",model_name="tiny"'
+    for name in ("hit_tokens", "miss_tokens", "failed_load_tokens", "skipped_slow_hit_tokens",
+                 "store_admitted_blocks", "store_declined_blocks"):
+        assert f"vllm:kvoffload_{name}_total{{{labels}}} 0.0" in text
+    for direction in ("device_to_host", "host_to_device", "host_to_disk", "disk_to_host"):
+        for name in ("transfer_bytes", "transfer_seconds", "transfer_jobs", "transfer_failed_jobs"):
+            assert f'vllm:kvoffload_{name}_total{{direction="{direction}",{labels}}} 0.0' in text
+    assert f"vllm:kvoffload_host_used_bytes{{{labels}}} 0.0" in text
+
+
+def test_only_the_configured_tiers_directions_are_listed() -> None:
+    text = _registered({})  # host tier only
+    assert 'direction="host_to_device"' in text
+    assert "disk" not in text and "remote" not in text

@@ -141,12 +141,14 @@ def free_port() -> int:
 
 
 def parse_metrics(text: str, prefix: str) -> dict[str, float]:
-    """Prometheus text exposition -> {series: value} for the series whose name starts with ``prefix``."""
+    """Prometheus text exposition -> {series: value} for the series whose name starts with ``prefix``
+    (``*_created`` samples, the client library's creation timestamps, left out)."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith(prefix):
             series, _, value = line.rpartition(" ")
-            out[series] = float(value)
+            if not series.partition("{")[0].endswith("_created"):
+                out[series] = float(value)
     return out
 
 

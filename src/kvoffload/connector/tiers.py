@@ -11,6 +11,7 @@ from kvoffload.keys import Namespace
 from kvoffload.layout import KVCacheLayout
 from kvoffload.manager.base import ResidencyManager
 from kvoffload.manager.host import HostTierManager
+from kvoffload.specs import Medium
 
 if TYPE_CHECKING:
     from kvoffload.manager.tiered import Below
@@ -100,3 +101,12 @@ def _remote_tier(config: RemoteTierConfig, namespace: Namespace, layout: KVCache
     value_bytes = BlockFormat.of(config.secret).file_bytes(max(entry_bytes_of(layout, factor)))
     # Write-through: a shared tier serves other engines only what is written to it, as soon as it is written.
     return Below(RemoteTierManager.create(config, namespace, value_bytes), WritePolicy.WRITE_THROUGH)
+
+
+def transfer_routes(config: OffloadConfig) -> tuple[tuple[Medium, Medium], ...]:
+    """The copy directions a configuration's workers run: device<->host always, host<->each lower tier."""
+    routes = [(Medium.DEVICE, Medium.HOST), (Medium.HOST, Medium.DEVICE)]
+    for medium, tier in ((Medium.DISK, config.disk), (Medium.REMOTE, config.remote)):
+        if tier is not None:
+            routes += [(Medium.HOST, medium), (medium, Medium.HOST)]
+    return tuple(routes)

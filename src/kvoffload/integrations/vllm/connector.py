@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.tiers import offload_factor
-from kvoffload.integrations.vllm import adapters, compat
+from kvoffload.integrations.vllm import adapters, compat, logs
 from kvoffload.integrations.vllm.messages import KVOffloadMetadata, KVOffloadWorkerMetadata
 from kvoffload.integrations.vllm.metrics import KVOffloadPromMetrics, KVOffloadStats
 from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
@@ -55,6 +55,7 @@ logger = logging.getLogger(__name__)
 class KVOffloadConnector(compat.VersionHooks, KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
+        logs.join_vllm_logging()  # first: vLLM has configured logging in this process by now
         compat.require_tested_vllm(compat.installed_vllm_version(), os.environ)
         super().__init__(vllm_config, role, kv_cache_config)
         config = OffloadConfig.from_dict(self._kv_transfer_config.kv_connector_extra_config)

@@ -24,6 +24,7 @@ Names start with ``vllm:`` so that vLLM's own metric clean-up (between engines i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from kvoffload.config import OffloadConfig
 from kvoffload.connector.stats import SchedulerStats, TransferStats
+from kvoffload.connector.tiers import transfer_routes
+from kvoffload.specs import Medium, transfer_name
 
 TRANSFERS = "transfers"
 LOOKUPS = "lookups"
@@ -137,6 +141,18 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
         self._host_used: Any = self._gauge_cls(  # type: ignore[call-arg]
             name="vllm:kvoffload_host_used_bytes", documentation="Bytes of the kvoffload host tier in use.",
             multiprocess_mode="mostrecent", labelnames=labelnames)
+        self._start_at_zero(transfer_routes(_offload_config(vllm_config)))
+
+    def _start_at_zero(self, routes: Sequence[tuple[Medium, Medium]]) -> None:
+        """Create every series that can occur, at 0, so that /metrics lists them before the first event: a
+        dashboard must tell "no failed loads" from "not wired"."""
+        for labels in self.per_engine_labelvalues.values():
+            for metric in self._transfer.values():
+                for route in routes:
+                    metric.labels(*labels, transfer_name(route))
+            for metric in self._tokens.values():
+                metric.labels(*labels)
+            self._host_used.labels(*labels).set(0)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
@@ -153,3 +169,9 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
                 metric.labels(*labels).inc(value)
         if HOST_USED_BYTES in stats.data:
             self._host_used.labels(*labels).set(stats.data[HOST_USED_BYTES])
+
+
+def _offload_config(vllm_config: Any) -> OffloadConfig:
+    """kvoffload's configuration, as the connector reads it (the stat loggers are built beside it)."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    return OffloadConfig.from_dict(getattr(transfer, "kv_connector_extra_config", None) or {})
