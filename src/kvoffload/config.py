@@ -125,6 +125,9 @@ class OffloadConfig:
     store_admission: StoreAdmission = StoreAdmission.ALL
     prefill_tokens_per_s: float | None = None
     """The engine's prefill speed, for cost-aware loading; None: measured from its steps."""
+    record_trace: Path | None = None
+    """Append each finished request's arrival time, lengths and offload keys (no tokens) to this JSONL file,
+    the trace format ``kvoffload replay`` reads (replay/record.py)."""
     model_id: str | None = None
     """Overrides the model name used in the key namespace (engines sharing a tier must agree on it)."""
     model_version: str | None = None
@@ -288,6 +291,8 @@ KEYS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "eviction_policy": (_enum(EvictionPolicy), "lru, arc, s3fifo or tinylfu, for every tier"),
     "store_admission": (_enum(StoreAdmission), "all (store every full block) or second-sighting (store a block "
                                                "the second time it is seen)"),
+    "record_trace": (_path, "append each finished request's arrival, lengths and offload keys (never tokens) "
+                            "to this JSONL file, for kvoffload replay and plan"),
     "copy_threads": (_positive_int, "CPU threads copying device<->host when the KV cache is on the CPU"),
     "disk_path": (_path, "directory of the disk tier; no disk tier when absent"),
     "disk_bytes": (_positive_int, "disk tier capacity in bytes (default 64 GiB)"),
@@ -417,6 +422,7 @@ class _Parser:
             load_policy=v.get("load_policy", LoadPolicy.AUTO),
             store_admission=v.get("store_admission", StoreAdmission.ALL),
             prefill_tokens_per_s=v.get("prefill_tokens_per_s"),
+            record_trace=v.get("record_trace"),
             model_id=v.get("model_id"),
             model_version=v.get("model_version"),
             inject_load_failures=v.get("inject_load_failures", 0),

@@ -118,6 +118,10 @@ class RequestState:
     """Jobs in flight that read or write this request's device blocks."""
     ambiguous: bool = False
     """Another live request had the same id: no loads or stores for this id until it is finished."""
+    arrival: float = 0.0
+    """Scheduler clock when the request was first seen (for ``record_trace``)."""
+    prompt_tokens: int = 0
+    """Tokens the request had when first seen: its prompt."""
     _framed_extra: bytes | None = None
     _keys: list[list[OffloadKey]] = field(default_factory=list)
 

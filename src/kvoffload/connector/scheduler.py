@@ -26,6 +26,7 @@ from enum import Enum
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.load_cost import LoadCost
 from kvoffload.connector.metadata import ConnectorMetadata, LoadJob, WorkerMetadata
+from kvoffload.connector.recording import TraceTap
 from kvoffload.connector.requests import (
     NEVER,
     EngineRequest,
@@ -133,6 +134,8 @@ class ConnectorScheduler:
         """Bumped whenever a request state comes, goes, or changes its store threshold outside a step."""
         self._columns: _Columns | None = None
         self._usage_moved = True
+        self._trace = None if config.record_trace is None else TraceTap(config.record_trace, self.offload_tokens,
+                                                                         clock)
         """A manager call that may change tier usage ran since ``take_usage_moved`` (stats skip it otherwise)."""
         host = next(u for u in self.manager.usage() if u.medium is Medium.HOST)
         self.admission = make_admission(config.store_admission, host.capacity_blocks)
@@ -459,8 +462,10 @@ class ConnectorScheduler:
         """The request is done (finished or aborted): its blocks may be reused once its pending jobs are flushed."""
         self._fence(req_id)
         self._offer_from.pop(req_id, None)
-        if self._requests.pop(req_id, None) is not None:
+        if (state := self._requests.pop(req_id, None)) is not None:
             self._generation += 1
+            if self._trace is not None:
+                self._trace.finished(state)
 
     def _fence(self, req_id: str) -> None:
         state = self._requests.get(req_id)
@@ -499,7 +504,8 @@ class ConnectorScheduler:
     def _state(self, request: EngineRequest) -> RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
-            state = RequestState(request, self._root, self.offload_tokens, self.num_groups)
+            state = RequestState(request, self._root, self.offload_tokens, self.num_groups,
+                                 arrival=self._clock(), prompt_tokens=len(request.all_token_ids))
             self._requests[request.request_id] = state
             self._generation += 1
         elif state.request is not request and state.request != request and not state.ambiguous:

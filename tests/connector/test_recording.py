@@ -1,0 +1,72 @@
+"""``record_trace``: the engine writes each finished request as a trace line that ``kvoffload replay`` reads."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from kvoffload.cli import main
+from kvoffload.config import ConfigError, OffloadConfig
+from kvoffload.replay.trace import read_trace
+from kvoffload.testing import layouts
+from kvoffload.testing.sim import SimEngine
+
+BLOCK = 4
+
+
+def _engine(trace: Path, factor: int = 1) -> SimEngine:
+    layout, make_kv = layouts.attention_layout(num_blocks=64, block_size=BLOCK)
+    slot = factor * layout.group_block_bytes(0)
+    config = OffloadConfig.from_dict({"offload_block_tokens": factor * BLOCK, "host_bytes": 128 * slot,
+                                      "record_trace": str(trace)})
+    return SimEngine(layout, make_kv, config, block_size=BLOCK)
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+def test_finished_requests_are_recorded_with_their_lengths_and_offload_keys(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    engine = _engine(path, factor=2)
+    shared = _tokens(3 * 2 * BLOCK, seed=1)  # three offload blocks of 8 tokens
+    engine.add_request("a", shared + _tokens(10, seed=2), max_new_tokens=3)
+    engine.run()
+    engine.add_request("b", shared + _tokens(13, seed=3), max_new_tokens=2)
+    engine.run()
+    trace = read_trace(path)
+    a, b = trace.requests
+    assert trace.block_tokens == 2 * BLOCK
+    assert (a.input_length, a.output_length, b.input_length, b.output_length) == (34, 3, 37, 2)
+    assert len(a.keys) == len(b.keys) == 4  # full prompt blocks only
+    assert a.keys[:3] == b.keys[:3] and a.keys[3] != b.keys[3]
+    assert b.timestamp_ms >= a.timestamp_ms >= 0
+    # They are the engine's own offload keys: the host tier holds every one of a's blocks under them.
+    assert engine.scheduler.manager.lookup(list(a.keys)).hits == len(a.keys)
+    assert engine.scheduler.manager.lookup([bytes(16)]).hits == 0  # and a wrong key would not be found
+
+
+def test_a_recorded_trace_replays_with_the_shared_prefix_as_hits(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "trace.jsonl"
+    engine = _engine(path)
+    shared = _tokens(6 * BLOCK, seed=4)
+    for i in range(3):
+        engine.add_request(f"r{i}", shared + _tokens(7, seed=10 + i))
+        engine.run()
+    assert main(["replay", "--trace", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["requests"] == 3 and report["block_tokens"] == BLOCK
+    # Requests 2 and 3 find the 6 shared blocks; their own 7th block (1 full block each) is new.
+    assert {r["hit_blocks"] for r in report["results"]} == {12}
+    assert {r["blocks"] for r in report["results"]} == {3 * 7}
+
+
+def test_a_trace_path_that_cannot_be_opened_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    bad = tmp_path / "missing-dir" / "trace.jsonl"
+    with pytest.raises(ConfigError, match=f"record_trace: .*{bad}"):
+        _engine(bad)
