@@ -359,6 +359,15 @@ def test_s3fifo_ghost_queue_holds_at_most_the_capacity() -> None:
     policy.check_integrity()
 
 
+def test_s3fifo_uses_of_keys_not_resident_do_not_count_and_stay_bounded() -> None:
+    policy = filled(S3FIFOPolicy(10), 1, 2)
+    policy.touch_all(keys(*range(100, 1100)))
+    assert len(policy._used) <= 2 * len(policy) + 64
+    policy.insert(key(100))  # used before it was resident: not a use now
+    assert key(100) not in policy._used
+    policy.check_integrity()
+
+
 def test_s3fifo_check_integrity_raises_on_a_key_in_both_queues() -> None:
     policy = filled(S3FIFOPolicy(8), 1, 2)
     policy._main[key(1)] = None
@@ -403,7 +412,7 @@ def test_tinylfu_counts_age_after_a_sample_period() -> None:
     for _ in range(4):
         policy.touch(key(1))
     assert policy.frequency(key(1)) == 5
-    scan(policy, 4, range(100, 112))  # more than a period of counted events, with victims asked
+    scan(policy, 4, range(100, 120))  # more than a period's distinct keys (16), with victims asked
     assert policy.frequency(key(1)) <= 2
     policy.check_integrity()
 
@@ -416,7 +425,18 @@ def test_tinylfu_remembers_the_frequency_of_an_evicted_key() -> None:
 
 
 def test_tinylfu_check_integrity_raises_on_a_key_in_both_spaces() -> None:
-    policy = filled(TinyLFUPolicy(8), 1, 2)
-    policy._main[key(1)] = None
+    policy = filled(TinyLFUPolicy(8), 1, 2)  # key 1 has moved on to the main space, key 2 is in the window
+    policy._main[key(2)] = None
     with pytest.raises(IntegrityError, match="partition"):
         policy.check_integrity()
+
+
+def test_tinylfu_evicts_window_keys_behind_a_refused_one_when_main_keys_may_not_go() -> None:
+    policy = full_tinylfu(100)
+    scan(policy, 100, range(200, 203))  # the window holds 200-202 (and the one that entered before)
+    window = list(policy._window)
+    may_go = set(window[1:])
+    got = policy.victims(len(may_go), may_go.__contains__)
+    assert got is not None and set(got) == may_go
+    assert window[0] in policy
+    policy.check_integrity()

@@ -27,7 +27,12 @@ calls with no Python step per key (a prompt's touch is thousands of keys, every 
 
 
 class Policy(ABC):
-    """Orders a tier's resident keys for eviction. Every method is O(1) amortized except ``victims``."""
+    """Orders a tier's resident keys for eviction. Every method is O(1) amortized except ``victims``.
+
+    Whatever else a policy weighs, keys a fresh policy only had inserted (never used) leave in insertion order,
+    and a refused key stays first in line. ``kvoffload.testing.policy_conformance`` checks these rules and those
+    of each method below.
+    """
 
     __slots__ = ()
 
@@ -46,7 +51,8 @@ class Policy(ABC):
 
     @abstractmethod
     def touch(self, key: OffloadKey) -> None:
-        """Record a use of ``key``. A key that is not resident is ignored.
+        """Record a use of ``key``. A key that is not resident stays so (a policy may remember the use: TinyLFU
+        counts every use, as its sketch does).
 
         Args:
             key: the key that was used (looked up and loaded).

@@ -10,7 +10,7 @@ the tier flushes the blocks that are used again.
 
 Differences from the paper: one use bit per key instead of a two-bit counter (the same hit rates on the Mooncake
 conversation trace and on synthetic recency, loop and Zipf traces, and a batch of uses is then one C-level
-dictionary update); a key moving from S to M spends its use. As in every policy here, a key that ``can_evict``
+set update); a key moving from S to M spends its use. As in every policy here, a key that ``can_evict``
 refuses keeps its place and its use bit, and ``remove`` forgets a key without remembering it in G.
 """
 
@@ -18,16 +18,20 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from itertools import repeat
+from itertools import islice
 
 from kvoffload.keys import OffloadKey
 from kvoffload.manager.base import IntegrityError
 from kvoffload.manager.policies.base import CanEvict, Policy
+from kvoffload.manager.policies.clock import ClockPlan
 
 SMALL_SHARE = 10
 """S's share of the tier: victims come from S while it holds at least 1/SMALL_SHARE of the capacity."""
 
 _Queue = OrderedDict[OffloadKey, None]
+
+_PRUNE_SLACK = 64
+"""Uses of keys that are not resident tolerated beyond twice the resident keys before they are pruned."""
 
 
 class S3FIFOPolicy(Policy):
@@ -37,7 +41,7 @@ class S3FIFOPolicy(Policy):
         ValueError: ``capacity`` is not positive.
     """
 
-    __slots__ = ("_capacity", "_ghost", "_main", "_small", "_small_target", "_used")
+    __slots__ = ("_capacity", "_ghost", "_main", "_resident", "_small", "_small_target", "_used")
 
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:
@@ -47,33 +51,45 @@ class S3FIFOPolicy(Policy):
         self._small: _Queue = OrderedDict()
         self._main: _Queue = OrderedDict()
         self._ghost: _Queue = OrderedDict()
-        # Every resident key -> whether it was used since it entered its queue or last came round in M: one
-        # dict answers both "resident?" and "used?", at C speed for a batch of uses.
-        self._used: dict[OffloadKey, bool] = {}
+        self._resident: dict[OffloadKey, None] = {}
+        """S and M together: a C-level ``__contains__`` for a batch of uses."""
+        self._used: set[OffloadKey] = set()
+        """Resident keys used since they entered their queue or last came round in M. Uses of keys that are not
+        resident land here too (a batch of uses is then one C-level set update) and do not count: a key's bit is
+        cleared when it becomes resident, and they are pruned once they outnumber the resident keys."""
 
     def insert(self, key: OffloadKey) -> None:
-        used = self._used
-        if key in used:
-            used[key] = True
+        if key in self._resident:
+            self._used.add(key)
             return
         if key in self._ghost:
             del self._ghost[key]
             self._main[key] = None
         else:
             self._small[key] = None
-        used[key] = False
+        self._resident[key] = None
+        self._used.discard(key)
 
     def touch(self, key: OffloadKey) -> None:
-        if key in self._used:
-            self._used[key] = True
+        self._used.add(key)
+        self._prune()
 
     def touch_all(self, keys: Iterable[OffloadKey]) -> None:
-        used = self._used
-        used.update(zip(filter(used.__contains__, keys), repeat(True)))
+        self._used.update(keys)
+        self._prune()
+
+    def _prune(self) -> None:
+        # The tier manager only uses resident keys: this runs for callers that do not, and at most once per as
+        # many uses of non-resident keys as there are resident keys (O(1) amortized).
+        if len(self._used) > 2 * len(self._resident) + _PRUNE_SLACK:
+            resident = self._resident
+            self._used = {key for key in self._used if key in resident}
 
     def remove(self, key: OffloadKey) -> None:
-        if self._used.pop(key, None) is None:
+        if key not in self._resident:
             return
+        del self._resident[key]
+        self._used.discard(key)
         if key in self._small:
             del self._small[key]
         else:
@@ -82,8 +98,16 @@ class S3FIFOPolicy(Policy):
     def victims(self, n: int, can_evict: CanEvict) -> list[OffloadKey] | None:
         if n <= 0:
             return []
-        if n > len(self._used):
+        if n > len(self._resident):
             return None
+        small = self._small
+        if len(small) - n >= self._small_target - 1:
+            # The common case: S stays at its share through every pick, so the victims are S's first n keys that
+            # may go, if none of them was used (found by a C-level scan).
+            chosen = list(islice(filter(can_evict, small), n))
+            if len(chosen) == n and self._used.isdisjoint(chosen):
+                self._evict_small(chosen)
+                return chosen
         sweep = _Sweep(self, can_evict)
         while len(sweep.chosen) < n:
             from_small = sweep.small_left >= self._small_target
@@ -93,65 +117,65 @@ class S3FIFOPolicy(Policy):
         self._apply(sweep)
         return sweep.chosen
 
-    def _apply(self, sweep: _Sweep) -> None:
-        small, main, used, ghost = self._small, self._main, self._used, self._ghost
-        for key in sweep.chosen:
-            del used[key]
-            if key in sweep.evicted_small:
-                del small[key]
-                ghost[key] = None
-            else:
-                main.pop(key, None)  # a key promoted from S in this sweep and chosen in M is in neither yet
-        for key in sweep.promoted:
-            small.pop(key, None)
-        for key in sweep.back:  # another round, or promoted: to M's back, use spent
-            if key in used:
-                used[key] = False
-                main[key] = None
-                main.move_to_end(key)
+    def _evict_small(self, keys: list[OffloadKey]) -> None:
+        """Evict unused keys of S into the ghost queue."""
+        small, resident, ghost = self._small, self._resident, self._ghost
+        for key in keys:
+            del small[key]
+            del resident[key]
+            ghost[key] = None
         for _ in range(len(ghost) - self._capacity):
             ghost.popitem(last=False)
 
+    def _apply(self, sweep: _Sweep) -> None:
+        small, resident, used = self._small, self._resident, self._used
+        for key in sweep.promoted:
+            del small[key]
+        for key in sweep.main.taken:
+            del resident[key]
+            used.discard(key)
+
+        def spend(key: OffloadKey) -> None:
+            used.discard(key)
+
+        sweep.main.apply(self._main, spend)  # promoted keys join M's back; keys given another round go there
+        self._evict_small(sweep.from_small)
+
     def __contains__(self, key: object) -> bool:
-        return key in self._used
+        return key in self._resident
 
     def __len__(self) -> int:
-        return len(self._used)
+        return len(self._resident)
 
     def check_integrity(self) -> None:
-        small, main, ghost = self._small.keys(), self._main.keys(), self._ghost.keys()
-        if small & main or len(small) + len(main) != len(self._used) or not self._used.keys() >= small | main:
+        small, main, ghost, resident = self._small.keys(), self._main.keys(), self._ghost.keys(), self._resident
+        if small & main or len(small) + len(main) != len(resident) or not resident.keys() >= small | main:
             raise IntegrityError(f"S3-FIFO: S ({len(small)}) and M ({len(main)}) are not a partition of the "
-                                 f"{len(self._used)} resident keys")
-        if ghost & self._used.keys() or len(ghost) > self._capacity:
+                                 f"{len(resident)} resident keys")
+        if len(self._used) > 2 * len(resident) + _PRUNE_SLACK:
+            raise IntegrityError(f"S3-FIFO: {len(self._used)} use bits for {len(resident)} resident keys")
+        if ghost & resident.keys() or len(ghost) > self._capacity:
             raise IntegrityError(f"S3-FIFO: the ghost queue ({len(ghost)} keys) holds resident keys or exceeds "
                                  f"the capacity {self._capacity}")
 
 
 class _Sweep:
     """One ``victims`` call, planned before anything changes (so that a call that cannot find enough victims
-    changes nothing): which keys go, which move from S to M and which get another round in M.
+    changes nothing): which keys go, which move from S to M, which get another round in M (``ClockPlan``).
+    S is read front to back once; refused keys are passed over and keep their place."""
 
-    S is read front to back once. M is read front to back, then the keys the plan sends to its back, in order: a
-    key that came round once (use spent) is evictable on its second visit. Refused keys are passed over and keep
-    their place.
-    """
-
-    __slots__ = ("back", "can_evict", "chosen", "evicted_small", "main", "promoted", "small", "small_left",
-                 "spent", "used", "visited_back")
+    __slots__ = ("can_evict", "chosen", "from_small", "main", "promoted", "small", "small_left", "used")
 
     def __init__(self, policy: S3FIFOPolicy, can_evict: CanEvict) -> None:
         self.can_evict = can_evict
         self.used = policy._used
         self.small: Iterator[OffloadKey] = iter(policy._small)
-        self.main: Iterator[OffloadKey] = iter(policy._main)
+        self.main = ClockPlan(policy._main, self.used.__contains__, can_evict)
         self.small_left = len(policy._small)
         self.chosen: list[OffloadKey] = []
-        self.evicted_small: set[OffloadKey] = set()
+        """Every victim, in the order chosen."""
+        self.from_small: list[OffloadKey] = []
         self.promoted: list[OffloadKey] = []
-        self.back: list[OffloadKey] = []
-        self.spent: set[OffloadKey] = set()
-        self.visited_back = 0
 
     def step_small(self) -> bool:
         """Take S's next evictable key: to M if used, else a victim. False when S has none left."""
@@ -159,34 +183,19 @@ class _Sweep:
             if not self.can_evict(key):
                 continue
             self.small_left -= 1
-            if self.used[key]:
+            if key in self.used:
                 self.promoted.append(key)
-                self._send_back(key)
+                self.main.join(key)
             else:
                 self.chosen.append(key)
-                self.evicted_small.add(key)
+                self.from_small.append(key)
             return True
         return False
 
     def step_main(self) -> bool:
-        """Visit M's next evictable key: another round if used, else a victim. False when M has none left."""
-        for key in self._main_order():
-            if not self.can_evict(key):
-                continue
-            if self.used[key] and key not in self.spent:
-                self._send_back(key)
-            else:
-                self.chosen.append(key)
-            return True
-        return False
-
-    def _main_order(self) -> Iterator[OffloadKey]:
-        yield from self.main
-        back = self.back
-        while self.visited_back < len(back):
-            self.visited_back += 1
-            yield back[self.visited_back - 1]
-
-    def _send_back(self, key: OffloadKey) -> None:
-        self.spent.add(key)
-        self.back.append(key)
+        """Take M's next victim (giving used keys another round on the way). False when M has none left."""
+        key = self.main.take()
+        if key is None:
+            return False
+        self.chosen.append(key)
+        return True
