@@ -60,7 +60,8 @@ class Workload:
                 "--prefix-repetition-output-len", str(self.output_tokens),
                 "--num-prompts", str(self.prompts), "--max-concurrency", str(self.concurrency),
                 "--request-rate", "inf", "--temperature", "0", "--ignore-eos", "--seed", str(self.seed),
-                "--disable-tqdm", "--save-detailed", "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,99"]
+                "--disable-tqdm", "--save-detailed", "--percentile-metrics", "ttft,tpot,e2el",
+                "--metric-percentiles", "50,99"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=positive_int, default=2, help="runs per side (default 2)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     parser.add_argument("--plot", metavar="PNG", default=None, help="also draw TTFT and throughput (matplotlib)")
+    parser.add_argument("--dashboard", metavar="PNG", default=None,
+                        help="also draw docs/grafana/kvoffload.json's panels from the kvoffload server's /metrics, "
+                             "sampled each second of the last repeat (matplotlib)")
     parser.add_argument("--quiet", action="store_true", help="no progress line on stderr")
     g = parser.add_argument_group("workload (vLLM's prefix_repetition dataset)")
     g.add_argument("--prefixes", type=positive_int, default=w.prefixes)
@@ -101,6 +105,10 @@ def run(args: argparse.Namespace) -> int:
     progress.close()
     summary = summarize(runs)
     emit(report(runs, summary, args, settings["plain"]), args, plot=lambda path: plot(path, runs))
+    if args.dashboard:
+        from kvoffload.bench.serve_dashboard import draw
+
+        draw(args.dashboard, runs[-1]["kvoffload"]["samples"])
     return 0
 
 
@@ -132,12 +140,19 @@ def serve_repeat(index: int, settings: dict[str, ServerSettings], work: Workload
 
 
 def serve_once(settings: ServerSettings, work: Workload, log: Path) -> dict[str, Any]:
-    """A fresh server, vLLM's client against it, its kvoffload metrics before and after."""
+    """A fresh server, vLLM's client against it, its kvoffload metrics before, during (each second) and after."""
+    from kvoffload.bench.serve_dashboard import Sampler
+
     with Server(settings, log) as server:
         before = server.metrics()
-        result = run_client(work.client_args(server.base_url, settings.model_dir))
+        sampler = Sampler(server.metrics)
+        sampler.start()
+        try:
+            result = run_client(work.client_args(server.base_url, settings.model_dir))
+        finally:
+            sampler.stop()
         after = server.metrics()
-    return {"client": result, "metrics_before": before, "metrics_after": after}
+    return {"client": result, "metrics_before": before, "metrics_after": after, "samples": sampler.samples}
 
 
 def run_client(argv: list[str]) -> dict[str, Any]:
