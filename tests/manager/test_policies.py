@@ -352,6 +352,18 @@ def test_s3fifo_main_gives_a_used_key_another_round_once() -> None:
     assert policy.victims(3, anything) == keys(2, 3, 1)
 
 
+def test_s3fifo_a_key_promoted_after_main_ran_out_can_still_be_its_victim() -> None:
+    policy = S3FIFOPolicy(20)  # S's share: 2 keys
+    policy.insert(key(1))
+    assert policy.victims(1, anything) == keys(1)
+    policy.insert(key(1))  # back from the ghost queue: in M
+    policy.insert(key(2))
+    policy.touch(key(2))
+    # M's only key may not go; S's used key moves to M, and is then M's victim (its use spent).
+    assert policy.victims(1, lambda k: k != key(1)) == keys(2)
+    policy.check_integrity()
+
+
 def test_s3fifo_ghost_queue_holds_at_most_the_capacity() -> None:
     policy = S3FIFOPolicy(4)
     scan(policy, 4, range(50))
@@ -371,7 +383,7 @@ def test_s3fifo_uses_of_keys_not_resident_do_not_count_and_stay_bounded() -> Non
 def test_s3fifo_check_integrity_raises_on_a_key_in_both_queues() -> None:
     policy = filled(S3FIFOPolicy(8), 1, 2)
     policy._main[key(1)] = None
-    with pytest.raises(IntegrityError, match="partition"):
+    with pytest.raises(IntegrityError, match="both S and M"):
         policy.check_integrity()
 
 

@@ -30,8 +30,9 @@ PolicyFactory = Callable[[int], Policy]
 """Builds a fresh, empty policy for a tier of the given capacity in keys."""
 
 CAPACITY = 16
-"""The tier size the randomized checks play; their keys come from a universe of ``UNIVERSE`` keys."""
-UNIVERSE = 40
+"""The tier size the randomized checks play; their keys come from a universe of ``UNIVERSE`` keys (enough for
+policies that age their history every few capacities' worth of keys to do so)."""
+UNIVERSE = 100
 SEEDS = range(8)
 
 

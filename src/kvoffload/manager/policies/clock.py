@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from itertools import chain, islice
 from typing import Any
 
 from kvoffload.keys import OffloadKey
@@ -19,12 +20,12 @@ from kvoffload.manager.policies.base import CanEvict
 
 
 class ClockPlan:
-    """Args: queue: the CLOCK, oldest first; used: whether a key was used since it last came round (or joined);
-    can_evict: the ``victims`` call's."""
+    """Args: queue: the CLOCK, oldest first; used: for a list of its keys, whether each was used since it last
+    came round (or joined), in one call so that a policy can answer at C speed; can_evict: the ``victims`` call's."""
 
     __slots__ = ("_back", "_can_evict", "_front", "_next", "_order", "_spent", "_used", "_visited_back", "taken")
 
-    def __init__(self, queue: OrderedDict[OffloadKey, Any], used: Callable[[OffloadKey], bool],
+    def __init__(self, queue: OrderedDict[OffloadKey, Any], used: Callable[[list[OffloadKey]], list[bool]],
                  can_evict: CanEvict) -> None:
         self._front: Iterator[OffloadKey] = iter(queue)
         self._used = used
@@ -33,22 +34,25 @@ class ClockPlan:
         self._spent: set[OffloadKey] = set()
         self._visited_back = 0
         self._next: OffloadKey | None = None
-        self._order = self._keys()
+        self._order: Iterator[OffloadKey] = chain(self._front, self._back_keys())
         self.taken: list[OffloadKey] = []
         """The victims taken, in order."""
 
     def peek(self) -> OffloadKey | None:
         """The next victim, left in place until ``take``; None when the queue has no evictable key left."""
-        if self._next is None:
+        while self._next is None:
             for key in self._order:
                 if not self._can_evict(key):
                     continue
-                if key not in self._spent and self._used(key):
+                if key not in self._spent and self._used([key])[0]:
                     self._spent.add(key)
                     self._back.append(key)
                     continue
                 self._next = key
                 break
+            else:
+                if not self._resume():
+                    return None
         return self._next
 
     def take(self) -> OffloadKey | None:
@@ -61,23 +65,28 @@ class ClockPlan:
 
     def take_many(self, k: int) -> list[OffloadKey]:
         """Take up to ``k`` next victims (fewer when the queue runs out of evictable keys): ``take`` in a loop,
-        without a call per key (the store path evicts a batch per store)."""
+        at C speed while the keys met were not used (the store path evicts a batch per store)."""
         out: list[OffloadKey] = []
         if k > 0 and self._next is not None:
             out.append(self._next)
             self._next = None
-        order, can_evict, used, spent, back = self._order, self._can_evict, self._used, self._spent, self._back
+        spent, back = self._spent, self._back
         while len(out) < k:
-            key = next(order, None)
-            if key is None:
+            batch = list(islice(filter(self._can_evict, self._order), k - len(out)))
+            if not batch:
+                if self._resume():
+                    continue
                 break
-            if not can_evict(key):
+            used = self._used(batch)
+            if not any(used):
+                out += batch
                 continue
-            if key not in spent and used(key):
-                spent.add(key)
-                back.append(key)
-                continue
-            out.append(key)
+            for key, was_used in zip(batch, used, strict=True):
+                if was_used and key not in spent:
+                    spent.add(key)
+                    back.append(key)
+                else:
+                    out.append(key)
         self.taken += out
         return out
 
@@ -97,8 +106,14 @@ class ClockPlan:
                 queue[key] = value(key)
                 queue.move_to_end(key)
 
-    def _keys(self) -> Iterator[OffloadKey]:
-        yield from self._front
+    def _resume(self) -> bool:
+        """The keys to visit ran out: go on with keys sent to the back since (False when there are none)."""
+        if self._visited_back == len(self._back):
+            return False
+        self._order = self._back_keys()
+        return True
+
+    def _back_keys(self) -> Iterator[OffloadKey]:
         back = self._back
         while self._visited_back < len(back):
             self._visited_back += 1

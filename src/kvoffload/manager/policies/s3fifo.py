@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from itertools import islice
+from itertools import islice, repeat
 
 from kvoffload.keys import OffloadKey
 from kvoffload.manager.base import IntegrityError
-from kvoffload.manager.policies.base import CanEvict, Policy
+from kvoffload.manager.policies.base import CanEvict, Policy, consume
 from kvoffload.manager.policies.clock import ClockPlan
 
 SMALL_SHARE = 10
@@ -41,7 +41,7 @@ class S3FIFOPolicy(Policy):
         ValueError: ``capacity`` is not positive.
     """
 
-    __slots__ = ("_capacity", "_ghost", "_main", "_resident", "_small", "_small_target", "_used")
+    __slots__ = ("_capacity", "_ghost", "_main", "_small", "_small_target", "_used")
 
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:
@@ -51,15 +51,13 @@ class S3FIFOPolicy(Policy):
         self._small: _Queue = OrderedDict()
         self._main: _Queue = OrderedDict()
         self._ghost: _Queue = OrderedDict()
-        self._resident: dict[OffloadKey, None] = {}
-        """S and M together: a C-level ``__contains__`` for a batch of uses."""
         self._used: set[OffloadKey] = set()
         """Resident keys used since they entered their queue or last came round in M. Uses of keys that are not
         resident land here too (a batch of uses is then one C-level set update) and do not count: a key's bit is
         cleared when it becomes resident, and they are pruned once they outnumber the resident keys."""
 
     def insert(self, key: OffloadKey) -> None:
-        if key in self._resident:
+        if key in self:
             self._used.add(key)
             return
         if key in self._ghost:
@@ -67,8 +65,19 @@ class S3FIFOPolicy(Policy):
             self._main[key] = None
         else:
             self._small[key] = None
-        self._resident[key] = None
         self._used.discard(key)
+
+    def insert_all(self, keys: Iterable[OffloadKey]) -> None:
+        ks = list(keys)
+        new = dict.fromkeys(ks)
+        if len(new) < len(ks) or not (self._small.keys().isdisjoint(new) and self._main.keys().isdisjoint(new)
+                                      and self._ghost.keys().isdisjoint(new)):
+            for key in ks:
+                self.insert(key)
+            return
+        # The common case, a store's new keys: all to S, as one by one, with C-level updates.
+        self._small.update(new)
+        self._used.difference_update(new)
 
     def touch(self, key: OffloadKey) -> None:
         self._used.add(key)
@@ -81,14 +90,12 @@ class S3FIFOPolicy(Policy):
     def _prune(self) -> None:
         # The tier manager only uses resident keys: this runs for callers that do not, and at most once per as
         # many uses of non-resident keys as there are resident keys (O(1) amortized).
-        if len(self._used) > 2 * len(self._resident) + _PRUNE_SLACK:
-            resident = self._resident
-            self._used = {key for key in self._used if key in resident}
+        if len(self._used) > 2 * len(self) + _PRUNE_SLACK:
+            self._used = {key for key in self._used if key in self}
 
     def remove(self, key: OffloadKey) -> None:
-        if key not in self._resident:
+        if key not in self:
             return
-        del self._resident[key]
         self._used.discard(key)
         if key in self._small:
             del self._small[key]
@@ -98,7 +105,7 @@ class S3FIFOPolicy(Policy):
     def victims(self, n: int, can_evict: CanEvict) -> list[OffloadKey] | None:
         if n <= 0:
             return []
-        if n > len(self._resident):
+        if n > len(self):
             return None
         small = self._small
         if len(small) - n >= self._small_target - 1:
@@ -119,21 +126,16 @@ class S3FIFOPolicy(Policy):
 
     def _evict_small(self, keys: list[OffloadKey]) -> None:
         """Evict unused keys of S into the ghost queue."""
-        small, resident, ghost = self._small, self._resident, self._ghost
-        for key in keys:
-            del small[key]
-            del resident[key]
-            ghost[key] = None
-        for _ in range(len(ghost) - self._capacity):
-            ghost.popitem(last=False)
+        ghost = self._ghost
+        consume(map(self._small.__delitem__, keys))
+        ghost.update(dict.fromkeys(keys))
+        consume(map(ghost.popitem, repeat(False, len(ghost) - self._capacity)))  # the oldest ghosts go
 
     def _apply(self, sweep: _Sweep) -> None:
-        small, resident, used = self._small, self._resident, self._used
+        small, used = self._small, self._used
         for key in sweep.promoted:
             del small[key]
-        for key in sweep.main.taken:
-            del resident[key]
-            used.discard(key)
+        used.difference_update(sweep.main.taken)
 
         def spend(key: OffloadKey) -> None:
             used.discard(key)
@@ -142,19 +144,18 @@ class S3FIFOPolicy(Policy):
         self._evict_small(sweep.from_small)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._resident
+        return key in self._small or key in self._main
 
     def __len__(self) -> int:
-        return len(self._resident)
+        return len(self._small) + len(self._main)
 
     def check_integrity(self) -> None:
-        small, main, ghost, resident = self._small.keys(), self._main.keys(), self._ghost.keys(), self._resident
-        if small & main or len(small) + len(main) != len(resident) or not resident.keys() >= small | main:
-            raise IntegrityError(f"S3-FIFO: S ({len(small)}) and M ({len(main)}) are not a partition of the "
-                                 f"{len(resident)} resident keys")
-        if len(self._used) > 2 * len(resident) + _PRUNE_SLACK:
-            raise IntegrityError(f"S3-FIFO: {len(self._used)} use bits for {len(resident)} resident keys")
-        if ghost & resident.keys() or len(ghost) > self._capacity:
+        small, main, ghost = self._small.keys(), self._main.keys(), self._ghost.keys()
+        if small & main:
+            raise IntegrityError(f"S3-FIFO: {len(small & main)} keys are in both S and M")
+        if len(self._used) > 2 * len(self) + _PRUNE_SLACK:
+            raise IntegrityError(f"S3-FIFO: {len(self._used)} use bits for {len(self)} resident keys")
+        if ghost & (small | main) or len(ghost) > self._capacity:
             raise IntegrityError(f"S3-FIFO: the ghost queue ({len(ghost)} keys) holds resident keys or exceeds "
                                  f"the capacity {self._capacity}")
 
@@ -170,12 +171,15 @@ class _Sweep:
         self.can_evict = can_evict
         self.used = policy._used
         self.small: Iterator[OffloadKey] = iter(policy._small)
-        self.main = ClockPlan(policy._main, self.used.__contains__, can_evict)
+        self.main = ClockPlan(policy._main, self._used_many, can_evict)
         self.small_left = len(policy._small)
         self.chosen: list[OffloadKey] = []
         """Every victim, in the order chosen."""
         self.from_small: list[OffloadKey] = []
         self.promoted: list[OffloadKey] = []
+
+    def _used_many(self, keys: list[OffloadKey]) -> list[bool]:
+        return list(map(self.used.__contains__, keys))
 
     def step_small(self) -> bool:
         """Take S's next evictable key: to M if used, else a victim. False when S has none left."""

@@ -16,21 +16,22 @@ age out, so a key that comes back is known; they hold at most two periods' keys.
 Differences from Caffeine, so that a batch of uses is one C-level ``Counter`` update and nothing else (a prompt's
 touch is thousands of keys, every scheduler step): exact counts in a dictionary instead of a count-min sketch
 (nothing is allocated per slot up front); a FIFO window and a CLOCK main space (``clock.py``: a main key goes unless
-its count grew since it last came round) instead of LRU segments; a fixed window. A block whose parent is evicted is
-useless, and frequency alone does not see that: on long prefix chains that loop, the duels leave holes in the
-chains (docs/configuration.md says when to pick it).
+its count grew since it joined or last came round) instead of LRU segments; a fixed window. A block whose parent is
+evicted is useless, and frequency alone does not see that: on long prefix chains that loop, the duels leave holes in
+the chains (docs/configuration.md says when to pick it).
 """
 
 from __future__ import annotations
 
+import sys
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator
 from itertools import chain, islice, repeat, takewhile
-from operator import add, floordiv
+from operator import add, floordiv, gt
 
 from kvoffload.keys import OffloadKey
 from kvoffload.manager.base import IntegrityError
-from kvoffload.manager.policies.base import CanEvict, Policy
+from kvoffload.manager.policies.base import CanEvict, Policy, consume
 from kvoffload.manager.policies.clock import ClockPlan
 
 WINDOW_SHARE = 100
@@ -41,9 +42,6 @@ MAX_COUNT = 15
 """A count above this reads as this, so that a once-hot key fades within a few periods."""
 
 
-_Seen = tuple[int, int]
-"""A main key's (period, count in it) when it joined the main space or last came round (a plain tuple: one is made
-per key that moves on, in the store path)."""
 
 
 class TinyLFUPolicy(Policy):
@@ -53,8 +51,8 @@ class TinyLFUPolicy(Policy):
         ValueError: ``capacity`` is not positive.
     """
 
-    __slots__ = ("_counts", "_main", "_main_target", "_old_counts", "_period", "_period_keys", "_resident",
-                 "_window", "_window_target")
+    __slots__ = ("_counts", "_main", "_main_target", "_old_counts", "_period_keys", "_resident", "_window",
+                 "_window_target")
 
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:
@@ -62,9 +60,10 @@ class TinyLFUPolicy(Policy):
         self._window_target = max(1, capacity // WINDOW_SHARE)
         self._main_target = max(0, capacity - self._window_target)
         self._period_keys = SAMPLE_PERIODS * capacity
-        self._period = 0
         self._window: OrderedDict[OffloadKey, None] = OrderedDict()
-        self._main: OrderedDict[OffloadKey, _Seen] = OrderedDict()
+        self._main: OrderedDict[OffloadKey, int] = OrderedDict()
+        """Main key -> its count in this period when it joined or last came round (-1: it was used after that in
+        the previous period, see ``_age``); used since means a higher count now."""
         self._resident: dict[OffloadKey, None] = {}
         """Window and main keys together."""
         self._counts: Counter[OffloadKey] = Counter()
@@ -86,7 +85,7 @@ class TinyLFUPolicy(Policy):
         # every write), so that a tier that never evicted has its older keys in the main space too.
         if len(window) > self._window_target and len(self._main) < self._main_target:
             oldest = window.popitem(last=False)[0]
-            self._main[oldest] = self._seen(oldest)
+            self._main[oldest] = self._counts.get(oldest, 0)
 
     def insert_all(self, keys: Iterable[OffloadKey]) -> None:
         ks = list(keys)
@@ -103,9 +102,9 @@ class TinyLFUPolicy(Policy):
                     max(0, self._main_target - len(main)))
         resident.update(new)
         window.update(new)
-        for _ in range(moves):
-            oldest = window.popitem(last=False)[0]
-            main[oldest] = self._seen(oldest)
+        oldest = list(islice(window, moves))
+        consume(map(window.__delitem__, oldest))
+        main.update(zip(oldest, map(self._counts.get, oldest, repeat(0)), strict=True))
 
     def touch(self, key: OffloadKey) -> None:
         counts = self._counts
@@ -133,25 +132,29 @@ class TinyLFUPolicy(Policy):
         window, resident = self._window, self._resident
         for key in duel.leave_window:
             del window[key]
-        duel.main.apply(self._main, self._seen)  # admitted keys join the main space, used ones go round
+        duel.main.apply(self._main, self._count)  # admitted keys join the main space, used ones go round
         for key in duel.chosen:
             del resident[key]
         if len(self._counts) >= self._period_keys:
-            # Counts age here only (not in touch), so that a batch of uses counts as the same uses one by one.
-            self._old_counts, self._counts = self._counts, Counter()
-            self._period += 1
+            self._age()
         return duel.chosen
 
-    def _seen(self, key: OffloadKey) -> _Seen:
-        return self._period, self._counts.get(key, 0)
+    def _count(self, key: OffloadKey) -> int:
+        return self._counts.get(key, 0)
 
-    def _used(self, key: OffloadKey) -> bool:
-        """Whether the main key's count grew since it joined or last came round (across one aging step, a use in
-        this period or more uses in the previous one than it had then)."""
-        (period, then), now = self._main[key], self._counts.get(key, 0)
-        if period == self._period:
-            return now > then
-        return now > 0 or self._old_counts.get(key, 0) > (then if period == self._period - 1 else 0)
+    def _age(self) -> None:
+        """Start a sample period. Counts age here only (not in touch), so that a batch of uses counts as the same
+        uses one by one; main keys' marks restart from the new period's zero: -1 for those used since they last
+        came round (any count then reads as a use), 0 for the others. O(main keys), once per period."""
+        old, main = self._counts, self._main
+        self._old_counts, self._counts = old, Counter()
+        for key, then in main.items():
+            main[key] = -1 if old.get(key, 0) > then else 0
+
+    def _used(self, keys: list[OffloadKey]) -> list[bool]:
+        """For main keys, whether each one's count grew since it joined or last came round (at C speed). Keys that
+        join during a duel are not in the main space yet: they read as unused (their use is spent anyway)."""
+        return list(map(gt, map(self._counts.get, keys, repeat(0)), map(self._main.get, keys, repeat(sys.maxsize))))
 
     def __contains__(self, key: object) -> bool:
         return key in self._resident
