@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +43,34 @@ def test_versions_outside_the_tested_range_are_refused_naming_the_range_and_the_
     assert f"{ALLOW_UNTESTED_ENV}=1" in message
 
 
-@pytest.mark.parametrize("value", ["1", "true", "YES"])
-def test_the_override_turns_the_refusal_into_one_warning(value: str, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger=compat.__name__):
-        compat.require_tested_vllm("0.33.0", {ALLOW_UNTESTED_ENV: value})
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
 
-    [record] = caplog.records
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def warnings_logged() -> Iterator[list[logging.LogRecord]]:
+    """compat's warnings, caught at its own logger: once a connector is built in this process, kvoffload's logger
+    no longer propagates to the root, where caplog listens (logs.join_vllm_logging)."""
+    logger, handler = logging.getLogger(compat.__name__), _Records()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)
+    yield handler.records
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+@pytest.mark.parametrize("value", ["1", "true", "YES"])
+def test_the_override_turns_the_refusal_into_one_warning(value: str,
+                                                         warnings_logged: list[logging.LogRecord]) -> None:
+    compat.require_tested_vllm("0.33.0", {ALLOW_UNTESTED_ENV: value})
+
+    [record] = warnings_logged
     assert record.levelno == logging.WARNING
     assert "0.33.0" in record.getMessage() and "0.31 to 0.32" in record.getMessage()
 
@@ -86,17 +109,16 @@ def test_the_connector_refuses_an_untested_vllm_before_it_reads_any_config(conne
 
 def test_with_the_override_the_connector_starts_on_an_untested_vllm(
         connector_cls: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-        caplog: pytest.LogCaptureFixture) -> None:
+        warnings_logged: list[logging.LogRecord]) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     vllm_config, kv_cache_config = scheduler_configs(tmp_path)
     monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
 
-    with caplog.at_level(logging.WARNING, logger=compat.__name__):
-        connector = connector_cls(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    connector = connector_cls(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
 
     assert connector.scheduler.block_tokens == 32
-    assert any("0.33.0" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+    assert [r.levelno for r in warnings_logged if "0.33.0" in r.getMessage()] == [logging.WARNING]
 
 
 def test_the_connector_says_no_to_sleep_mode(connector_cls: Any) -> None:
