@@ -41,7 +41,7 @@ from kvoffload.manager.base import (
     ResidencyManager,
     TierUsage,
 )
-from kvoffload.manager.policies.base import make_policy
+from kvoffload.manager.policies.base import Policy, make_policy
 from kvoffload.specs import BlockSpec, HostBlocks, Medium
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,8 @@ class HostTierManager(ResidencyManager):
 
     Args:
         num_slots: capacity in offload blocks.
-        policy: eviction policy among ready, unpinned keys.
+        policy: eviction policy among ready, unpinned keys: a kind ``make_policy`` builds, or a policy object
+            (an offline one, as ``kvoffload replay``'s optimum, which knows the trace's future).
         medium: the medium named in events and usage.
         spec_factory: builds the specs returned by ``prepare_load`` and ``prepare_store`` from (keys, slots);
             ``host_blocks`` by default.
@@ -74,7 +75,7 @@ class HostTierManager(ResidencyManager):
     def __init__(
         self,
         num_slots: int,
-        policy: EvictionPolicy = EvictionPolicy.LRU,
+        policy: EvictionPolicy | Policy = EvictionPolicy.LRU,
         medium: Medium = Medium.HOST,
         spec_factory: SpecFactory = host_blocks,
     ) -> None:
@@ -83,7 +84,7 @@ class HostTierManager(ResidencyManager):
         self.capacity = num_slots
         self.medium = medium
         self._spec = spec_factory
-        self._policy = make_policy(policy, num_slots)
+        self._policy = policy if isinstance(policy, Policy) else make_policy(policy, num_slots)
         # Slots given back, reused last in first out; then never-used slots from ``_fresh`` up, so slot 0 is
         # handed out first, which keeps small pools easy to read in tests.
         self._free: list[int] = []

@@ -47,17 +47,6 @@ Admit = Callable[[Sequence[OffloadKey]], int]
 """How many leading keys of a request's missed blocks to store."""
 
 
-class _OracleTier(HostTierManager):
-    """The host tier with the offline policy in place of one ``make_policy`` builds (it needs the trace's future,
-    which no ``EvictionPolicy`` carries); every other step is the real manager's."""
-
-    __slots__ = ()
-
-    def __init__(self, num_slots: int, policy: OptimumPolicy) -> None:
-        super().__init__(num_slots)
-        self._policy = policy
-
-
 def replay(trace: Trace, capacity_blocks: int, strategy: Strategy = EvictionPolicy.LRU,
            admission: StoreAdmission = StoreAdmission.ALL, future: NextUse | None = None,
            optimum: type[OptimumPolicy] = OptimumPolicy) -> ReplayResult:
@@ -97,7 +86,7 @@ def replay(trace: Trace, capacity_blocks: int, strategy: Strategy = EvictionPoli
 
 def _replay_optimum(trace: Trace, capacity_blocks: int, oracle: OptimumPolicy, future: NextUse,
                     counts: _Counts) -> HostTierManager:
-    tier = _OracleTier(capacity_blocks, oracle)
+    tier = HostTierManager(capacity_blocks, oracle)
 
     def admit(keys: Sequence[OffloadKey]) -> int:
         return oracle.bypass(keys, capacity_blocks - tier.usage()[0].used_blocks)
