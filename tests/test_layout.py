@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from kvoffload.canonical import CanonicalKV, canonicalize
-from kvoffload.layout import AttentionSpec, KVBuffer, KVCacheLayout, KVGroup, StateSpec
+from kvoffload.layout import AttentionSpec, KVBuffer, KVCacheLayout, KVGroup, LatentAttentionSpec, StateSpec
 from kvoffload.testing.layouts import (
     ALL_LAYOUTS,
     attention_layout,
     cross_layer_layout,
+    latent_layout,
     make_kv_caches,
     mamba_layout,
     padded_layout,
@@ -19,6 +20,7 @@ from kvoffload.testing.layouts import (
 )
 
 SPEC = AttentionSpec(block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float16)  # 256-byte pages
+LATENT = LatentAttentionSpec(block_size=4, head_size=36, dtype=torch.float16)  # 288-byte pages, no K/V halves
 NUM_BLOCKS = 8
 
 
@@ -190,6 +192,32 @@ def test_tensors_made_in_inference_mode_can_be_written_through_views() -> None:
     assert not layer_block(layout, caches["attn.0"], 1).any()
 
 
+def test_latent_layer_is_one_view_of_its_whole_page() -> None:
+    layout, make = latent_layout(num_layers=2)
+    caches = make()
+    kv = canonicalize(layout, caches)
+    assert tuple(caches["mla.0"].shape) == (NUM_BLOCKS, 4, 36)  # vLLM's [num_blocks, block_size, head_size]
+    assert [tuple(v.shape) for v in kv.views] == [(NUM_BLOCKS, 288)] * 2
+    assert [(r.view, r.nbytes) for r in kv.group_refs[0]] == [(0, 288), (1, 288)]
+    assert torch.equal(kv.views[1][3], as_bytes(caches["mla.1"][3]))
+
+
+def test_latent_layer_has_no_k_and_v_halves_even_beside_kv_outermost_layers() -> None:
+    layout = KVCacheLayout(NUM_BLOCKS, (KVGroup(("attn", "mla"), {"attn": SPEC, "mla": LATENT}),),
+                           kv_outermost=True)
+    latent = torch.randn(NUM_BLOCKS, 4, 36).half()
+    kv = canonicalize(layout, {"attn": torch.randn(2, NUM_BLOCKS, 4, 2, 8).half(), "mla": latent})
+    assert [(r.view, r.nbytes) for r in kv.group_refs[0]] == [(0, 128), (1, 128), (2, 288)]
+    assert torch.equal(kv.views[2][5], as_bytes(latent[5]))
+
+
+def test_only_a_layout_of_latent_layers_alone_is_replicated() -> None:
+    assert latent_layout()[0].replicated
+    mixed = KVCacheLayout(NUM_BLOCKS, (KVGroup.uniform(["mla"], LATENT), KVGroup.uniform(["attn"], SPEC)))
+    assert not mixed.replicated
+    assert not any(ALL_LAYOUTS[name]()[0].replicated for name in ALL_LAYOUTS if name != "latent")
+
+
 # ---- errors name their culprit -----------------------------------------------------------------------------
 
 
@@ -213,6 +241,19 @@ def test_layer_missing_from_kv_caches_is_named() -> None:
 def test_inconsistent_attention_tensor_is_named(tensor: torch.Tensor, problem: str) -> None:
     with pytest.raises(ValueError, match=fr"'x'.*({problem})"):
         canonicalize(one_group("x"), {"x": tensor})
+
+
+@pytest.mark.parametrize(("tensor", "problem"), [
+    (torch.randn(NUM_BLOCKS - 1, 4, 36).half(), "blocks"),
+    (torch.randn(NUM_BLOCKS, 4, 32).half(), "spec says 288"),  # the latent without its rope part
+    (torch.randn(NUM_BLOCKS, 4, 36), "dtype"),
+    (torch.randn(NUM_BLOCKS, 4, 72).half()[:, :, :36], "gap-free"),
+    (torch.randn(2, NUM_BLOCKS, 4, 18).half(), "blocks"),  # split into halves as if it had K and V
+])
+def test_inconsistent_latent_tensor_is_named(tensor: torch.Tensor, problem: str) -> None:
+    layout = KVCacheLayout(NUM_BLOCKS, (KVGroup.uniform(["mla"], LATENT),))
+    with pytest.raises(ValueError, match=fr"'mla'.*({problem})"):
+        canonicalize(layout, {"mla": tensor})
 
 
 def test_layers_claiming_one_buffer_at_different_addresses_are_named() -> None:
@@ -274,6 +315,8 @@ def test_cross_layer_layer_out_of_place_is_named() -> None:
     (lambda: AttentionSpec(4, 2, 8, "float17"), "float17"),
     (lambda: AttentionSpec(4, 2, 8, torch.float16, page_size_padded=100), "page_size_padded"),
     (lambda: StateSpec([(3, 8)], [torch.float16, torch.float32]), "one dtype per state"),
+    (lambda: LatentAttentionSpec(4, 0, torch.float16), "LatentAttentionSpec.head_size"),
+    (lambda: LatentAttentionSpec(4, 36, torch.float16, page_size_padded=200), "page_size_padded"),
     (lambda: KVGroup(("a", "b"), {"a": SPEC}), "'b'"),
     (lambda: KVCacheLayout(NUM_BLOCKS, (KVGroup.uniform(["a"], SPEC), KVGroup.uniform(["a"], SPEC))), "'a'"),
     (lambda: one_group("a", "b", buffers=(KVBuffer(NUM_BLOCKS * 256, ("a", "b")),)), "one group"),
@@ -294,6 +337,8 @@ def test_describe_ignores_block_count_and_padding_but_not_page_format() -> None:
     assert base != one_group("a", "b", spec=AttentionSpec(4, 2, 8, torch.bfloat16)).describe()
     assert base != one_group("a", "b", backend="FLASH_ATTN").describe()
     assert "attn(4,2,8,float16)*2" in base
+    latent = KVCacheLayout(NUM_BLOCKS, (KVGroup.uniform(["a", "b"], LATENT),)).describe()
+    assert "latent(4,36,float16)*2" in latent and latent != base
 
 
 def test_layouts_are_picklable_values() -> None:

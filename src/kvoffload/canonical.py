@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvoffload.layout import KVCacheLayout, LayerSpec, StateSpec
+from kvoffload.layout import KVCacheLayout, LatentAttentionSpec, LayerSpec, StateSpec
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def _layer_strips(layout: KVCacheLayout, name: str, spec: LayerSpec, value: obje
             raise ValueError(f"layer {name!r}: a state layer's tensor must be its int8 pages, got {value.dtype}")
         return [_strip(name, value, 0, layout.num_blocks, spec.page_bytes)]
     _check_dtype(name, value, spec.dtype)
-    if not layout.kv_outermost:
+    if not layout.kv_outermost or isinstance(spec, LatentAttentionSpec):  # a latent page has no K/V halves
         return [_strip(name, value, 0, layout.num_blocks, spec.page_bytes)]
     if value.dim() < 2 or value.shape[0] != 2:
         raise ValueError(f"layer {name!r}: kv_outermost wants [2, num_blocks, ...], got {list(value.shape)}")

@@ -7,7 +7,7 @@ handlers only ever see the resulting ``CanonicalKV``.
 
     KVCacheLayout(num_blocks, groups, buffers=(), kv_outermost=False, cross_layer=False, backend="")
       groups[g]   KVGroup(layer_names, specs)        layers sharing one block table; specs may differ
-        specs[n]  AttentionSpec | StateSpec          one engine block of layer n (unpadded bytes)
+        specs[n]  AttentionSpec | LatentAttentionSpec | StateSpec   one engine block of layer n (unpadded bytes)
       buffers[i]  KVBuffer(size_bytes, layer_names)  one backing allocation and the layers living in it
 
 Buffers default to one per layer. Layers listed in one buffer share memory: block ``b`` of each starts at
@@ -22,6 +22,10 @@ group; by default each group then gets one such buffer.
   (vLLM CPU: ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``). With ``kv_outermost``:
   ``[2, num_blocks, ...]``, dim 0 being K and V; a K/V dim that lies physically inside each block (a
   permuted view of block-first memory) counts as block-first.
+- ``LatentAttentionSpec`` (MLA, DeepSeek-style latent attention): a tensor ``[num_blocks, ...]`` whose other
+  dims tile the page densely (vLLM: ``[num_blocks, block_size, head_size]``, head_size = ``kv_lora_rank +
+  qk_rope_head_dim``). There is no K/V split, so ``kv_outermost`` (which is about K/V layers) never applies
+  to it: a latent layer is block-first in every layout.
 - ``StateSpec``: one int8 tensor ``[num_blocks, ...]`` of the layer's raw pages, its other dims tiling the
   ``page_bytes`` of a block densely (vLLM 0.32, GPU and CPU: ``[num_blocks, 1, 1, page_bytes]``, rows
   ``page_size_padded`` apart or as far apart as the buffer's block stride). Inside a page the states lie packed
@@ -115,6 +119,41 @@ class AttentionSpec:
 
 
 @dataclass(frozen=True, init=False)
+class LatentAttentionSpec:
+    """A latent-attention (MLA) layer's block: one latent vector of ``head_size`` per token, no K/V split.
+
+    Under tensor parallelism every rank holds the same latent bytes (vLLM replicates the latent cache: its
+    ``num_kv_heads`` is 1 whatever the TP size), which is what lets a layout of such layers be stored once for
+    all ranks (``KVCacheLayout.replicated``).
+    """
+
+    block_size: int
+    head_size: int
+    dtype: torch.dtype
+    page_size_padded: int | None = None
+
+    def __init__(self, block_size: int, head_size: int, dtype: torch.dtype | str,
+                 page_size_padded: int | None = None) -> None:
+        _positive("LatentAttentionSpec", block_size=block_size, head_size=head_size)
+        values = (block_size, head_size, as_dtype(dtype), page_size_padded)
+        for name, value in zip(self.__dataclass_fields__, values, strict=True):
+            object.__setattr__(self, name, value)
+        _check_padding("LatentAttentionSpec", page_size_padded, self.page_bytes)
+
+    @property
+    def page_bytes(self) -> int:
+        """Unpadded bytes of one block: one latent vector per token."""
+        return self.block_size * self.head_size * self.dtype.itemsize
+
+    @property
+    def padded_page_bytes(self) -> int:
+        return self.page_size_padded if self.page_size_padded is not None else self.page_bytes
+
+    def describe(self) -> str:
+        return f"latent({self.block_size},{self.head_size},{_dtype_name(self.dtype)})"
+
+
+@dataclass(frozen=True, init=False)
 class StateSpec:
     """A state layer's block (Mamba2, ShortConv, gated delta net): typed states packed, in order, into one page.
 
@@ -162,7 +201,7 @@ class StateSpec:
         return f"state({','.join(states)})"
 
 
-LayerSpec = AttentionSpec | StateSpec
+LayerSpec = AttentionSpec | LatentAttentionSpec | StateSpec
 
 
 @dataclass(frozen=True)
@@ -244,6 +283,12 @@ class KVCacheLayout:
         ``p``'s tokens, so a prefix needs only its last block of such a group, not all of them."""
         return tuple(g for g, group in enumerate(self.groups)
                      if all(isinstance(spec, StateSpec) for spec in group.specs.values()))
+
+    @property
+    def replicated(self) -> bool:
+        """True when every layer is latent attention: every tensor-parallel rank then holds the same bytes, so a
+        shared tier keeps one copy for all ranks. A layout that mixes in any other layer stays per rank."""
+        return all(isinstance(spec, LatentAttentionSpec) for spec in self.layer_specs.values())
 
     @property
     def layer_specs(self) -> dict[str, LayerSpec]:

@@ -7,6 +7,7 @@ largest padded page of its layers; cross-layer: the sum of their pages), viewed 
 
 - attention: ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (vLLM CPU);
   with ``kv_outermost``: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (K rows, then V rows);
+- latent attention (MLA): ``[num_blocks, block_size, head_size]`` (vLLM's MLA backends), in every layout;
 - state: one int8 ``[num_blocks, 1, 1, page_bytes]`` view of the raw pages, as vLLM 0.32 registers it
   (``state_views`` slices it into the typed per-state views a model layer computes with);
 - cross-layer: each layer's view starts at its offset inside the shared row.
@@ -22,7 +23,15 @@ from collections.abc import Callable
 
 import torch
 
-from kvoffload.layout import AttentionSpec, KVBuffer, KVCacheLayout, KVGroup, LayerSpec, StateSpec
+from kvoffload.layout import (
+    AttentionSpec,
+    KVBuffer,
+    KVCacheLayout,
+    KVGroup,
+    LatentAttentionSpec,
+    LayerSpec,
+    StateSpec,
+)
 
 EngineKV = dict[str, torch.Tensor]
 Made = tuple[KVCacheLayout, Callable[[], EngineKV]]
@@ -69,6 +78,8 @@ def _layer_tensors(layout: KVCacheLayout, spec: LayerSpec, raw: torch.Tensor, ro
     nb = layout.num_blocks
     if isinstance(spec, StateSpec):
         return _view(raw, torch.int8, [(nb, row)], (1, 1, spec.page_bytes), offset)
+    if isinstance(spec, LatentAttentionSpec):
+        return _view(raw, spec.dtype, [(nb, row)], (spec.block_size, spec.head_size), offset)
     heads, block, head = spec.num_kv_heads, spec.block_size, spec.head_size
     if layout.kv_outermost:
         half = row // 2  # K of every block, then V of every block
@@ -173,6 +184,19 @@ def gdn_layout(num_layers: int = 3, *, num_blocks: int = 8, block_size: int = 4,
     return _made(KVCacheLayout(num_blocks, (gdn, attn), buffers), device, seed)
 
 
+LATENT_HEAD_SIZE = 36
+"""A tiny latent vector: ``kv_lora_rank`` 32 + ``qk_rope_head_dim`` 4 (DeepSeek-V2: 512 + 64)."""
+
+
+def latent_layout(num_layers: int = 2, *, num_blocks: int = 8, block_size: int = 4,
+                  head_size: int = LATENT_HEAD_SIZE, dtype: torch.dtype = torch.float16,
+                  device: str | torch.device = "cpu", seed: int = 0) -> Made:
+    """A DeepSeek-style (MLA) model: one group of latent-attention layers ``mla.i``, each in its own buffer.
+    Every rank holds the same bytes (``layout.replicated``)."""
+    group = KVGroup.uniform(_names("mla", num_layers), LatentAttentionSpec(block_size, head_size, dtype))
+    return _made(KVCacheLayout(num_blocks, (group,)), device, seed)
+
+
 def cross_layer_layout(num_layers: int = 3, *, num_blocks: int = 8, block_size: int = 4,
                        device: str | torch.device = "cpu", seed: int = 0) -> Made:
     """One group whose layers ``attn.i`` sit side by side in one buffer: row b holds every layer's block b."""
@@ -189,5 +213,6 @@ ALL_LAYOUTS: dict[str, Callable[..., Made]] = {
     "mamba": mamba_layout,
     "gdn": gdn_layout,
     "cross_layer": cross_layer_layout,
+    "latent": latent_layout,
 }
 """Every ready-made layout by name; each takes ``num_blocks``, ``block_size``, ``device`` and ``seed``."""
