@@ -105,3 +105,33 @@ def test_one_pass_hashing_equals_the_reference_derivation(tokens, block, extra, 
     assert hash_blocks(root, tokens, block, extra) == expected
     for h in expected:
         assert offload_key(h, group) == _reference_digest(h, struct.pack("<I", group))
+
+
+# ---- replicated namespaces (latent attention: every rank holds the same bytes) -----------------------------
+
+
+def test_replicated_fingerprint_depends_on_neither_rank_nor_world_size():
+    prints = {ns(replicated=True, rank=r, world_size=w).fingerprint() for w in (1, 2, 8) for r in range(w)}
+    roots = {ns(replicated=True, rank=r, world_size=w).chain_root() for w in (1, 2, 8) for r in range(w)}
+    assert len(prints) == 1 and roots == prints
+
+
+def test_replicated_namespace_is_another_namespace_than_any_per_rank_one():
+    replicated = ns(replicated=True).fingerprint()
+    assert replicated not in {ns(rank=r, world_size=w).fingerprint() for w in (1, 2) for r in range(w)}
+    assert ns(replicated=True, layout="pages=8192").fingerprint() != replicated
+
+
+def test_per_rank_fingerprints_are_the_ones_written_before_replication_existed():
+    # Files and values already stored carry these: every field framed, rank and world size as decimal text.
+    for rank, world in ((0, 1), (1, 2), (3, 4)):
+        fields = ("m", "bf16", "pages=4096", str(rank), str(world), "1", "")
+        expected = _reference_digest(b"kvoffload-namespace", *(f.encode() for f in fields))
+        assert ns(rank=rank, world_size=world).fingerprint() == expected
+
+
+def test_only_rank_0_writes_the_copy_of_a_replicated_namespace():
+    assert [ns(replicated=True, rank=r, world_size=3).writes_copy for r in range(3)] == [True, False, False]
+    assert list(ns(replicated=True, world_size=3).copy_ranks) == [0]
+    assert [ns(rank=r, world_size=3).writes_copy for r in range(3)] == [True] * 3
+    assert list(ns(world_size=3).copy_ranks) == [0, 1, 2]

@@ -4,7 +4,9 @@ A block's key is a chained content hash: the hash of its parent block, its token
 adapter, multimodal input hashes), rooted in a namespace fingerprint that covers everything that changes the bytes
 of a KV page (model and what decides its weights, dtype, page layout, tensor-parallel rank and world size, format
 version). The key of a block in
-KV-cache group ``g`` is derived from the block hash and ``g``.
+KV-cache group ``g`` is derived from the block hash and ``g``. A replicated namespace (every rank holds the same
+bytes: latent attention, ``KVCacheLayout.replicated``) leaves rank and world size out, so every rank of every
+tensor-parallel size shares one copy in the shared tiers.
 
 Keys use BLAKE2b with fixed parameters: no Python ``hash()``, no seeds, no process state. The same tokens in the same
 namespace give the same key in every process and on every machine, so a shared tier is really shared, and a block
@@ -43,6 +45,9 @@ class Namespace:
     weights: str = ""
     """What else decides the weights: the model config's KV-relevant fields, quantization, revision and the
     user's model version (an engine adapter builds it; two checkpoints it cannot tell apart need a version)."""
+    replicated: bool = False
+    """Every rank holds the same bytes (``KVCacheLayout.replicated``): the fingerprint then covers neither rank nor
+    world size, and shared tiers keep one copy, written by rank 0 and loaded by every rank (``copy_ranks``)."""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -52,14 +57,27 @@ class Namespace:
 
     def fingerprint(self) -> bytes:
         """A 16-byte digest of the namespace; the root of every hash chain in it."""
-        fields = (self.model, self.dtype, self.layout, str(self.rank), str(self.world_size),
-                  str(self.format_version), self.weights)
+        # "*" is never a number, so a replicated fingerprint differs from every per-rank one; per-rank fields stay
+        # as they were before replication existed, so existing keys and files keep their names.
+        rank, world = ("*", "*") if self.replicated else (str(self.rank), str(self.world_size))
+        fields = (self.model, self.dtype, self.layout, rank, world, str(self.format_version), self.weights)
         return _digest(b"kvoffload-namespace", *(f.encode() for f in fields))
+
+    @property
+    def copy_ranks(self) -> range:
+        """The ranks whose bytes a shared tier keeps: rank 0 alone when replicated, else every rank."""
+        return range(1 if self.replicated else self.world_size)
+
+    @property
+    def writes_copy(self) -> bool:
+        """Whether this rank writes its blocks to the shared tiers (False: another rank writes the same bytes)."""
+        return self.rank in self.copy_ranks
 
     def chain_root(self) -> bytes:
         """Root of every key chain: the same on every rank, since one scheduler keys the blocks of all ranks.
 
-        Per-rank bytes (a rank's files on a shared disk) are told apart by ``fingerprint()``, which covers the rank.
+        Per-rank bytes (a rank's files on a shared disk) are told apart by ``fingerprint()``, which covers the rank
+        unless the namespace is replicated.
         """
         return replace(self, rank=0).fingerprint()
 
