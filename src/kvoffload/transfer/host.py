@@ -34,6 +34,8 @@ class DeviceHostHandler(TransferHandler):
         pool: the host tier's slots; ``slot_bytes`` must hold ``factor`` blocks of the largest group.
         factor: engine blocks per offload block.
         threads: copy threads when the KV cache is on the CPU (ignored on CUDA).
+        cuda_batching: let the CUDA copier batch plans of many small copies (``transfer/cuda_batch.py``);
+            False keeps every copy its own ``cudaMemcpyAsync`` (benchmarks compare the two).
 
     Raises:
         ValueError: a view that is not a 2-D int8 tensor with contiguous rows, views on different devices,
@@ -45,7 +47,8 @@ class DeviceHostHandler(TransferHandler):
     its copies, ``TransferResult.seconds``, and handing it between threads).
     """
 
-    def __init__(self, kv: CanonicalKV, pool: HostPool, factor: int, threads: int = 2) -> None:
+    def __init__(self, kv: CanonicalKV, pool: HostPool, factor: int, threads: int = 2,
+                 cuda_batching: bool = True) -> None:
         if factor < 1:
             raise ValueError(f"DeviceHostHandler: factor must be >= 1, got {factor}")
         if threads < 1:
@@ -57,7 +60,7 @@ class DeviceHostHandler(TransferHandler):
         self._layout = PlanLayout.of(kv, pool.num_slots, int(pool.buffer.stride(0)), factor)
         self._copier: CpuCopier | CudaCopier
         if kv.views[0].is_cuda:
-            self._copier = CudaCopier(kv.views, pool.buffer, self._before_copy)
+            self._copier = CudaCopier(kv.views, pool.buffer, self._before_copy, batching=cuda_batching)
         else:
             self._copier = CpuCopier(kv.views, pool.buffer, threads, self._before_copy)
         self._closed = False
