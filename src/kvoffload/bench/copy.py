@@ -8,8 +8,13 @@ both see the same machine load. The baseline is libc ``memcpy`` (one call, one c
 wait returning: planning, queueing and copies), memcpy GB/s, their ratio (median of the per-run ratios) and
 the spread (max - min) / median of the handler's GB/s. Block ids and slots are a random permutation, so
 hardly two blocks of a job are adjacent: runs of consecutive blocks, which the handler merges into one copy,
-only make it faster. On a machine without CUDA the "device" is a KV cache in CPU memory; with CUDA it is on
-the GPU.
+only make it faster. ``--device`` says where the "device" KV cache lives: ``cpu`` (CPU memory), ``cuda`` (the
+GPU, with a pinned host pool; an error without CUDA) or ``auto`` (the default: the GPU when there is one).
+
+With CUDA, rows also say which path the copier chose for the job (``batched`` or ``per_copy``, see
+``transfer/cuda_batch.py``), and run the same job again with batching off: ``per_copy_gbps`` and
+``per_copy_ratio`` beside the handler's figures. ``--layers N`` gives every block N per-layer pages (N views,
+one slot holds a block's N pages), the shape of a real model's KV cache.
 
 Where a run's time goes: ``plan_ms`` is the time ``submit`` spent checking and planning the job (the
 handler's ``plan_seconds``), ``copy_ms`` the copier's own time for it (``TransferResult.seconds``: the copies,
@@ -30,8 +35,10 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     import torch
 
-    from kvoffload.specs import TransferJob
+    from kvoffload.canonical import CanonicalKV
+    from kvoffload.specs import DeviceBlocks, HostBlocks, TransferJob
     from kvoffload.transfer.host import DeviceHostHandler
+    from kvoffload.transfer.host_pool import HostPool
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -39,6 +46,9 @@ DEFAULT_PAGE_SIZES = (4 * KIB, 64 * KIB, MIB)
 DEFAULT_JOB_BYTES = 32 * MIB
 MAX_BLOCKS = 4096
 WARMUP_RUNS = 2
+
+
+NO_CUDA = "needs a CUDA device: torch.cuda.is_available() is False"
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,17 @@ class Row:
     copy_ms: float
     plan_share: float
     copy_share: float
+
+
+@dataclass(frozen=True)
+class CudaRow(Row):
+    """A row measured on the GPU: the path the copier took, and the same job with batching off."""
+
+    device: str
+    layers: int
+    path: str
+    per_copy_gbps: float
+    per_copy_ratio: float
 
 
 def _size(text: str) -> int:
@@ -97,15 +118,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"blocks per job, 1..{MAX_BLOCKS} (default: 32 MiB worth, at most {MAX_BLOCKS})")
     parser.add_argument("--threads", type=_bounded(1, 64, "--threads"), default=2,
                         help="copy threads of the handler (CPU KV cache; default 2)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where the KV cache lives: auto (the GPU when there is one; default), cpu, cuda")
+    parser.add_argument("--layers", type=_bounded(1, 64, "--layers"), default=1,
+                        help="per-layer pages per block, each in its own view (default 1)")
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = [
-        measure(page, args.blocks_per_job or min(MAX_BLOCKS, DEFAULT_JOB_BYTES // page), store, args.runs,
-                args.threads)
-        for page in args.page_sizes
-        for store in (True, False)
-    ]
+    import sys
+
+    import torch
+
+    device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        print(f"kvoffload bench copy: --device cuda {NO_CUDA}", file=sys.stderr)
+        return 2
+    rows: list[Row] = []
+    for page in args.page_sizes:
+        blocks = args.blocks_per_job or max(1, min(MAX_BLOCKS, DEFAULT_JOB_BYTES // (page * args.layers)))
+        for store in (True, False):
+            if device == "cuda":
+                rows.append(measure_cuda(page, blocks, store, args.runs, args.layers))
+            else:
+                rows.append(measure(page, blocks, store, args.runs, args.threads, "cpu", args.layers))
     if args.json:
         print(json.dumps([asdict(r) for r in rows], indent=1))
     else:
@@ -113,31 +148,30 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def measure(page_bytes: int, blocks: int, store: bool, runs: int, threads: int) -> Row:
+def measure_cuda(page_bytes: int, blocks: int, store: bool, runs: int, layers: int = 1) -> CudaRow:
+    """A ``measure`` row on the GPU, with the path the copier chose and the same job with batching off."""
+    row = measure(page_bytes, blocks, store, runs, 1, "cuda", layers)
+    per_copy = measure(page_bytes, blocks, store, runs, 1, "cuda", layers, batching=False)
+    path = "batched" if _batched(page_bytes, blocks, store, layers) else "per_copy"
+    return CudaRow(**asdict(row), device="cuda", layers=layers, path=path, per_copy_gbps=per_copy.gbps,
+                   per_copy_ratio=per_copy.ratio)
+
+
+def measure(page_bytes: int, blocks: int, store: bool, runs: int, threads: int, device: str = "cpu",
+            layers: int = 1, batching: bool = True) -> Row:
     """One row: ``runs`` timed (handler, memcpy) pairs after warm-up, for one job shape."""
-    import torch
-
-    from kvoffload.canonical import BlockRef, CanonicalKV
-    from kvoffload.specs import DeviceBlocks, HostBlocks, JobId, TransferJob
+    from kvoffload.specs import JobId, TransferJob
     from kvoffload.transfer.host import DeviceHostHandler
-    from kvoffload.transfer.host_pool import HostPool
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    rng = random.Random(page_bytes * 7 + blocks)
-    # The handler moves every row of the view to a random slot of an equal-sized pool (and back); the baseline
-    # copies the very same bytes, buffer to buffer, in one contiguous copy. Same source and destination memory on
-    # both sides, so neither gains from caches the other cannot use; only the order and the batching differ.
-    view = torch.ones((blocks, page_bytes), dtype=torch.int8, device=device)
-    kv = CanonicalKV((view,), ((BlockRef(0, page_bytes),),), num_blocks=blocks)
-    pool = HostPool(blocks, page_bytes, pin_memory=True)
-    pool.buffer.fill_(1)  # touch every page now, not inside a timed run
-    ids = tuple(rng.sample(range(blocks), blocks))
-    slots = tuple(rng.sample(range(blocks), blocks))
-    device_spec, host_spec = DeviceBlocks(ids, (blocks,)), HostBlocks(slots, (blocks,))
-    total = blocks * page_bytes
-    view_bytes, pool_bytes = view.view(-1), pool.buffer.view(-1)
+    # The handler moves every block (its ``layers`` pages) to a random slot of an equal-sized pool (and back);
+    # the baseline copies the very same bytes, buffer to buffer, in one contiguous copy. Same source and
+    # destination memory on both sides, so neither gains from caches the other cannot use; only the order and the
+    # batching differ.
+    buffer, kv, pool, device_spec, host_spec = _setup(page_bytes, blocks, layers, device)
+    total = blocks * layers * page_bytes
+    view_bytes, pool_bytes = buffer.view(-1), pool.buffer.view(-1)
     src, dst = (view_bytes, pool_bytes) if store else (pool_bytes, view_bytes)
-    handler = DeviceHostHandler(kv, pool, factor=1, threads=threads)
+    handler = DeviceHostHandler(kv, pool, factor=1, threads=threads, cuda_batching=batching)
     runs_s: list[_Run] = []
     try:
         for i in range(WARMUP_RUNS + runs):
@@ -151,6 +185,40 @@ def measure(page_bytes: int, blocks: int, store: bool, runs: int, threads: int) 
     finally:
         handler.shutdown()
     return _row(page_bytes, blocks, store, total, runs_s)
+
+
+def _setup(page_bytes: int, blocks: int, layers: int, device: str
+           ) -> tuple[torch.Tensor, CanonicalKV, HostPool, DeviceBlocks, HostBlocks]:
+    """The KV buffer (``layers`` views of ``blocks`` pages, end to end), its canonical form, a pool, the specs."""
+    import torch
+
+    from kvoffload.canonical import BlockRef, CanonicalKV
+    from kvoffload.specs import DeviceBlocks, HostBlocks
+    from kvoffload.transfer.host_pool import HostPool
+
+    rng = random.Random(page_bytes * 7 + blocks)
+    buffer = torch.ones((layers * blocks, page_bytes), dtype=torch.int8, device=device)
+    views = tuple(buffer[i * blocks:(i + 1) * blocks] for i in range(layers))
+    kv = CanonicalKV(views, (tuple(BlockRef(i, page_bytes) for i in range(layers)),), num_blocks=blocks)
+    pool = HostPool(blocks, layers * page_bytes, pin_memory=True)
+    if device == "cuda" and not pool.pinned:
+        raise RuntimeError("bench copy: the host pool could not be pinned")
+    pool.buffer.fill_(1)  # touch every page now, not inside a timed run
+    ids = tuple(rng.sample(range(blocks), blocks))
+    slots = tuple(rng.sample(range(blocks), blocks))
+    return buffer, kv, pool, DeviceBlocks(ids, (blocks,)), HostBlocks(slots, (blocks,))
+
+
+def _batched(page_bytes: int, blocks: int, store: bool, layers: int) -> bool:
+    """Whether the CUDA copier batches this row's job (the same plan, built on CPU tensors)."""
+    from kvoffload.specs import JobId, TransferJob
+    from kvoffload.transfer import cuda_batch
+    from kvoffload.transfer.copy_plan import PlanLayout, build_plan
+
+    _, kv, pool, device_spec, host_spec = _setup(page_bytes, blocks, layers, "cpu")
+    job = (TransferJob(JobId(0), device_spec, host_spec) if store else TransferJob(JobId(0), host_spec, device_spec))
+    layout = PlanLayout.of(kv, pool.num_slots, int(pool.buffer.stride(0)), 1)
+    return cuda_batch.split(build_plan(layout, job)) is not None
 
 
 class _Run(NamedTuple):
@@ -209,14 +277,19 @@ def _row(page: int, blocks: int, store: bool, total: int, runs: list[_Run]) -> R
 
 
 def _table(rows: list[Row]) -> str:
+    cuda = bool(rows) and all(isinstance(r, CudaRow) for r in rows)
     header = ("page", "blocks", "direction", "GB/s", "memcpy", "ratio", "spread", "plan", "copy")
-    lines = ["{:>8} {:>6} {:<15} {:>7} {:>7} {:>6} {:>6} {:>6} {:>6}".format(*header)]
+    lines = ["{:>8} {:>6} {:<15} {:>7} {:>7} {:>6} {:>6} {:>6} {:>6}".format(*header)
+             + (" {:<8} {:>8} {:>6}".format("path", "per-copy", "ratio") if cuda else "")]
     for r in rows:
         lines.append(f"{_human(r.page_bytes):>8} {r.blocks_per_job:>6} {r.direction:<15} {r.gbps:>7.2f} "
                      f"{r.memcpy_gbps:>7.2f} {r.ratio:>6.2f} {r.spread:>6.2f} {r.plan_share:>6.0%} "
-                     f"{r.copy_share:>6.0%}")
+                     f"{r.copy_share:>6.0%}"
+                     + (f" {r.path:<8} {r.per_copy_gbps:>8.2f} {r.per_copy_ratio:>6.2f}"
+                        if isinstance(r, CudaRow) else ""))
     lines.append(f"median of {rows[0].runs if rows else 0} runs; ratio = handler / memcpy of the same bytes; "
-                 "plan, copy = shares of the handler's time spent planning the job and copying it")
+                 "plan, copy = shares of the handler's time spent planning the job and copying it"
+                 + ("; path = what the copier chose, per-copy = the same job with batching off" if cuda else ""))
     return "\n".join(lines)
 
 
