@@ -42,7 +42,8 @@ CUDA_TEST_FILES = (
 """Every test file with a ``pytest.mark.cuda`` test (tests/test_gpu_check.py keeps this list complete)."""
 PAGE_SIZES = "4K,16K,64K,256K,2M"
 BENCH_LAYERS = (1, 8)
-NO_CUDA = ("gpu-check needs an NVIDIA GPU and a CUDA build of PyTorch: {detail}. Run it on a GPU machine with that machine's Python: make gpu-check GPU_PYTHON=/path/to/python")
+NO_CUDA = ("gpu-check needs an NVIDIA GPU and a CUDA build of PyTorch: {detail}. Run it on a GPU machine with "
+           "that machine's Python: make gpu-check GPU_PYTHON=/path/to/python")
 REQUIRED_MODULES = ("setuptools", "numpy", "pytest", "hypothesis")
 
 
