@@ -12,14 +12,16 @@ A file is ``HEADER`` (64 bytes, little-endian) followed by the raw payload bytes
          8    2 format version     1
         10    2 header size        64
         12    4 checksum algorithm 2 = CRC32C (Castagnoli) of the payload; 3 = CRC32C and the MAC trailer
-        16   16 namespace fingerprint (Namespace.fingerprint(): covers model, layout, rank, world size)
+        16   16 namespace fingerprint (Namespace.fingerprint(): model, layout, rank, world size unless replicated)
         32   16 key                (OffloadKey, the same on every rank)
         48    8 payload length
         56    4 payload checksum
         60    4 header checksum    (crc32 of bytes 0..59)
 
 Paths: ``<disk_path>/<world>/rank<r>/<name hex[:2]>/<name hex>.kvb``, where ``world`` is the chain root's hex[:16]
-and ``name`` the key, or, for an authenticated tier, both are keyed by the secret (``BlockFormat``). A file is
+and ``name`` the key, or, for an authenticated tier, both are keyed by the secret (``BlockFormat``). A replicated
+namespace (every rank holds the same bytes: ``Namespace.replicated``) has one directory, ``<world>/replicated``,
+that rank 0 writes and every rank reads. A file is
 written under a temporary name in the same directory (``<name hex>.<pid>-<n>.tmp``) and renamed into place, so a
 final name never points at a half-written block. ``disk_tree`` creates, checks and scans the directories.
 """
@@ -123,14 +125,20 @@ def world_directory(disk_path: Path, namespace: Namespace, fmt: BlockFormat = PL
     return disk_path / fmt.world_name(namespace.chain_root())
 
 
+REPLICATED_DIRECTORY = "replicated"
+
+
 def rank_directory(disk_path: Path, namespace: Namespace, fmt: BlockFormat = PLAIN) -> Path:
-    """The directory holding ``namespace.rank``'s files; the scheduler's index covers rank 0's."""
-    return world_directory(disk_path, namespace, fmt) / f"rank{namespace.rank}"
+    """The directory holding ``namespace.rank``'s files (a replicated namespace's one copy, whatever the rank);
+    the scheduler's index covers rank 0's."""
+    name = REPLICATED_DIRECTORY if namespace.replicated else f"rank{namespace.rank}"
+    return world_directory(disk_path, namespace, fmt) / name
 
 
 def rank_directories(disk_path: Path, namespace: Namespace, fmt: BlockFormat = PLAIN) -> list[Path]:
-    """Every rank's directory of this world (files of an evicted key are removed from all of them)."""
-    return [rank_directory(disk_path, replace(namespace, rank=r), fmt) for r in range(namespace.world_size)]
+    """Every directory of this world, rank 0's first: one per rank, or the one copy of a replicated namespace
+    (files of an evicted key are removed from all of them)."""
+    return [rank_directory(disk_path, replace(namespace, rank=r), fmt) for r in namespace.copy_ranks]
 
 
 def block_path(rank_dir: Path, key: OffloadKey, fmt: BlockFormat = PLAIN) -> str:

@@ -105,7 +105,10 @@ def world_prefix(namespace: Namespace, fmt: BlockFormat) -> str:
 
 
 def rank_prefix(namespace: Namespace, fmt: BlockFormat, rank: int | None = None) -> str:
-    """The names of ``rank``'s values (default: the namespace's own rank) start with this."""
+    """The names of ``rank``'s values (default: the namespace's own rank) start with this; a replicated
+    namespace's one copy, which every rank reads, has one prefix (``rep``) whatever the rank."""
+    if namespace.replicated:
+        return f"{world_prefix(namespace, fmt)}rep:"
     r = namespace.rank if rank is None else rank
     return f"{world_prefix(namespace, fmt)}r{r}:"
 

@@ -200,6 +200,15 @@ def test_value_names_are_the_workers_names_of_every_rank() -> None:
     assert ValueNames(NS2, fmt).of(ks) == [value_name(NS2, fmt, k, r) for k in ks for r in range(2)]
 
 
+def test_a_replicated_namespace_has_one_value_name_a_key_that_every_rank_uses() -> None:
+    ns = dataclasses.replace(NS2, replicated=True)
+    ks = keys(3)
+    names = ValueNames(ns, PLAIN).of(ks)
+    assert names == [value_name(dataclasses.replace(ns, rank=1), PLAIN, k) for k in ks]
+    assert names == [value_name(ns, PLAIN, k, 1) for k in ks]  # an explicit rank still names the one copy
+    assert all(":rep:" in name for name in names)
+
+
 def test_another_namespace_never_sees_the_values(url: str, redis_client: Any) -> None:
     ks = keys(2)
     write(redis_client, ks)

@@ -50,15 +50,17 @@ _AT_ONCE = (rex.TimeoutError, TimeoutError, rex.AuthenticationError, rex.Authent
 
 
 class ValueNames:
-    """Every rank's value name of a key (``remote_client.value_name`` for each rank), remembered for recent keys."""
+    """Every rank's value name of a key (``remote_client.value_name`` for each rank; one name for a replicated
+    namespace), remembered for recent keys."""
 
     def __init__(self, namespace: Namespace, fmt: BlockFormat) -> None:
-        self._prefixes = tuple(rank_prefix(replace(namespace, rank=r), fmt) for r in range(namespace.world_size))
+        self._prefixes = tuple(rank_prefix(replace(namespace, rank=r), fmt) for r in namespace.copy_ranks)
         self._fmt = fmt
         self._names: dict[OffloadKey, str] = {}
 
     @property
-    def world_size(self) -> int:
+    def copies(self) -> int:
+        """Values per key: one per rank, or one for a replicated namespace."""
         return len(self._prefixes)
 
     def of(self, keys: Sequence[OffloadKey]) -> list[str]:
@@ -198,7 +200,7 @@ class RemoteProbe:
 
     def _counting(self, client: Any, keys: Sequence[OffloadKey], started: float) -> int:
         """The run by ``EXISTS`` counts over growing windows (see the module docstring); ``low <= run <= high``."""
-        world = self.names.world_size
+        world = self.names.copies
         low, high, end = 0, len(keys), min(len(keys), FIRST_WINDOW)
         for _ in range(MAX_ROUNDS):
             window = keys[low:end]
@@ -216,7 +218,7 @@ class RemoteProbe:
 
     def _exact(self, client: Any, keys: Sequence[OffloadKey], started: float) -> int:
         """The run by one pipeline of single ``EXISTS``, window by window."""
-        world = self.names.world_size
+        world = self.names.copies
         low, end = 0, min(len(keys), FIRST_WINDOW)
         while low < len(keys):
             pipe = client.pipeline(transaction=False)
