@@ -9,12 +9,17 @@ Semantics of vLLM's original ``OffloadingConnectorWorker``, plus failures end to
 - ``get_finished`` reports requests whose loads finished; a failed load's device blocks come out of
   ``get_block_ids_with_load_errors`` so the engine recomputes them;
 - ``build_connector_worker_meta`` reports finished job ids to the scheduler half.
+
+A replicated namespace (latent attention: every rank holds the same bytes) keeps one copy in the shared tiers:
+only rank 0 writes it, the other ranks report their writes done at once (``SkipWrites``, so the scheduler's
+every-rank count still completes the job, and rank 0's failure still fails it), and every rank reads the one
+copy. The host tier stays per rank: each rank needs the bytes in its own process's memory.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 
@@ -26,13 +31,39 @@ from kvoffload.connector.tiers import host_num_slots, host_slot_bytes, offload_f
 from kvoffload.keys import Namespace
 from kvoffload.layout import KVCacheLayout
 from kvoffload.specs import DeviceBlocks, JobId, Medium, TransferJob
-from kvoffload.transfer.base import TransferHandler
+from kvoffload.transfer.base import TransferHandler, TransferResult
 from kvoffload.transfer.faults import CorruptFirstLoads, FailFirstLoads
 from kvoffload.transfer.host import DeviceHostHandler
 from kvoffload.transfer.host_pool import HostPool
 from kvoffload.transfer.worker import TransferWorker
 
 logger = logging.getLogger(__name__)
+
+
+class SkipWrites(TransferHandler):
+    """Jobs from the host to ``medium`` succeed at once, copying nothing (another rank writes the same bytes);
+    every other job goes to ``inner``."""
+
+    def __init__(self, inner: TransferHandler, medium: Medium) -> None:
+        self._inner = inner
+        self._skipped_type = (Medium.HOST, medium)
+        self._skipped: list[TransferResult] = []
+
+    def submit(self, job: TransferJob) -> bool:
+        if job.transfer_type != self._skipped_type:
+            return self._inner.submit(job)
+        self._skipped.append(TransferResult(job.job_id, True, 0, 0.0, job.transfer_type))
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        skipped, self._skipped = self._skipped, []
+        return skipped + self._inner.get_finished()
+
+    def wait(self, job_ids: Collection[JobId]) -> None:
+        self._inner.wait(job_ids)
+
+    def shutdown(self) -> None:
+        self._inner.shutdown()
 
 
 class ConnectorWorker:
@@ -72,17 +103,23 @@ class ConnectorWorker:
         if self.config.disk is not None:
             from kvoffload.transfer.disk import DiskHandler  # only when a disk tier is configured
 
-            disk = DiskHandler.create(self.config.disk, self.pool, self.namespace, self.layout, self.factor)
+            disk = self._shared(DiskHandler.create(self.config.disk, self.pool, self.namespace, self.layout,
+                                                   self.factor), Medium.DISK)
             self.transfers.register(Medium.HOST, Medium.DISK, disk)
             self.transfers.register(Medium.DISK, Medium.HOST, disk)
         if self.config.remote is not None:
             from kvoffload.transfer.remote import RemoteHandler  # only when a remote tier is configured
 
-            remote = RemoteHandler.create(self.config.remote, self.pool, self.namespace, self.layout, self.factor)
+            remote = self._shared(RemoteHandler.create(self.config.remote, self.pool, self.namespace, self.layout,
+                                                       self.factor), Medium.REMOTE)
             self.transfers.register(Medium.HOST, Medium.REMOTE, remote)
             self.transfers.register(Medium.REMOTE, Medium.HOST, remote)
         logger.info("kvoffload worker rank %d: %d host slots of %d bytes (%.2f GiB)", self.namespace.rank,
                     self.pool.num_slots, self.pool.slot_bytes, self.pool.nbytes / 2**30)
+
+    def _shared(self, handler: TransferHandler, medium: Medium) -> TransferHandler:
+        """A shared tier's handler; a rank whose bytes another rank writes there only reads it."""
+        return handler if self.namespace.writes_copy else SkipWrites(handler, medium)
 
     def handle_preemptions(self, meta: ConnectorMetadata) -> None:
         """Make the device blocks of finished, preempted or aborted requests safe to reuse."""

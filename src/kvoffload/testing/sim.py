@@ -6,8 +6,10 @@ kvoffload, preempt the newest request when blocks run out) -> ``build_connector_
 ``update_connector_output`` -> finished loads, finished requests.
 
 The forward pass writes deterministic bytes: an engine block's page is a pseudo-random function of the tokens up
-to its end (its chained hash). So every block in the device cache can be checked bit for bit against what a real
-computation would hold (``check_device_blocks``), whether it was computed or loaded.
+to its end (its chained hash) and of the worker's rank, as tensor-parallel ranks hold different heads; with a
+replicated layout (latent attention, ``KVCacheLayout.replicated``) every rank computes the same bytes. So every
+block in the device cache can be checked bit for bit against what a real computation would hold
+(``check_device_blocks``), whether it was computed or loaded.
 
 Sliding-window groups work as in vLLM: block 0 is the null block, and a window group's blocks that no token still
 to compute attends to are freed and replaced by it in the block table (``_drop_outside_window``). The null block
@@ -98,7 +100,11 @@ class SimEngine:
         self.vocab_size = vocab_size
         self.max_batch_tokens = max_batch_tokens
         self.sliding_windows = {**dict.fromkeys(layout.state_groups, block_size), **(sliding_windows or {})}
-        ns = Namespace(model="sim", dtype="int8", layout=layout.describe(), world_size=num_workers)
+        ns = Namespace(model="sim", dtype="int8", layout=layout.describe(), world_size=num_workers,
+                       replicated=layout.replicated)
+        self.page_ranks = [0] * num_workers if layout.replicated else list(range(num_workers))
+        """Whose bytes each worker's forward pass computes (and its loads must hold): every rank its own, or
+        all rank 0's for a replicated layout."""
         # Window blocks are freed while their request runs: stores must finish before the next forward pass.
         self.scheduler = ConnectorScheduler(config, layout, block_size, ns, null_block_id=NULL_BLOCK,
                                             flush_stores_next_step=bool(self.sliding_windows),
@@ -180,7 +186,7 @@ class SimEngine:
         for rank, worker in enumerate(self.workers):
             worker.handle_preemptions(meta)
             worker.start_kv_transfers(meta)
-            self._forward(self.kvs[rank])
+            self._forward(self.kvs[rank], self.page_ranks[rank])
             worker.prepare_store_kv(meta)
             for req_id in worker.get_finished():
                 self._finished_loads[req_id] = self._finished_loads.get(req_id, 0) + 1
@@ -309,12 +315,12 @@ class SimEngine:
 
     # ---- forward pass, sampling, completions ------------------------------------------------------------------
 
-    def _forward(self, kv: CanonicalKV) -> None:
+    def _forward(self, kv: CanonicalKV, page_rank: int) -> None:
         for req, start, end in self._work:
             for i in range(start // self.block_size, (end - 1) // self.block_size + 1):
                 filled = min(end, (i + 1) * self.block_size)
                 for g in range(self.num_groups):
-                    write_block(kv, g, req.block_ids[g][i], self._page_seed(req, i, filled))
+                    write_block(kv, g, req.block_ids[g][i], self._page_seed(req, i, filled), page_rank)
 
     def _sample(self) -> None:
         for req, start, end in self._work:
@@ -360,8 +366,9 @@ class SimEngine:
         """Check every loaded block, on every worker, against the bytes its tokens must produce."""
         hashes = self._hashes(req, end)
         for i in range(first, end):
-            good = all(block_matches(kv, g, req.block_ids[g][i], hashes[i])
-                       for kv in self.kvs for g in range(self.num_groups) if req.block_ids[g][i] != NULL_BLOCK)
+            good = all(block_matches(kv, g, req.block_ids[g][i], hashes[i], self.page_ranks[rank])
+                       for rank, kv in enumerate(self.kvs) for g in range(self.num_groups)
+                       if req.block_ids[g][i] != NULL_BLOCK)
             self.verified_blocks += 1
             if not good:
                 self.corrupt_blocks.append((req.request_id, i))
@@ -403,7 +410,8 @@ class SimEngine:
                 for i in range(full):
                     if req.block_ids[g][i] == NULL_BLOCK:
                         continue
-                    if not block_matches(kv, g, req.block_ids[g][i], self._hashes(req, i + 1)[i]):
+                    seed = self._hashes(req, i + 1)[i]
+                    if not block_matches(kv, g, req.block_ids[g][i], seed, self.page_ranks[rank]):
                         bad.append((rank, g, i))
         return bad
 
@@ -428,20 +436,22 @@ def next_token(tokens: Sequence[int], vocab_size: int) -> int:
     return int.from_bytes(hash_block(b"sim-sample", tokens[-8:])[:4], "little") % vocab_size
 
 
-def page_bytes(kv: CanonicalKV, group: int, seed: bytes) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(int.from_bytes(seed[:8], "little") >> 1 ^ group)
+def page_bytes(kv: CanonicalKV, group: int, seed: bytes, rank: int = 0) -> torch.Tensor:
+    """A block's bytes: a function of its tokens' ``seed``, its group and the rank that computed it."""
+    # The CPU generator keeps only a seed's low 32 bits: group and rank go there.
+    gen = torch.Generator().manual_seed(int.from_bytes(seed[:8], "little") >> 1 ^ group ^ rank << 16)
     return torch.randint(-128, 128, (kv.group_block_bytes(group),), dtype=torch.int8, generator=gen)
 
 
-def write_block(kv: CanonicalKV, group: int, block: int, seed: bytes) -> None:
-    data, offset = page_bytes(kv, group, seed), 0
+def write_block(kv: CanonicalKV, group: int, block: int, seed: bytes, rank: int = 0) -> None:
+    data, offset = page_bytes(kv, group, seed, rank), 0
     for ref in kv.group_refs[group]:
         kv.views[ref.view][block, :ref.nbytes].copy_(data[offset:offset + ref.nbytes])
         offset += ref.nbytes
 
 
-def block_matches(kv: CanonicalKV, group: int, block: int, seed: bytes) -> bool:
-    data, offset = page_bytes(kv, group, seed), 0
+def block_matches(kv: CanonicalKV, group: int, block: int, seed: bytes, rank: int = 0) -> bool:
+    data, offset = page_bytes(kv, group, seed, rank), 0
     for ref in kv.group_refs[group]:
         if not torch.equal(kv.views[ref.view][block, :ref.nbytes], data[offset:offset + ref.nbytes]):
             return False

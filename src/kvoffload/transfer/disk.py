@@ -4,7 +4,9 @@ The router sends this handler the jobs of (HOST, DISK) and (DISK, HOST). Each jo
 block, run on ``io_threads`` daemon threads (``IoThreads``); a task writes or reads the first ``entry_bytes[g]``
 bytes of a host slot (for an entry of KV-cache group ``g``) in the format of ``disk_format``. Files live in this
 rank's directory, checked at start-up (``disk_tree.open_tree``), and carry this rank's namespace fingerprint, so
-a block is only loaded by the rank and namespace that wrote it.
+a block is only loaded by the rank and namespace that wrote it. A replicated namespace (every rank holds the same
+bytes) has one directory and one fingerprint for all ranks: rank 0 writes it (the other ranks' handlers are wrapped
+in ``connector.worker.SkipWrites``) and every rank reads it.
 
 Failures are outcomes: a missing, corrupt or foreign file, something other than a regular file, an I/O error,
 or a read slower than ``read_deadline_s`` fails the job (its other blocks are skipped). A failed write removes

@@ -8,7 +8,8 @@ and verifies every value before copying its payload into the host slot. A job is
 sends (or receives) the next: the copies and checksums hide behind the network. The workers' client sends a value
 from its staging buffer straight to the socket (``remote_client.connect(values_in_place=True)``). Values are named
 as ``remote_client.value_name`` says (this rank, this namespace, this secret), so an engine only ever reads values
-of its own namespace and rank. ``SET`` writes a whole value at once, so a half-written value is never read; ``NX``
+of its own namespace and rank (a replicated namespace's ranks share one name per key, written by rank 0 alone:
+``connector.worker.SkipWrites``). ``SET`` writes a whole value at once, so a half-written value is never read; ``NX``
 keeps the first writer's value (every writer of one name writes the same bytes: the name is the content's key), and
 a value already there is a successful store.
 

@@ -1,0 +1,152 @@
+"""Latent attention (MLA) in the simulated engine with two tensor-parallel workers: every rank holds the same
+bytes, so the disk and remote tiers keep one copy, written once by rank 0 and loaded bit-exact by both ranks; a
+per-rank layout keeps two copies, and a rank whose bytes were not the same as rank 0's is caught."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvoffload.config import OffloadConfig
+from kvoffload.connector.worker import SkipWrites
+from kvoffload.testing import layouts
+from kvoffload.testing.redis_server import RedisServer, RedisServerUnavailable
+from kvoffload.testing.sim import SimEngine, Status
+from kvoffload.transfer import disk as disk_handler
+
+BLOCK = 4
+PROMPT_BLOCKS = 4  # 16-token prompts
+
+
+def make_engine(tier: dict[str, Any], layout_name: str = "latent", host_blocks: int = 4) -> SimEngine:
+    layout, make_kv = layouts.ALL_LAYOUTS[layout_name](num_blocks=48, block_size=BLOCK)
+    slot = max(layout.group_block_bytes(g) for g in range(len(layout.groups)))
+    raw = {"offload_block_tokens": BLOCK, "host_bytes": host_blocks * slot, **tier}
+    return SimEngine(layout, make_kv, OffloadConfig.from_dict(raw), block_size=BLOCK, num_workers=2)
+
+
+def disk_tier(path: Path) -> dict[str, Any]:
+    return {"disk_path": str(path), "disk_bytes": 1 << 24}
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+def run_checked(engine: SimEngine) -> None:
+    engine.run(on_step=lambda e: e.check_all())
+    engine.step()  # ships the write-through queued by the last store (run() stops before the manager's queue)
+    engine.run(on_step=lambda e: e.check_all())
+
+
+def offload_then_reload(engine: SimEngine) -> Any:
+    """Run a prompt, push it out of the host tier and the device cache, then run a request that extends it."""
+    prompt = tokens(16, seed=1)
+    engine.add_request("a", prompt)
+    run_checked(engine)
+    for i in range(3):  # each fills the 4-block host tier
+        engine.add_request(f"filler{i}", tokens(16, seed=100 + i))
+        run_checked(engine)
+    engine.pool.drop_cache()
+    b = engine.add_request("b", [*prompt, 7])
+    run_checked(engine)
+    return b
+
+
+@pytest.fixture
+def writes(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """How many times each block file was written (the disk handler's one write call)."""
+    counts: Counter[str] = Counter()
+    real = disk_handler.write_block
+
+    def counting(ops: Any, path: str, *args: Any, **kwargs: Any) -> Any:
+        counts[path] += 1
+        return real(ops, path, *args, **kwargs)
+
+    monkeypatch.setattr(disk_handler, "write_block", counting)
+    return counts
+
+
+def test_replicated_blocks_are_one_copy_on_disk_written_once_and_both_ranks_load_it(
+        tmp_path: Path, writes: Counter[str]) -> None:
+    engine = make_engine(disk_tier(tmp_path))
+    b = offload_then_reload(engine)
+    assert b.status is Status.FINISHED
+    assert b.loaded_tokens == 16 and b.device_hit_tokens == 0
+    assert engine.corrupt_blocks == [] and engine.verified_blocks >= PROMPT_BLOCKS  # both ranks' bytes checked
+    (world,) = tmp_path.iterdir()
+    assert [p.name for p in world.iterdir() if p.is_dir()] == ["replicated"]
+    files = sorted(str(p) for p in tmp_path.rglob("*.kvb"))
+    assert len(files) == 4 * PROMPT_BLOCKS  # "a" and three fillers, once each
+    assert sorted(writes) == files and set(writes.values()) == {1}
+    assert [any(isinstance(h, SkipWrites) for h in w.transfers.handlers) for w in engine.workers] == [False, True]
+
+
+def test_a_per_rank_layout_keeps_a_copy_per_rank(tmp_path: Path, writes: Counter[str]) -> None:
+    engine = make_engine(disk_tier(tmp_path), layout_name="attention")
+    b = offload_then_reload(engine)
+    assert b.loaded_tokens == 16 and engine.corrupt_blocks == []
+    (world,) = tmp_path.iterdir()
+    assert sorted(p.name for p in world.iterdir() if p.is_dir()) == ["rank0", "rank1"]
+    assert len(list(tmp_path.rglob("*.kvb"))) == len(writes) == 2 * 4 * PROMPT_BLOCKS
+
+
+def test_a_rank_whose_bytes_differ_from_rank_0s_loads_wrong_bytes_and_is_caught(tmp_path: Path) -> None:
+    engine = make_engine(disk_tier(tmp_path))
+    engine.page_ranks = [0, 1]  # rank 1 computes other bytes, as if the latent were not the same on every rank
+    b = offload_then_reload(engine)
+    assert b.loaded_tokens == 16
+    assert engine.corrupt_blocks == [("b", i) for i in range(PROMPT_BLOCKS)]
+
+
+def test_rank_0s_failed_write_fails_the_store_for_every_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(disk_handler, "write_block", refuse)
+    engine = make_engine(disk_tier(tmp_path))
+    b = offload_then_reload(engine)
+    assert b.status is Status.FINISHED and b.loaded_tokens == 0  # nothing was indexed: recomputed
+    assert engine.corrupt_blocks == [] and list(tmp_path.rglob("*.kvb")) == []
+
+
+# ---- the remote tier (a real redis-server) ------------------------------------------------------------------
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    pytest.importorskip("redis")
+    try:
+        with RedisServer() as s:
+            yield s
+    except RedisServerUnavailable as e:
+        pytest.skip(str(e))
+
+
+def value_names(url: str) -> list[str]:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        return sorted(k.decode() for k in client.keys("*"))
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize(("layout_name", "copies", "prefixes"), [("latent", 1, {"rep"}),
+                                                                ("attention", 2, {"r0", "r1"})])
+def test_the_remote_tier_keeps_one_copy_of_replicated_blocks_and_one_per_rank_otherwise(
+        server: RedisServer, layout_name: str, copies: int, prefixes: set[str]) -> None:
+    engine = make_engine({"remote_url": server.url, "remote_bytes": 1 << 24, "remote_timeout_ms": 500},
+                         layout_name=layout_name)
+    b = offload_then_reload(engine)
+    assert b.loaded_tokens == 16 and engine.corrupt_blocks == []
+    names = value_names(server.url)
+    assert len(names) == copies * 4 * PROMPT_BLOCKS
+    assert {name.split(":")[2] for name in names} == prefixes
