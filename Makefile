@@ -107,7 +107,7 @@ test: setup setup-vllm lint vllm-api-check
 	$(MAKE) --no-print-directory test-vllm031
 
 lint: setup
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks scripts
 	$(BIN)/mypy
 
 bench: setup
