@@ -28,7 +28,15 @@ from vllm.v1 import kv_cache_interface as vkv
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.requests import StepSchedule
 from kvoffload.keys import Namespace
-from kvoffload.layout import AttentionSpec, KVBuffer, KVCacheLayout, KVGroup, LayerSpec, StateSpec
+from kvoffload.layout import (
+    AttentionSpec,
+    KVBuffer,
+    KVCacheLayout,
+    KVGroup,
+    LatentAttentionSpec,
+    LayerSpec,
+    StateSpec,
+)
 from kvoffload.manager.base import EventKind, OffloadEvent
 from kvoffload.specs import Medium
 
@@ -54,7 +62,9 @@ def layer_spec(name: str, spec: vkv.KVCacheSpec) -> LayerSpec:
         # only then is a block's page the states packed from byte 0 (MambaBase.bind_kv_cache).
         if spec.num_heads == 1 and spec.num_states == 1 and state.page_bytes == spec.real_page_size_bytes:
             return state
-    if isinstance(spec, vkv.AttentionSpec) and not isinstance(spec, vkv.MLAAttentionSpec):
+    if isinstance(spec, vkv.MLAAttentionSpec):
+        return latent_spec(name, spec)
+    if isinstance(spec, vkv.AttentionSpec):
         ours = AttentionSpec(spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype,
                              spec.page_size_padded)
         # Packed or quantized pages (head_size_v != head_size, fp8 scales, compressed states) have other
@@ -62,6 +72,24 @@ def layer_spec(name: str, spec: vkv.KVCacheSpec) -> LayerSpec:
         if ours.page_bytes == spec.real_page_size_bytes:
             return ours
     raise UnsupportedKVCacheError(f"layer {name!r}: kvoffload cannot copy pages of {type(spec).__name__}")
+
+
+def latent_spec(name: str, spec: vkv.MLAAttentionSpec) -> LatentAttentionSpec:
+    """Our description of an MLA layer's page (DeepSeek-V2/V3 style): one latent vector of ``head_size``
+    (``kv_lora_rank + qk_rope_head_dim``) per token, the same on every tensor-parallel rank.
+
+    Refused: vLLM's subclasses (hidden-state caches), pages that vLLM does not replicate across TP ranks
+    (``max_tp_shards`` other than 1) and packed pages (DeepSeek-V4's compressed states, ``fp8_ds_mla``'s scales).
+    """
+    if type(spec) is vkv.MLAAttentionSpec and spec.num_kv_heads == 1 and spec.max_tp_shards == 1:
+        ours = LatentAttentionSpec(spec.block_size, spec.head_size, spec.dtype, spec.page_size_padded)
+        if ours.page_bytes == spec.real_page_size_bytes:
+            return ours
+    raise UnsupportedKVCacheError(
+        f"layer {name!r}: kvoffload copies MLA pages of one latent vector per token that every tensor-parallel "
+        f"rank holds alike; this {type(spec).__name__} (num_kv_heads {spec.num_kv_heads}, max_tp_shards "
+        f"{spec.max_tp_shards}, cache dtype {spec.cache_dtype_str!r}, {spec.real_page_size_bytes} bytes a "
+        "block) is packed or sharded otherwise")
 
 
 def _group(group: vkv.KVCacheGroupSpec) -> KVGroup:
@@ -172,9 +200,9 @@ def kv_cache_layout(kv_cache_config: vkv.KVCacheConfig, layout_name: str | None)
     (``layer_stride < block_stride``) is a cross-layer buffer.
 
     Raises:
-        UnsupportedKVCacheError: a page format or placement kvoffload cannot copy (MLA, packed pages, pages
-        that
-            are not contiguous per block, several groups in one block-outermost allocation).
+        UnsupportedKVCacheError: a page format or placement kvoffload cannot copy (packed or sharded MLA pages,
+            packed pages, pages that are not contiguous per block, several groups in one block-outermost
+            allocation).
     """
     groups = tuple(_group(g) for g in kv_cache_config.kv_cache_groups if g.layer_names)
     tensors = kv_cache_config.kv_cache_tensors
@@ -212,13 +240,21 @@ def engine_block_size(kv_cache_config: vkv.KVCacheConfig, default: int) -> int:
 
 
 def namespace(vllm_config: VllmConfig, layout: KVCacheLayout, config: OffloadConfig, rank: int) -> Namespace:
-    """The key namespace: model and what decides its weights, dtypes, page layout, this process's rank."""
+    """The key namespace: model and what decides its weights, dtypes, page layout, this process's rank.
+
+    Replicated (one copy for all ranks, shared by every TP size) when every layer is latent attention and the
+    ranks are tensor-parallel only: pipeline stages hold other layers, and context parallelism (prefill or
+    decode) splits a sequence's tokens between ranks.
+    """
     model_config = vllm_config.model_config
+    parallel = vllm_config.parallel_config
     cache_dtype = vllm_config.cache_config.cache_dtype
     dtype = f"{model_config.dtype}/{cache_dtype}"
+    tensor_parallel_only = (parallel.world_size == parallel.tensor_parallel_size
+                            and parallel.decode_context_parallel_size == 1)
     return Namespace(model=config.model_id or model_config.model, dtype=dtype, layout=layout.describe(), rank=rank,
-                     world_size=vllm_config.parallel_config.world_size,
-                     weights=weights_identity(model_config, config.model_version))
+                     world_size=parallel.world_size, weights=weights_identity(model_config, config.model_version),
+                     replicated=layout.replicated and tensor_parallel_only)
 
 
 # Hugging Face config fields that never change a KV page: where the files are, tool versions, output switches.

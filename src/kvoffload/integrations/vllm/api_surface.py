@@ -170,6 +170,9 @@ KV_CACHE_SPECS = (
     ClassUse(_SPECS, "KVCacheSpec", members=uses(Use.READ, "block_size")),
     ClassUse(_SPECS, "AttentionSpec", members=uses(
         Use.READ, "block_size", "num_kv_heads", "head_size", "dtype", "page_size_padded", "real_page_size_bytes")),
+    ClassUse(_SPECS, "MLAAttentionSpec", members=uses(
+        Use.READ, "block_size", "num_kv_heads", "head_size", "dtype", "page_size_padded", "real_page_size_bytes",
+        "max_tp_shards", "cache_dtype_str")),
     ClassUse(_SPECS, "MambaSpec", members=uses(
         Use.READ, "block_size", "shapes", "dtypes", "page_size_padded", "num_heads", "num_states",
         "real_page_size_bytes", "mamba_cache_mode", "num_speculative_blocks")),
@@ -216,7 +219,8 @@ CONFIG = (
     ClassUse("vllm.config", "ModelConfig", members=uses(
         Use.READ, "model", "dtype", "hf_config", "quantization", "revision", "code_revision")),
     ClassUse("vllm.config", "CacheConfig", members=uses(Use.READ, "block_size", "cache_dtype", "kv_cache_layout")),
-    ClassUse("vllm.config", "ParallelConfig", members=uses(Use.READ, "world_size")),
+    ClassUse("vllm.config", "ParallelConfig", members=uses(
+        Use.READ, "world_size", "tensor_parallel_size", "decode_context_parallel_size")),
     ClassUse("vllm.config", "KVEventsConfig", members=uses(Use.READ, "enable_kv_cache_events")),
     ClassUse("vllm.config", "KVTransferConfig", members=uses(Use.READ, "kv_connector_extra_config")),
 )
