@@ -24,8 +24,8 @@ group; by default each group then gets one such buffer.
   permuted view of block-first memory) counts as block-first.
 - ``LatentAttentionSpec`` (MLA, DeepSeek-style latent attention): a tensor ``[num_blocks, ...]`` whose other
   dims tile the page densely (vLLM 0.32: ``[num_blocks, 1, block_size, head_size]``, head_size =
-  ``kv_lora_rank + qk_rope_head_dim``). There is no K/V split, so ``kv_outermost`` (which is about K/V layers) never applies
-  to it: a latent layer is block-first in every layout.
+  ``kv_lora_rank + qk_rope_head_dim``). There is no K/V split, so ``kv_outermost`` (which is about K/V
+  layers) never applies to it: a latent layer is block-first in every layout.
 - ``StateSpec``: one int8 tensor ``[num_blocks, ...]`` of the layer's raw pages, its other dims tiling the
   ``page_bytes`` of a block densely (vLLM 0.32, GPU and CPU: ``[num_blocks, 1, 1, page_bytes]``, rows
   ``page_size_padded`` apart or as far apart as the buffer's block stride). Inside a page the states lie packed
