@@ -116,7 +116,7 @@ def run(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, tp_baseline: 
         for name, tail in ROUNDS.items():
             if name == "third":
                 files = block_files(disk)
-                damaged = corrupt_payloads(next(disk.glob("*/rank1")))
+                damaged = corrupt_payloads(disk, rank=1)
             outputs[name] = generate(llm, prompts(tail))
             after = counted(llm)
             counts[name] = {k: after[k] - before[k] for k in after}
@@ -134,10 +134,10 @@ def block_files(disk: Path) -> dict[str, dict[str, bytes]]:
     return ranks
 
 
-def corrupt_payloads(rank_dir: Path) -> int:
-    """Flip one payload byte of every block file in ``rank_dir`` (its checksum then fails); how many."""
+def corrupt_payloads(disk: Path, rank: int) -> int:
+    """Flip one payload byte of every block file of rank ``rank`` (its checksum then fails); how many."""
     count = 0
-    for path in rank_dir.glob("*/*.kvb"):
+    for path in disk.glob(f"*/rank{rank}/*/*.kvb"):
         data = bytearray(path.read_bytes())
         data[HEADER_BYTES + 100] ^= 0xFF
         path.write_bytes(bytes(data))
