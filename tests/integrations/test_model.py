@@ -80,6 +80,17 @@ def test_hybrid_families_mix_their_layer_kinds(tmp_path: Path, family: ModelFami
         assert config["conv_dim"] == config["block_dim"] == SHAPE.hidden_size
 
 
+def test_deepseek_v2_is_a_dense_latent_attention_model_of_the_cpu_kernels_width(tmp_path: Path) -> None:
+    directory = write_tiny_model(tmp_path, ModelFamily.DEEPSEEK_V2, SHAPE)
+    config = load_json(directory / "config.json")
+    assert config["architectures"] == ["DeepseekV2ForCausalLM"]
+    assert config["kv_lora_rank"] == 512 and config["qk_rope_head_dim"] == 64  # vLLM CPU MLA takes only 576
+    assert config["first_k_dense_replace"] == SHAPE.num_layers  # no expert layers
+    names = weights(directory)
+    assert not [n for n in names if "experts" in n]
+    assert any("kv_a_proj_with_mqa" in n for n in names)
+
+
 def test_tokenizer_has_exactly_the_model_vocabulary(model_dir: Path) -> None:
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     assert tokenizer.get_vocab_size() == 512

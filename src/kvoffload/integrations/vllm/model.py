@@ -11,7 +11,8 @@ outputs then never depend on the KV cache, and no comparison of outputs could ca
 weights, changing one prompt token moves the logprobs by tenths (the e2e tests check that as their control).
 
 Families (``ModelFamily``): Llama (one full-attention KV-cache group), Gemma3 (sliding-window and full-attention
-layers: several groups, vLLM's null block in the window groups), LFM2 (ShortConv state layers beside attention).
+layers: several groups, vLLM's null block in the window groups), LFM2 (ShortConv state layers beside attention),
+DeepSeek-V2 (MLA: one latent vector per token and layer; vLLM's CPU MLA kernel takes only a 576-wide latent).
 This module imports no vLLM: it only writes files (transformers builds the weights' names and shapes).
 """
 
@@ -48,13 +49,17 @@ class ModelFamily(enum.Enum):
     """Gemma3ForCausalLM (``gemma3_text``): sliding-window layers with one full-attention layer in four."""
     LFM2 = "lfm2"
     """Lfm2ForCausalLM: ShortConv state layers alternating with full attention."""
+    DEEPSEEK_V2 = "deepseek_v2"
+    """DeepseekV2ForCausalLM: multi-head latent attention (MLA), dense MLPs (no experts)."""
 
 
 @dataclass(frozen=True)
 class TinyShape:
     """Sizes of a tiny model; the defaults are the smallest vLLM's CPU backend runs well.
 
-    ``sliding_window`` (tokens) applies to Gemma3's window layers; ``conv_kernel`` to LFM2's ShortConv layers.
+    ``sliding_window`` (tokens) applies to Gemma3's window layers; ``conv_kernel`` to LFM2's ShortConv layers;
+    the ``kv_lora_rank``, ``qk_*`` and ``v_head_dim`` sizes to DeepSeek-V2's latent attention (the latent is
+    ``kv_lora_rank + qk_rope_head_dim`` wide: 576, the only width vLLM's CPU MLA kernel compiles for).
     """
 
     hidden_size: int = 128
@@ -67,6 +72,10 @@ class TinyShape:
     intermediate_size: int = 512
     sliding_window: int = 64
     conv_kernel: int = 3
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    qk_nope_head_dim: int = 32
+    v_head_dim: int = 32
 
     def validate(self) -> None:
         """Raises ValueError naming the first size that vLLM could not build a model from."""
@@ -137,6 +146,17 @@ def hf_config(family: ModelFamily, shape: TinyShape) -> dict[str, Any]:
                 "layer_types": layer_types, "sliding_window": shape.sliding_window,
                 "query_pre_attn_scalar": shape.head_dim, "rms_norm_eps": 1e-6,
                 "hidden_activation": "gelu_pytorch_tanh"}
+    if family is ModelFamily.DEEPSEEK_V2:
+        # Every layer dense (first_k_dense_replace): the experts' sizes are required fields but build nothing.
+        return {**common, "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+                "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                "num_key_value_heads": shape.num_heads, "head_dim": shape.qk_rope_head_dim,
+                "kv_lora_rank": shape.kv_lora_rank, "q_lora_rank": None,
+                "qk_rope_head_dim": shape.qk_rope_head_dim, "qk_nope_head_dim": shape.qk_nope_head_dim,
+                "v_head_dim": shape.v_head_dim, "first_k_dense_replace": shape.num_layers,
+                "moe_intermediate_size": shape.intermediate_size, "n_routed_experts": 2, "n_shared_experts": 1,
+                "num_experts_per_tok": 1, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+                "moe_layer_freq": 1, "routed_scaling_factor": 1.0}
     # LFM2: ShortConv layers with an attention layer every other layer, starting with a conv layer.
     layer_types = ["full_attention" if i % 2 else "conv" for i in range(shape.num_layers)]
     del common["head_dim"]  # LFM2 derives it from hidden_size / num_attention_heads
@@ -149,7 +169,8 @@ def hf_config(family: ModelFamily, shape: TinyShape) -> dict[str, Any]:
 
 
 # The value of a norm's weight that makes it the identity: Gemma scales by (1 + weight), the others by weight.
-_IDENTITY_NORM = {ModelFamily.LLAMA: 1.0, ModelFamily.GEMMA3: 0.0, ModelFamily.LFM2: 1.0}
+_IDENTITY_NORM = {ModelFamily.LLAMA: 1.0, ModelFamily.GEMMA3: 0.0, ModelFamily.LFM2: 1.0,
+                  ModelFamily.DEEPSEEK_V2: 1.0}
 
 
 ATTENTION_GAIN = 2.0
