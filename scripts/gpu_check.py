@@ -5,7 +5,7 @@ Run with the Python that has a CUDA build of PyTorch (not the CPU venv of ``make
 1. CUDA: ``torch.cuda.is_available()`` must be True, else it says what it needs and exits 2.
 2. Prerequisites: setuptools, numpy, pytest and hypothesis importable, a C compiler and Python's headers; what is
    missing is named, exit 3.
-3. Build: the two C extensions in place (``build_ext --inplace``), so ``src/`` is importable as it stands; the
+3. Build: the C extensions in place (``build_ext --inplace``), so ``src/`` is importable as it stands; the
    machine's Python environment is left as it was.
 4. Tests: every test marked ``cuda`` in ``CUDA_TEST_FILES``, with ``-rs``; a skip there is a failure.
 5. Bench: ``kvoffload bench copy --device cuda --json`` over 4 KiB..2 MiB pages, one layer and eight.
@@ -174,7 +174,7 @@ def _missing_prerequisites() -> list[str]:
                if importlib.util.find_spec(m) is None]
     compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
     if not shutil.which(compiler):
-        missing.append(f"a C compiler ({compiler}, for the two C extensions)")
+        missing.append(f"a C compiler ({compiler}, for the C extensions)")
     include = sysconfig.get_paths()["include"]
     if not (Path(include) / "Python.h").exists():
         missing.append(f"Python's C headers ({include}/Python.h: the python3-dev package)")

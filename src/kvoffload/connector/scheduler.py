@@ -17,12 +17,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import operator
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from kvoffload import _stepscan
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.load_cost import LoadCost
 from kvoffload.connector.metadata import ConnectorMetadata, LoadJob, WorkerMetadata
@@ -75,7 +76,8 @@ class _Columns:
 
     req_ids: list[str]
     states: list[RequestState | None]
-    partial: list[int]
+    partial: array[int]
+    """int64, for ``_stepscan.scan``: kept across steps, a list's scattered int objects would each be a cache miss."""
     generation: int
 
 
@@ -270,7 +272,8 @@ class ConnectorScheduler:
         store = None if full is None else self._store_job(full)
         if store is not None and self.flush_stores_next_step:
             self._to_flush_next.add(store.job_id)
-        tier_jobs = [self._tier_job(t) for t in self.manager.take_transfers()]
+        transfers = self.manager.take_transfers()
+        tier_jobs = [self._tier_job(t) for t in transfers] if transfers else []
         if not (store or tier_jobs or self._new_loads or self._to_flush or self._to_flush_next):
             return NO_JOBS  # most decode steps
         loads, self._new_loads = self._new_loads, []
@@ -281,21 +284,20 @@ class ConnectorScheduler:
         """Track the scheduled requests' new blocks; their offload blocks that became full (None: none did).
 
         Hot: every step, every running request. Python runs per request only for a request that got new blocks
-        or whose computed tokens reached its store threshold (the next offload block is full); finding those is a
-        C-level pass (``compress`` over ``map``), no Python per request: numpy was slower here, where each step
-        finds its code and data cold after the engine's own work. Most decode steps of most requests are neither.
+        or whose computed tokens reached its store threshold (the next offload block is full); finding those (and
+        checking the columns) is one pass in C (``kvoffload._stepscan``): two ``compress`` passes in Python, and
+        numpy before them, cost more, each finding its code and data cold after the engine's own work. Most
+        decode steps of most requests are neither.
         """
-        step.check()
         states, partial = self._columns_of(step.req_ids)
-        new_block_ids = step.new_block_ids
-        for i in itertools.compress(range(len(states)), new_block_ids):
+        # Request i's next block is full once its computed tokens exceed partial[i]: computed + offset > partial.
+        new_block_ids, computed = step.new_block_ids, step.computed_tokens
+        grown, filled = _stepscan.scan(len(states), new_block_ids, computed, partial, step.computed_offset)
+        for i in grown:
             if (state := states[i]) is not None:
                 _add_blocks(state, new_block_ids[i], step.req_ids[i] in step.resumed)  # type: ignore[arg-type]
-        # Request i's next block is full once its computed tokens exceed partial[i]: computed + offset > partial.
-        beyond = operator.ge if step.computed_offset else operator.gt
-        computed = step.computed_tokens
         full = None
-        for i in list(itertools.compress(range(len(states)), map(beyond, computed, partial))):
+        for i in filled:
             state = states[i]
             assert state is not None  # a request without state has the threshold NEVER
             full = full or _FullBlocks.empty(self.num_groups)
@@ -303,7 +305,7 @@ class ConnectorScheduler:
             partial[i] = state.store_threshold() - 1
         return full
 
-    def _columns_of(self, req_ids: Sequence[str]) -> tuple[list[RequestState | None], list[int]]:
+    def _columns_of(self, req_ids: Sequence[str]) -> tuple[list[RequestState | None], array[int]]:
         """The states of ``req_ids`` and, aligned with them, the most computed tokens at which each one's next
         offload block is still partial (its store threshold less one).
 
@@ -319,7 +321,7 @@ class ConnectorScheduler:
                 logger.debug("scheduled request %s was never looked up or shares its id; not storing it",
                              req_ids[i])
                 states[i] = None
-        partial = [(NEVER if s is None else s.store_threshold()) - 1 for s in states]
+        partial = array("q", [(NEVER if s is None else s.store_threshold()) - 1 for s in states])
         self._columns = _Columns(list(req_ids), states, partial, self._generation)
         return states, partial
 
@@ -416,7 +418,7 @@ class ConnectorScheduler:
         """The engine's prefill speed, roughly: tokens whose blocks filled in the last step over its length (from
         one ``build_connector_meta`` to the next: that step's forward pass)."""
         now = self._clock()
-        if self._last_meta is not None:
+        if self._last_meta is not None and self._last_meta[1]:  # a step that filled no block says nothing
             started, blocks = self._last_meta
             self.load_cost.observe_step(blocks // self.num_groups * self.offload_tokens, now - started)
         self._last_meta = (now, filled_blocks)
@@ -485,6 +487,10 @@ class ConnectorScheduler:
         """Whether the tiers' usage may have changed since the last call (a decode step without jobs: no)."""
         moved, self._usage_moved = self._usage_moved, False
         return moved
+
+    def has_stats(self) -> bool:
+        """Whether ``take_stats`` would return anything counted (asked every step: allocates nothing)."""
+        return self.load_cost.skipped_blocks != self._skipped_reported or not self._stats.is_empty()
 
     def take_stats(self) -> SchedulerStats:
         """What was counted since the last call (the caller owns it)."""
