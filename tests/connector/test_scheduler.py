@@ -166,9 +166,11 @@ def test_stats_count_query_and_hit_tokens():
     b = Req("b", list(range(100)))
     hit, _ = sched.get_num_new_matched_tokens(b, 0)
     sched.update_state_after_alloc(b, [list(range(10, 17))], hit)
+    assert sched.has_stats()
     stats = sched.take_stats()
     assert (stats.requests, stats.query_tokens, stats.hit_tokens) == (2, 164, 64)
     assert stats.miss_tokens == 100
+    assert not sched.has_stats()  # what the adapter asks every step before taking anything
     assert sched.take_stats().requests == 0
 
 

@@ -336,6 +336,9 @@ def block_ids_per_group(block_ids: Sequence[Sequence[int]] | None,
     return tuple(tuple(ids) for ids in block_ids)
 
 
+_NONE: frozenset[str] = frozenset()
+
+
 def step_schedule(out: SchedulerOutput) -> StepSchedule:
     """This step's scheduled requests, by columns: blocks they gained and the tokens whose KV is computed after
     the step.
@@ -352,7 +355,8 @@ def step_schedule(out: SchedulerOutput) -> StepSchedule:
         req_ids = [r.req_id for r in new] + req_ids
         new_block_ids = [r.block_ids for r in new] + new_block_ids
         before = [r.num_computed_tokens for r in new] + before
-    resumed, preempted = frozenset(cached.resumed_req_ids), frozenset(out.preempted_req_ids or ())
+    resumed = frozenset(cached.resumed_req_ids) if cached.resumed_req_ids else _NONE
+    preempted = frozenset(out.preempted_req_ids) if out.preempted_req_ids else _NONE
     if out.total_num_scheduled_tokens == len(req_ids) and not out.scheduled_spec_decode_tokens:
         # Every request got one token (each gets at least one): a decode step. vLLM's list goes as it is.
         return StepSchedule(req_ids, new_block_ids, before, 1, resumed, preempted)
