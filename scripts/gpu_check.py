@@ -3,8 +3,10 @@
 Run with the Python that has a CUDA build of PyTorch (not the CPU venv of ``make setup``); it fetches nothing:
 
 1. CUDA: ``torch.cuda.is_available()`` must be True, else it says what it needs and exits 2.
-2. Prerequisites: setuptools, numpy, pytest and hypothesis importable, a C compiler and Python's headers; what is
-   missing is named, exit 3.
+2. Prerequisites: setuptools and numpy importable, a C compiler and Python's headers; what is missing is named,
+   exit 3. pytest and hypothesis, for the tests, come from the machine's Python or else from the wheels that
+   ``make gpu-wheels`` downloaded into ``build/gpu-wheels`` beforehand (carry that folder to the GPU machine);
+   without either the tests are not run (a failure of the check), but the bench still is.
 3. Build: the C extensions in place (``build_ext --inplace``), so ``src/`` is importable as it stands; the
    machine's Python environment is left as it was.
 4. Tests: every test marked ``cuda`` in ``CUDA_TEST_FILES``, with ``-rs``; a skip there is a failure.
@@ -44,7 +46,10 @@ PAGE_SIZES = "4K,16K,64K,256K,2M"
 BENCH_LAYERS = (1, 8)
 NO_CUDA = ("gpu-check needs an NVIDIA GPU and a CUDA build of PyTorch: {detail}. Run it on a GPU machine with "
            "that machine's Python: make gpu-check GPU_PYTHON=/path/to/python")
-REQUIRED_MODULES = ("setuptools", "numpy", "pytest", "hypothesis")
+BUILD_MODULES = ("setuptools", "numpy")
+TEST_MODULES = ("pytest", "hypothesis")
+WHEELS = ROOT / "build" / "gpu-wheels"
+"""Pure-Python wheels of the test modules and their dependencies (``make gpu-wheels``), for a machine without them."""
 
 
 class Check:
@@ -53,6 +58,8 @@ class Check:
     def __init__(self, out_dir: Path) -> None:
         self.start = time.monotonic()
         self.out_dir = out_dir
+        self.paths = [str(ROOT / "src")]
+        """What every step has on its PYTHONPATH: this tree's src/, then the test modules when they came from wheels."""
         self.report: dict[str, Any] = {"ok": False, "python": sys.executable,
                                        "python_version": platform.python_version(),
                                        "budget_seconds": BUDGET_SECONDS, "steps": [], "problems": []}
@@ -63,7 +70,7 @@ class Check:
     def step(self, name: str, command: list[str], timeout: float) -> subprocess.CompletedProcess[str] | None:
         """Run ``command`` in the repository with ``src`` importable; record it; None when it timed out."""
         timeout = max(1.0, min(timeout, self.left() - 5))
-        env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([*self.paths, os.environ.get("PYTHONPATH", "")]),
                "PIP_NO_INDEX": "1"}
         began = time.monotonic()
         print(f"gpu-check: {name}: {' '.join(command)}", flush=True)
@@ -120,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         return check.finish(3)
     if not _build(check):
         return check.finish(1)
-    tests_ok = _tests(check)
+    tests_ok = _test_modules(check, WHEELS) and _tests(check)
     bench_ok = _bench(check)
     return check.finish(0 if tests_ok and bench_ok else 1)
 
@@ -170,7 +177,7 @@ def _commit() -> str | None:
 
 
 def _missing_prerequisites() -> list[str]:
-    missing = [f"the Python module {m} (pip install {m})" for m in REQUIRED_MODULES
+    missing = [f"the Python module {m} (pip install {m})" for m in BUILD_MODULES
                if importlib.util.find_spec(m) is None]
     compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
     if not shutil.which(compiler):
@@ -187,12 +194,39 @@ def _build(check: Check) -> bool:
     if not _passed(check.step("build", build, 180)):
         return False
     where = check.step("import", [sys.executable, "-c", "import kvoffload, kvoffload._blockplan, "
-                                  "kvoffload._blockcopy; print(kvoffload.__file__)"], 60)
+                                  "kvoffload._blockcopy, kvoffload._stepscan; print(kvoffload.__file__)"], 60)
     if not _passed(where):
         return False
     assert where is not None
     if not where.stdout.strip().startswith(str(ROOT / "src")):
         check.problem(f"import: kvoffload came from {where.stdout.strip()}, not this working tree's src/")
+        return False
+    return True
+
+
+def _test_modules(check: Check, wheels: Path, modules: tuple[str, ...] = TEST_MODULES) -> bool:
+    """Whether the steps can import ``modules``: from this Python, or else from the wheels in ``wheels``, installed
+    offline into the report's folder (or, without pip, put on the path as they are: pure-Python wheels import
+    from their zip files)."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if not missing:
+        return True
+    found = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
+    if not found:
+        check.problem(f"tests not run: {', '.join(missing)} missing from {sys.executable} and no wheels in {wheels} "
+                      "(run `make gpu-wheels` on a machine with a package index, then bring that folder along)")
+        return False
+    site = check.out_dir / "test-site"
+    if importlib.util.find_spec("pip") is not None:
+        installed = check.step("test modules", [sys.executable, "-m", "pip", "install", "-q", "--no-index",
+                                                "--no-deps", "--target", str(site), *map(str, found)], 120)
+        if _passed(installed):
+            check.paths.append(str(site))
+    if str(site) not in check.paths:
+        check.paths += map(str, found)
+    imported = check.step("test modules import", [sys.executable, "-c", f"import {', '.join(modules)}"], 60)
+    if not _passed(imported):
+        check.problem(f"tests not run: {', '.join(missing)} not importable from the wheels in {wheels}")
         return False
     return True
 
