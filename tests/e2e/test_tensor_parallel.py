@@ -91,6 +91,8 @@ class Run:
     damaged: int
     counts: dict[str, dict[str, float]]
     """Round -> metric (``COUNTED``) -> what it counted in that round, summed over both ranks."""
+    host_used_bytes: float
+    """The gauge after the first round, which fills both ranks' host tiers."""
 
 
 COUNTED = {"promotions": ("vllm:kvoffload_transfer_jobs", "disk_to_host"),
@@ -110,7 +112,7 @@ def run(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, tp_baseline: 
     """Store the prefixes, load them back from disk on both ranks, damage rank 1's files, load them again."""
     disk = tmp_path_factory.mktemp("tp-disk")
     llm = make_tp_llm(model_dir, {"host_bytes": HOST_BLOCKS * SLOT_BYTES, "disk_path": str(disk)})
-    outputs, counts, files, damaged = {}, {}, {}, 0
+    outputs, counts, files, damaged, host_used = {}, {}, {}, 0, 0.0
     try:
         before = counted(llm)
         for name, tail in ROUNDS.items():
@@ -121,9 +123,11 @@ def run(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, tp_baseline: 
             after = counted(llm)
             counts[name] = {k: after[k] - before[k] for k in after}
             before = after
+            if name == "first":
+                host_used = metric(llm, "vllm:kvoffload_host_used_bytes")
     finally:
         close(llm)
-    return Run(outputs, files, damaged, counts)
+    return Run(outputs, files, damaged, counts, host_used)
 
 
 def block_files(disk: Path) -> dict[str, dict[str, bytes]]:
@@ -179,3 +183,8 @@ def test_load_failing_on_one_rank_is_recomputed_on_both(run: Run) -> None:
     # Each promotion ran on both ranks and failed on rank 1 alone; no rank loaded those blocks into its KV.
     assert third["failed_promotions"] > 0 and third["promotions"] == TP * third["failed_promotions"], third
     assert third["loads"] == 0 and third["hit_tokens"] == 0 and hits == [0] * len(hits), (third, hits)
+
+
+def test_the_host_gauge_counts_both_ranks_pools(run: Run) -> None:
+    # Four 6-block prefixes fill each rank's 8-block host tier; the gauge is what the engine's host RAM holds.
+    assert run.host_used_bytes == TP * HOST_BLOCKS * SLOT_BYTES

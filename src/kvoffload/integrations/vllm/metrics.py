@@ -17,7 +17,7 @@ the counters that a vLLM server shows on ``/metrics``:
     vllm:kvoffload_skipped_slow_hit_tokens_total       lower-tier hits recomputed as faster than loading them
     vllm:kvoffload_store_admitted_blocks_total         computed blocks store admission let through
     vllm:kvoffload_store_declined_blocks_total         computed blocks store admission declined (not stored)
-    vllm:kvoffload_host_used_bytes                     host tier bytes in use (gauge)
+    vllm:kvoffload_host_used_bytes                     host tier bytes in use, all ranks (gauge)
 
 Names start with ``vllm:`` so that vLLM's own metric clean-up (between engines in one process) covers them.
 """
@@ -139,7 +139,7 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
             field: self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
             for field, (name, doc) in _TOKEN_COUNTERS.items()}
         self._host_used: Any = self._gauge_cls(  # type: ignore[call-arg]
-            name="vllm:kvoffload_host_used_bytes", documentation="Bytes of the kvoffload host tier in use.",
+            name="vllm:kvoffload_host_used_bytes", documentation="Bytes of the kvoffload host tier in use, every rank's pool together.",
             multiprocess_mode="mostrecent", labelnames=labelnames)
         self._start_at_zero(transfer_routes(_offload_config(vllm_config)))
 

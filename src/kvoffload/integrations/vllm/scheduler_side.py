@@ -91,7 +91,10 @@ class SchedulerSide:
         return self.core.reset()
 
     def host_used_bytes(self) -> int:
-        return sum(u.used_blocks for u in self.core.usage() if u.medium is Medium.HOST) * self.slot_bytes
+        """Host tier bytes in use on every rank together: each rank's pool holds the same slots (one shard each,
+        or under a replicated layout the same bytes), and the gauge counts what the engine's host RAM holds."""
+        used = sum(u.used_blocks for u in self.core.usage() if u.medium is Medium.HOST)
+        return used * self.slot_bytes * self.core.world_size
 
     def stats(self) -> KVOffloadStats | None:
         """Hit and miss tokens since the last call, and the host tier's bytes in use when they changed."""
