@@ -139,7 +139,8 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
             field: self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
             for field, (name, doc) in _TOKEN_COUNTERS.items()}
         self._host_used: Any = self._gauge_cls(  # type: ignore[call-arg]
-            name="vllm:kvoffload_host_used_bytes", documentation="Bytes of the kvoffload host tier in use, every rank's pool together.",
+            name="vllm:kvoffload_host_used_bytes",
+            documentation="Bytes of the kvoffload host tier in use, every rank's pool together.",
             multiprocess_mode="mostrecent", labelnames=labelnames)
         self._start_at_zero(transfer_routes(_offload_config(vllm_config)))
 
