@@ -1,0 +1,129 @@
+"""MLA at tensor_parallel_size=2 on vLLM's CPU backend: one copy in the shared tier, written once, loaded by both.
+
+Every rank of a latent-attention model holds the same bytes, so the disk tier keeps one copy of each block
+(``<world>/replicated/``) that only rank 0 writes and both ranks load (docs/mla.md). A host tier of 32 blocks per
+rank holds at most two of the four 12-block prefixes (the device cache computes two prompts at a time, 24 blocks
+filling at once): the second round's hits come back from disk. The baseline is plain vLLM at TP=2 reusing its own
+cached KV, as in test_mla_model.py (CPU MLA turns vLLM's prefix caching off; the patch that leaves it on reaches
+the engine processes because they are forked here), with its control built the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import vllm
+from tests.e2e.conftest import (
+    ROUNDS,
+    Baseline,
+    Result,
+    assert_kv_sensitive,
+    assert_same_outputs,
+    close,
+    generate,
+    make_llm,
+    metric,
+    prompts,
+    with_changed_tokens,
+)
+from tests.e2e.test_mla_model import (
+    DEVICE_BLOCKS,
+    HIT_TOKENS,
+    LATENT,
+    MLA_BLOCK_SIZE,
+    SHAPE,
+    cached_rounds,
+    with_vllm_prefix_caching,
+)
+from tests.e2e.test_tensor_parallel import TP, thread_binding
+
+from kvoffload.integrations.vllm.model import ModelFamily, write_tiny_model
+
+pytestmark = pytest.mark.e2e
+
+BLOCK_BYTES = MLA_BLOCK_SIZE * LATENT * 2 * SHAPE.num_layers
+"""One offload block: a bf16 latent page per layer, the same bytes on every rank."""
+HOST_BLOCKS = 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forked_bound_engines() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", thread_binding())
+        mp.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")  # the baseline's patch must reach the engine core
+        yield
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-deepseek-v2-tp"), ModelFamily.DEEPSEEK_V2, SHAPE)
+
+
+def make_tp_llm(model_dir: Path, extra_config: dict[str, object] | None, device_blocks: int) -> vllm.LLM:
+    return make_llm(model_dir, extra_config, multiprocess=True, tensor_parallel_size=TP,
+                    distributed_executor_backend="mp", block_size=MLA_BLOCK_SIZE,
+                    num_gpu_blocks_override=device_blocks)
+
+
+@pytest.fixture(scope="module")
+def tp_baseline(model_dir: Path) -> Baseline:
+    patch = with_vllm_prefix_caching()
+    try:
+        llm = make_tp_llm(model_dir, None, 4 * DEVICE_BLOCKS)
+        plain = cached_rounds(llm, prompts(ROUNDS["first"]), prompts(ROUNDS["second"]))
+        changed = cached_rounds(llm, with_changed_tokens(prompts(ROUNDS["first"])),
+                                with_changed_tokens(prompts(ROUNDS["second"])))
+        close(llm)
+    finally:
+        patch.undo()
+    assert [r.cached_tokens for r in plain["second"] + changed["second"]] == [HIT_TOKENS] * 8
+    assert_kv_sensitive(plain["second"], changed["second"])
+    return Baseline(plain)
+
+
+@dataclass(frozen=True)
+class Run:
+    outputs: dict[str, list[Result]]
+    rank_dirs: list[str]
+    files: int
+    counted: dict[str, float]
+    """Bytes summed over both ranks, per direction, over both rounds."""
+
+
+@pytest.fixture(scope="module")
+def run(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, tp_baseline: Baseline) -> Run:
+    disk = tmp_path_factory.mktemp("mla-tp-disk")
+    llm = make_tp_llm(model_dir, {"host_bytes": HOST_BLOCKS * BLOCK_BYTES, "disk_path": str(disk)}, DEVICE_BLOCKS)
+    try:
+        outputs = {name: generate(llm, prompts(tail)) for name, tail in ROUNDS.items()}
+        counted = {d: metric(llm, "vllm:kvoffload_transfer_bytes", direction=d)
+                   for d in ("host_to_disk", "disk_to_host", "host_to_device")}
+    finally:
+        close(llm)
+    files = list(disk.glob("*/*/*/*.kvb"))
+    return Run(outputs, sorted({f.parent.parent.name for f in files}), len(files), counted)
+
+
+def test_outputs_equal_plain_vllm_at_tp2(run: Run, tp_baseline: Baseline) -> None:
+    for name in ROUNDS:
+        assert_same_outputs(run.outputs[name], tp_baseline[name])
+    assert [r.cached_tokens for r in run.outputs["second"]] == [HIT_TOKENS] * len(run.outputs["second"])
+
+
+def test_the_disk_tier_holds_one_copy_written_once(run: Run) -> None:
+    assert run.rank_dirs == ["replicated"] and run.files > HOST_BLOCKS
+    # Rank 1's writes are skipped: the bytes written, summed over both ranks, are at most one copy of each file
+    # (two writers would have written twice that; the last writes may end after the metrics were read).
+    assert run.files * BLOCK_BYTES / 2 < run.counted["host_to_disk"] <= run.files * BLOCK_BYTES
+
+
+def test_both_ranks_load_from_that_copy(run: Run) -> None:
+    hit_blocks = sum(r.cached_tokens for r in run.outputs["second"]) // MLA_BLOCK_SIZE
+    # Each rank copies every hit block into its own device cache, from its own host tier, which holds only
+    # HOST_BLOCKS: the others come back from the one copy on disk, on both ranks alike.
+    assert run.counted["host_to_device"] == TP * hit_blocks * BLOCK_BYTES
+    promoted = run.counted["disk_to_host"]
+    assert promoted >= TP * (hit_blocks - HOST_BLOCKS) * BLOCK_BYTES and promoted % (TP * BLOCK_BYTES) == 0
