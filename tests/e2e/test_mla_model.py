@@ -14,7 +14,7 @@ block is loaded, and a load copies exactly one latent page per layer (no K/V pai
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,12 +70,12 @@ def cached_rounds(llm: vllm.LLM, first: list[list[int]], second: list[list[int]]
     return {"first": generate(llm, first), "second": generate(llm, second)}
 
 
-@pytest.fixture(scope="module")
-def deepseek_baseline(deepseek_dir: Path) -> Baseline:
-    """Plain vLLM serving the second round from its own prefix cache (room for every prefix), with its control."""
+def cached_baseline(make_engine: Callable[[], vllm.LLM]) -> Baseline:
+    """Plain vLLM (``make_engine()``, with room for every prefix) serving the second round from its own prefix
+    cache, and its control built the same way: the prompts with one token changed, also served from its cache."""
     patch = with_vllm_prefix_caching()
     try:
-        llm = make_llm(deepseek_dir, None, block_size=MLA_BLOCK_SIZE, num_gpu_blocks_override=4 * DEVICE_BLOCKS)
+        llm = make_engine()
         plain = cached_rounds(llm, prompts(ROUNDS["first"]), prompts(ROUNDS["second"]))
         changed = cached_rounds(llm, with_changed_tokens(prompts(ROUNDS["first"])),
                                 with_changed_tokens(prompts(ROUNDS["second"])))
@@ -85,6 +85,12 @@ def deepseek_baseline(deepseek_dir: Path) -> Baseline:
     assert [r.cached_tokens for r in plain["second"] + changed["second"]] == [HIT_TOKENS] * 8
     assert_kv_sensitive(plain["second"], changed["second"])
     return Baseline(plain)
+
+
+@pytest.fixture(scope="module")
+def deepseek_baseline(deepseek_dir: Path) -> Baseline:
+    return cached_baseline(lambda: make_llm(deepseek_dir, None, block_size=MLA_BLOCK_SIZE,
+                                            num_gpu_blocks_override=4 * DEVICE_BLOCKS))
 
 
 @pytest.fixture(scope="module")

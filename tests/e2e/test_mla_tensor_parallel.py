@@ -16,28 +16,8 @@ from pathlib import Path
 
 import pytest
 import vllm
-from tests.e2e.conftest import (
-    ROUNDS,
-    Baseline,
-    Result,
-    assert_kv_sensitive,
-    assert_same_outputs,
-    close,
-    generate,
-    make_llm,
-    metric,
-    prompts,
-    with_changed_tokens,
-)
-from tests.e2e.test_mla_model import (
-    DEVICE_BLOCKS,
-    HIT_TOKENS,
-    LATENT,
-    MLA_BLOCK_SIZE,
-    SHAPE,
-    cached_rounds,
-    with_vllm_prefix_caching,
-)
+from tests.e2e.conftest import ROUNDS, Baseline, Result, assert_same_outputs, close, generate, make_llm, metric, prompts
+from tests.e2e.test_mla_model import DEVICE_BLOCKS, HIT_TOKENS, LATENT, MLA_BLOCK_SIZE, SHAPE, cached_baseline
 from tests.e2e.test_tensor_parallel import TP, thread_binding
 
 from kvoffload.integrations.vllm.model import ModelFamily, write_tiny_model
@@ -70,18 +50,7 @@ def make_tp_llm(model_dir: Path, extra_config: dict[str, object] | None, device_
 
 @pytest.fixture(scope="module")
 def tp_baseline(model_dir: Path) -> Baseline:
-    patch = with_vllm_prefix_caching()
-    try:
-        llm = make_tp_llm(model_dir, None, 4 * DEVICE_BLOCKS)
-        plain = cached_rounds(llm, prompts(ROUNDS["first"]), prompts(ROUNDS["second"]))
-        changed = cached_rounds(llm, with_changed_tokens(prompts(ROUNDS["first"])),
-                                with_changed_tokens(prompts(ROUNDS["second"])))
-        close(llm)
-    finally:
-        patch.undo()
-    assert [r.cached_tokens for r in plain["second"] + changed["second"]] == [HIT_TOKENS] * 8
-    assert_kv_sensitive(plain["second"], changed["second"])
-    return Baseline(plain)
+    return cached_baseline(lambda: make_tp_llm(model_dir, None, 4 * DEVICE_BLOCKS))
 
 
 @dataclass(frozen=True)
