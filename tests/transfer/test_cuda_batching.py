@@ -162,3 +162,15 @@ def _concat(a: CopyPlan, b: CopyPlan) -> CopyPlan:
     return CopyPlan(*(np.concatenate((x, y)) for x, y in ((a.view, b.view), (a.view_offset, b.view_offset),
                                                            (a.pool_offset, b.pool_offset), (a.size, b.size))),
                     a.nbytes + b.nbytes)
+
+
+def test_staging_smaller_than_the_largest_staged_copy_is_refused() -> None:
+    plan = CopyPlan(*(np.zeros(0, dtype=np.int64) for _ in range(4)), 0)
+    with pytest.raises(ValueError, match="copies up to 2048 bytes go through staging, which holds only 1024"):
+        cuda_batch.split(plan, staging_bytes=1024, large_bytes=2048)
+
+
+def test_scratch_smaller_than_staging_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"scratch \(16 bytes\) must be as large as staging \(32 bytes\)"):
+        cuda_batch.BatchRunner([], torch.zeros(8, dtype=torch.int8), torch.zeros(32, dtype=torch.int8),
+                               torch.zeros(16, dtype=torch.int8), torch.from_numpy)

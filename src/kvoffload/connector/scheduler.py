@@ -418,7 +418,7 @@ class ConnectorScheduler:
         """The engine's prefill speed, roughly: tokens whose blocks filled in the last step over its length (from
         one ``build_connector_meta`` to the next: that step's forward pass)."""
         now = self._clock()
-        if self._last_meta is not None and self._last_meta[1]:  # a step that filled no block says nothing
+        if self._last_meta is not None:
             started, blocks = self._last_meta
             self.load_cost.observe_step(blocks // self.num_groups * self.offload_tokens, now - started)
         self._last_meta = (now, filled_blocks)

@@ -92,9 +92,12 @@ def split(plan: CopyPlan, staging_bytes: int = STAGING_BYTES, large_bytes: int =
           min_saved: int = MIN_SAVED_COPIES) -> BatchedPlan | None:
     """The batched form of ``plan``, or None when copying it copy by copy is as good.
 
-    ``large_bytes`` must not exceed ``staging_bytes`` (every small copy fits one chunk).
+    Raises:
+        ValueError: ``large_bytes`` exceeds ``staging_bytes`` (every small copy must fit one chunk).
     """
-    assert large_bytes <= staging_bytes
+    if large_bytes > staging_bytes:
+        raise ValueError(f"cuda_batch.split: copies up to {large_bytes} bytes go through staging, which holds "
+                         f"only {staging_bytes}")
     small = plan.size < large_bytes
     if int(small.sum()) < min_saved:
         return None
@@ -178,7 +181,9 @@ class BatchRunner:
 
     def __init__(self, views: Sequence[torch.Tensor], pool: torch.Tensor, staging: torch.Tensor,
                  scratch: torch.Tensor, to_index: ToIndex) -> None:
-        assert staging.numel() == scratch.numel()
+        if staging.numel() != scratch.numel():
+            raise ValueError(f"BatchRunner: scratch ({scratch.numel()} bytes) must be as large as staging "
+                             f"({staging.numel()} bytes): a chunk passes through both")
         self._views, self._pool, self._to_index = views, pool, to_index
         self._staging, self._scratch = staging, scratch
         self._rows: dict[int, tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]] = {}
