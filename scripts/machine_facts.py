@@ -24,7 +24,7 @@ FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 
 def cpuinfo(path: Path = Path("/proc/cpuinfo")) -> tuple[str, set[str]]:
     """The first processor's model name and flags ('' and none where the file is missing)."""
-    model, flags = "", set()
+    model, flags = "", set[str]()
     try:
         text = path.read_text(encoding="utf-8", errors="replace")
     except OSError:
