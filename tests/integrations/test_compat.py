@@ -108,11 +108,11 @@ def test_the_connector_refuses_an_untested_vllm_before_it_reads_any_config(conne
 
 
 def test_with_the_override_the_connector_starts_on_an_untested_vllm(
-        connector_cls: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        connector_cls: Any, monkeypatch: pytest.MonkeyPatch, vllm_configs: tuple[Any, Any],
         warnings_logged: list[logging.LogRecord]) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    vllm_config, kv_cache_config = scheduler_configs(tmp_path)
+    vllm_config, kv_cache_config = vllm_configs
     monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
 
     connector = connector_cls(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
@@ -126,25 +126,20 @@ def test_the_connector_says_no_to_sleep_mode(connector_cls: Any) -> None:
     assert connector_cls.supports_sleep_mode(None) is False
 
 
-def scheduler_configs(tmp_path: Path) -> tuple[Any, Any]:
-    """A real VllmConfig with the connector configured, and a KV cache config for it (no engine runs)."""
-    import torch
-    from vllm.config import KVTransferConfig
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+@pytest.mark.parametrize("by", ["module path", "registered name"])
+def test_the_class_vllms_factory_resolves_says_no_to_sleep_mode(vllm_configs: tuple[Any, Any], by: str) -> None:
+    # vLLM 0.33's VllmConfig._verify_kv_transfer_compat asks the class its factory resolves for the configured
+    # connector, before any is built, and its default says yes (api_surface.CALL_ORDERS checks that vLLM asks).
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    from kvoffload.integrations.vllm.model import ModelFamily, TinyShape, write_tiny_model
+    from kvoffload.integrations.vllm import plugin
 
-    shape = TinyShape(num_layers=1)
-    model = write_tiny_model(tmp_path / "model", ModelFamily.LLAMA, shape)
-    transfer = KVTransferConfig(kv_connector="KVOffloadConnector",
-                                kv_connector_module_path="kvoffload.integrations.vllm.connector",
-                                kv_role="kv_both", kv_connector_extra_config={"host_bytes": 1 << 20})
-    config = EngineArgs(model=str(model), block_size=32, max_model_len=256, dtype="float32",
-                        kv_transfer_config=transfer).create_engine_config()
-    config.cache_config.kv_cache_layout = "LBNHC"  # no worker runs to resolve it; the CPU backend's own
-    spec = FullAttentionSpec(block_size=32, num_kv_heads=shape.num_kv_heads, head_size=shape.head_dim,
-                             dtype=torch.float32)
-    kv_cache = get_kv_cache_configs(config, [{"model.layers.0.self_attn.attn": spec}], [16 << 20])[0]
-    return config, kv_cache
+    transfer = vllm_configs[0].kv_transfer_config
+    if by == "registered name":
+        plugin.register()
+        transfer.kv_connector_module_path = None
+
+    connector_class = KVConnectorFactory.get_connector_class(transfer)
+
+    assert connector_class.__name__ == "KVOffloadConnector"
+    assert connector_class.supports_sleep_mode(transfer) is False

