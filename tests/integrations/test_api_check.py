@@ -1,5 +1,6 @@
-"""The vLLM API check: the table is right for the installed vLLM, covers every vLLM import of the adapter, matches
-the connector's own overrides, and the check reports drift in an altered source."""
+"""The vLLM API check: the table is right for the installed vLLM, covers every vLLM import of the adapter and of the
+bench that compares it with vLLM, matches the connector's own overrides, and the check reports drift in an altered
+source: a changed name or signature, a name moved to another module (naming it), hooks called in another order."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import pytest
 
 from kvoffload.integrations.vllm import api_check, api_surface
 from kvoffload.integrations.vllm.api_check import VllmSource, check, format_report
-from kvoffload.integrations.vllm.api_surface import SURFACE, ClassUse, ModuleUse, Use
+from kvoffload.integrations.vllm.api_surface import AVOIDED, SURFACE, CallOrder, ClassUse, ModuleUse, Use
 
 ADAPTER = Path(api_surface.__file__).parent
+BENCH = ADAPTER.parents[1] / "bench" / "overhead_vllm.py"
+MIXIN = "vllm/v1/worker/kv_connector_model_runner_mixin.py"
 BASE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
 OUTPUT = "vllm/v1/core/sched/output.py"
 SPECS = "vllm/v1/kv_cache_interface.py"
@@ -91,6 +94,14 @@ DRIFTS = {
                                    "resolve_kv_cache_block_sizes: signature no longer takes the adapter's call"),
     "renamed class": (SPECS, "class MambaSpec(", "class MambaStateSpec(",
                       "vllm.v1.kv_cache_interface\n    MambaSpec: name not defined"),
+    "wait_for_save after the reports": (
+        MIXIN, "            if not defer_finalize:\n                kv_connector.wait_for_save()\n",
+        "", "KVConnectorModelRunnerMixin._get_kv_connector_output\n    (hook calls): calls the connector in another "
+        "order than the adapter was tested with"),
+    "a new hook call": (MIXIN, "            output.kv_connector_stats = kv_connector.get_kv_connector_stats()",
+                        "            kv_connector.reset_cache()\n"
+                        "            output.kv_connector_stats = kv_connector.get_kv_connector_stats()",
+                        "get_block_ids_with_load_errors, reset_cache, get_kv_connector_stats"),
 }
 
 
@@ -131,6 +142,51 @@ def test_a_member_newer_than_the_source_may_be_missing(root: Path) -> None:
     assert [d.member for d in drifts] == ["supports_tunnels"]
 
 
+def test_a_member_older_than_the_source_may_be_missing(root: Path) -> None:
+    older = ModuleUse("vllm.v1.core.kv_cache_utils", functions=api_surface.uses(
+        Use.CALL, "plan_kv_caches(vllm_config) [until 0.1]", "plan_kv_cache_groups(vllm_config)"))
+
+    drifts = check(VllmSource.open(root), (older,), ())
+
+    assert [d.member for d in drifts] == ["plan_kv_cache_groups"]
+
+
+def test_a_moved_function_is_reported_with_where_vllm_defines_it_now(root: Path) -> None:
+    utils = (root / UTILS).read_text()
+    assert "\ndef get_kv_cache_configs(" in utils
+    source = VllmSource.open(root, {
+        UTILS: utils.replace("\ndef get_kv_cache_configs(", "\ndef _planned_elsewhere("),
+        "vllm/v1/core/kv_cache_planner.py": "def get_kv_cache_configs(vllm_config, specs, memory, groups): ...\n"})
+    bench_use = ModuleUse("vllm.v1.core.kv_cache_utils", functions=api_surface.uses(
+        Use.CALL, "get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory)"))
+
+    report = format_report(source, check(source, (bench_use,), ()))
+
+    assert ("get_kv_cache_configs: function not defined; moved? vLLM defines it in vllm.v1.core.kv_cache_planner"
+            in report), report
+
+
+def test_a_call_order_newer_than_the_source_is_not_required(root: Path) -> None:
+    newer = CallOrder(api_surface._V2_CONNECTOR, "ActiveKVConnector.finish_everything", ("wait_for_save",), "test",
+                      since=(99, 0))
+    missing = CallOrder(api_surface._V2_CONNECTOR, "ActiveKVConnector.finish_everything", ("wait_for_save",), "test")
+
+    assert check(VllmSource.open(root), (), (newer,)) == []
+    assert [d.problem for d in check(VllmSource.open(root), (), (missing,))] == [
+        "function not found (the adapter was tested with the hooks it calls)"]
+
+
+def test_a_vllm_that_stops_asking_about_sleep_mode_is_drift(root: Path) -> None:
+    # The installed vLLM (0.31, 0.32) never asks; read as 0.33, which must, it is reported.
+    source = VllmSource.open(root, {"vllm/_version.py": "__version__ = version = '0.33.0'\n"})
+    [asks] = [o for o in api_surface.CALL_ORDERS if o.calls == ("supports_sleep_mode",)]
+
+    [drift] = check(source, (), (asks,))
+
+    assert drift.where == "vllm.config.vllm.VllmConfig._verify_kv_transfer_compat"
+    assert (drift.expected, drift.found) == ("supports_sleep_mode", "")
+
+
 def test_the_command_exits_1_on_drift_and_0_without(root: Path, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     assert api_check.main([str(root)]) == 0
@@ -147,10 +203,11 @@ def test_the_command_exits_1_on_drift_and_0_without(root: Path, tmp_path: Path,
 
 
 def adapter_imports() -> set[tuple[str, str]]:
-    """(module, name) of every ``from vllm... import name`` in the adapter, and every ``alias.attr`` used through a
-    module alias (``from vllm.v1 import kv_cache_interface as vkv`` then ``vkv.MambaSpec``)."""
+    """(module, name) of every ``from vllm... import name`` in the adapter and the bench comparing it with vLLM, and
+    every ``alias.attr`` used through a module alias (``from vllm.v1 import kv_cache_interface as vkv`` then
+    ``vkv.MambaSpec``)."""
     found: set[tuple[str, str]] = set()
-    for path in ADAPTER.glob("*.py"):
+    for path in [*ADAPTER.glob("*.py"), BENCH]:
         tree = ast.parse(path.read_text())
         aliases: dict[str, str] = {}
         for node in ast.walk(tree):
@@ -171,6 +228,10 @@ def test_every_vllm_import_of_the_adapter_is_in_the_table() -> None:
     declared |= {(f"{u.module}.{u.name}", m.name) for u in SURFACE if isinstance(u, ClassUse) for m in u.members}
 
     assert adapter_imports() - declared == set()
+
+
+def test_the_adapter_imports_none_of_the_vllm_names_it_avoids() -> None:
+    assert adapter_imports() & set(AVOIDED) == set()
 
 
 def own_methods(path: Path, class_name: str) -> dict[str, str]:

@@ -9,8 +9,10 @@ altered sources (proving it fails).
 
 What it compares: names and kinds (method, classmethod, property, field), parameter names, order and kinds, and
 which parameters have defaults; fields a class is constructed with; abstract methods and new hooks of a class
-whose every hook the table lists. Not annotations or behaviour: the end-to-end tests prove those on the
-releases the adapter is tested with.
+whose every hook the table lists; for a name missing where the adapter imports it, the modules that define it now
+(a moved name); and the order in which vLLM's model runners call the connector's hooks
+(``api_surface.CALL_ORDERS``). Not annotations or other behaviour: the end-to-end tests and the simulated engine
+prove those on the releases the adapter is tested with.
 
 Usage: ``python -m kvoffload.integrations.vllm.api_check WHEEL_OR_SITE_PACKAGES`` (exit status 1 on drift).
 """
@@ -20,14 +22,25 @@ from __future__ import annotations
 import argparse
 import ast
 import sys
-import zipfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
 from kvoffload.integrations.vllm import compat
-from kvoffload.integrations.vllm.api_surface import SURFACE, ClassUse, Member, ModuleUse, Use
+from kvoffload.integrations.vllm.api_source import VllmSource, defined_names, installed_vllm_root
+from kvoffload.integrations.vllm.api_surface import (
+    CALL_ORDERS,
+    CONNECTOR_BASE,
+    SURFACE,
+    CallOrder,
+    ClassUse,
+    Member,
+    ModuleUse,
+    Release,
+    Use,
+)
+
+__all__ = ["Drift", "VllmSource", "check", "format_report", "installed_vllm_root", "main", "signature"]
 
 
 @dataclass(frozen=True)
@@ -39,69 +52,6 @@ class Drift:
     problem: str
     expected: str | None = None
     found: str | None = None
-
-
-class VllmSource:
-    """vLLM's Python files by path inside the package tree ("vllm/v1/request.py"), read lazily."""
-
-    def __init__(self, read: Callable[[str], str | None], origin: str) -> None:
-        self._read = read
-        self.origin = origin
-        self._module = cache(self._parse)
-
-    @classmethod
-    def open(cls, path: Path, overrides: Mapping[str, str] | None = None) -> VllmSource:
-        """A wheel file, or a directory holding the ``vllm`` package (site-packages); ``overrides`` replace files."""
-        changed = dict(overrides or {})
-        if path.is_dir():
-            def read(name: str) -> str | None:
-                if name in changed:
-                    return changed[name]
-                file = path / name
-                return file.read_text() if file.is_file() else None
-        else:
-            wheel = zipfile.ZipFile(path)
-            names = set(wheel.namelist())
-
-            def read(name: str) -> str | None:
-                if name in changed:
-                    return changed[name]
-                return wheel.read(name).decode() if name in names else None
-        return cls(read, str(path))
-
-    def module(self, dotted: str) -> ast.Module | None:
-        """The parsed module (``a/b.py`` or the package ``a/b/__init__.py``); None when the source lacks it."""
-        found = self._module(dotted)
-        return found[0] if found is not None else None
-
-    def absolute(self, module: str, node: ast.ImportFrom) -> str:
-        """The module an ``import from`` inside ``module`` names, relative imports resolved."""
-        if node.level == 0:
-            return node.module or ""
-        found = self._module(module)
-        package = module if found is not None and found[1] else module.rpartition(".")[0]
-        for _ in range(node.level - 1):
-            package = package.rpartition(".")[0]
-        return f"{package}.{node.module}" if node.module else package
-
-    def _parse(self, dotted: str) -> tuple[ast.Module, bool] | None:
-        base = dotted.replace(".", "/")
-        for name, is_package in ((f"{base}.py", False), (f"{base}/__init__.py", True)):
-            text = self._read(name)
-            if text is not None:
-                return ast.parse(text, filename=name), is_package
-        return None
-
-    @property
-    def version(self) -> str:
-        """The release the source says it is (``vllm/_version.py``), "unknown" when it does not say."""
-        tree = self.module("vllm._version")
-        for node in tree.body if tree is not None else ():
-            if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
-                    and isinstance(node.value.value, str)
-                    and any(isinstance(t, ast.Name) and t.id == "__version__" for t in node.targets)):
-                return node.value.value
-        return "unknown"
 
 
 # ---- what the source defines --------------------------------------------------------------------------------
@@ -187,39 +137,6 @@ def _is_classvar(annotation: ast.expr) -> bool:
     return text.startswith(("ClassVar", "typing.ClassVar"))
 
 
-def _top_level(tree: ast.Module) -> Iterator[ast.stmt]:
-    """Module-level statements, including those inside ``if``/``try`` blocks (TYPE_CHECKING, fallbacks)."""
-    stack = list(reversed(tree.body))
-    while stack:
-        node = stack.pop()
-        if isinstance(node, ast.If | ast.Try):
-            inner = node.body + node.orelse + (node.finalbody if isinstance(node, ast.Try) else [])
-            if isinstance(node, ast.Try):
-                inner += [s for h in node.handlers for s in h.body]
-            stack.extend(reversed(inner))
-        else:
-            yield node
-
-
-def defined_names(tree: ast.Module) -> dict[str, ast.stmt]:
-    """Every name the module binds at top level: defs, classes, assignments, imports."""
-    names: dict[str, ast.stmt] = {}
-    for node in _top_level(tree):
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            names[node.name] = node
-        elif isinstance(node, ast.Assign):
-            for target in node.targets:
-                for t in ast.walk(target):
-                    if isinstance(t, ast.Name):
-                        names[t.id] = node
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            names[node.target.id] = node
-        elif isinstance(node, ast.Import | ast.ImportFrom):
-            for alias in node.names:
-                names.setdefault((alias.asname or alias.name).split(".")[0], node)
-    return names
-
-
 class Resolver:
     """Finds classes and their members (own first, then bases, through imports) in a ``VllmSource``."""
 
@@ -252,8 +169,10 @@ class Resolver:
 # ---- comparing ----------------------------------------------------------------------------------------------
 
 
-def check(source: VllmSource, surface: tuple[ClassUse | ModuleUse, ...] = SURFACE) -> list[Drift]:
-    """Every difference between ``surface`` and ``source``; empty when the adapter's uses all hold."""
+def check(source: VllmSource, surface: tuple[ClassUse | ModuleUse, ...] = SURFACE,
+          orders: tuple[CallOrder, ...] = CALL_ORDERS) -> list[Drift]:
+    """Every difference between ``surface`` (and ``orders``) and ``source``; empty when the adapter's uses all
+    hold."""
     release = compat.release(source.version)
     resolver = Resolver(source)
     drifts: list[Drift] = []
@@ -262,36 +181,56 @@ def check(source: VllmSource, surface: tuple[ClassUse | ModuleUse, ...] = SURFAC
             drifts += _check_module(resolver, use, release)
         else:
             drifts += _check_class(resolver, use, release)
+    hooks = frozenset(m.name for m in CONNECTOR_BASE.members)
+    for order in orders:
+        drifts += _check_order(resolver, order, hooks, release)
     return drifts
 
 
+def _in_range(since: Release | None, until: Release | None, release: tuple[int, int, int] | None) -> bool:
+    """Whether a source of ``release`` must have what the table dates ``[since, until]`` (unknown: yes)."""
+    if release is None:
+        return True
+    return (since is None or release[:2] >= since) and (until is None or release[:2] <= until)
+
+
 def _is_due(member: Member, release: tuple[int, int, int] | None) -> bool:
-    """Whether the source must have ``member``: only a source known to be older than its ``since`` may lack it."""
-    return member.since is None or release is None or release[:2] >= member.since
+    """Whether the source must have ``member``: only a source outside its ``since``/``until`` may lack it."""
+    return _in_range(member.since, member.until, release)
 
 
 def _check_module(resolver: Resolver, use: ModuleUse, release: tuple[int, int, int] | None) -> list[Drift]:
+    if not _in_range(use.since, None, release):
+        return []
     tree = resolver.source.module(use.module)
     if tree is None:
         return [Drift(use.module, "", "module not found")]
     names = defined_names(tree)
-    drifts = [Drift(use.module, name, "name not defined") for name in use.names
+    drifts = [Drift(use.module, name, _not_defined(resolver.source, name, "name")) for name in use.names
               if name not in names and resolver.source.module(f"{use.module}.{name}") is None]
     for member in use.functions:
         node = names.get(member.name)
         if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             if _is_due(member, release):
-                drifts.append(Drift(use.module, member.name, "function not defined", member.signature))
+                drifts.append(Drift(use.module, member.name, _not_defined(resolver.source, member.name, "function"),
+                                    member.signature))
             continue
-        drifts += _compare(use.module, member, Found(signature(node), is_method=True))
+        if _is_due(member, release):
+            drifts += _compare(use.module, member, Found(signature(node), is_method=True))
     return drifts
+
+
+def _not_defined(source: VllmSource, name: str, kind: str) -> str:
+    """The problem of a name missing where the adapter imports it, naming where vLLM defines it now, if anywhere."""
+    homes = source.where_defined(name)
+    return f"{kind} not defined" + (f"; moved? vLLM defines it in {', '.join(homes)}" if homes else "")
 
 
 def _check_class(resolver: Resolver, use: ClassUse, release: tuple[int, int, int] | None) -> list[Drift]:
     where = f"{use.module}.{use.name}"
     found_cls = resolver.find_class(use.module, use.name)
     if found_cls is None:
-        return [Drift(where, "", "class not found")]
+        return [Drift(where, "", _not_defined(resolver.source, use.name, "class"))]
     members = resolver.members(*found_cls)
     drifts: list[Drift] = []
     for member in use.members:
@@ -330,6 +269,35 @@ def _compare(where: str, member: Member, found: Found) -> list[Drift]:
     return [Drift(where, member.name, problem, member.signature, found.signature)]
 
 
+def _check_order(resolver: Resolver, order: CallOrder, hooks: frozenset[str],
+                 release: tuple[int, int, int] | None) -> list[Drift]:
+    if not _in_range(order.since, None, release):
+        return []
+    where = f"{order.module}.{order.function}"
+    fn = _function(resolver, order.module, order.function)
+    if fn is None:
+        return [Drift(where, "", "function not found (the adapter was tested with the hooks it calls)")]
+    watched = hooks | set(order.calls)
+    calls = sorted((c.lineno, c.col_offset, c.func.attr) for c in ast.walk(fn)
+                   if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr in watched)
+    found = tuple(name for _, _, name in calls)
+    if found == order.calls:
+        return []
+    return [Drift(where, "(hook calls)", f"calls the connector in another order than the adapter was tested "
+                  f"with ({order.why})", ", ".join(order.calls), ", ".join(found))]
+
+
+def _function(resolver: Resolver, module: str, qualified: str) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    owner, _, name = qualified.rpartition(".")
+    if owner:
+        found = resolver.find_class(module, owner)
+        body: list[ast.stmt] = found[1].body if found is not None else []
+    else:
+        tree = resolver.source.module(module)
+        body = tree.body if tree is not None else []
+    return next((n for n in body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == name), None)
+
+
 def _accepts(called: str, found: str) -> bool:
     """Whether a call shaped like ``called`` (its parameters, in order) still fits ``found``.
 
@@ -356,7 +324,8 @@ def format_report(source: VllmSource, drifts: list[Drift]) -> str:
     head = f"vLLM {source.version} ({source.origin})"
     if not drifts:
         count = sum(len(u.members) if isinstance(u, ClassUse) else len(u.names) + len(u.functions) for u in SURFACE)
-        return f"{head}: matches the API the adapter uses ({len(SURFACE)} classes and modules, {count} uses)"
+        return (f"{head}: matches the API the adapter uses ({len(SURFACE)} classes and modules, {count} uses, "
+                f"{len(CALL_ORDERS)} hook call orders)")
     lines = [f"{head}: {len(drifts)} difference(s) from the API the adapter uses "
              "(kvoffload/integrations/vllm/api_surface.py):"]
     last = None
@@ -370,16 +339,6 @@ def format_report(source: VllmSource, drifts: list[Drift]) -> str:
         if drift.found is not None:
             lines.append(f"      + vLLM:    {drift.found}")
     return "\n".join(lines)
-
-
-def installed_vllm_root() -> Path:
-    """The directory holding the installed ``vllm`` package, found without importing it."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("vllm is not installed in this environment")
-    return Path(next(iter(spec.submodule_search_locations))).parent
 
 
 def main(argv: list[str] | None = None) -> int:

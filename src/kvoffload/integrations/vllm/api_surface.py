@@ -3,9 +3,15 @@
 Each entry says where in vLLM a class or module lives and how the adapter uses each member (``Use``). Signatures
 are written as api_check renders the source's: ``@classmethod name(cls, a, b=..., *, c, **kwargs)``, with
 ``=...`` marking a default and no annotations; ``[since 0.33]`` marks a member the adapter needs only from that
-vLLM release on (older sources may lack it). When the adapter starts to use something new of vLLM, add it here:
-tests/integrations/test_api_check.py fails for an import of vllm in this package that the table does not name,
-and proves the table against the installed vLLM.
+vLLM release on (older sources may lack it), ``[until 0.32]`` one it needs only up to that release (compat.py
+uses another from the next one on). When the adapter (or the bench that compares it with vLLM,
+``bench/overhead_vllm.py``) starts to use something new of vLLM, add it here: tests/integrations/test_api_check.py
+fails for an import of vllm in either that the table does not name, and proves the table against the installed
+vLLM.
+
+Beyond names and signatures, ``CALL_ORDERS`` records the order in which vLLM's model runners call the connector's
+worker hooks, and where vLLM asks the connector a question the adapter answers on purpose: the orders the
+simulated engine runs (``testing/sim.HookOrder``). ``AVOIDED`` names vLLM helpers the adapter must not use.
 """
 
 from __future__ import annotations
@@ -26,13 +32,18 @@ class Use(enum.Enum):
     """A hook of vLLM's base class the connector leaves to vLLM's default on purpose."""
 
 
+Release = tuple[int, int]
+"""A vLLM release series, (major, minor)."""
+
+
 @dataclass(frozen=True)
 class Member:
     name: str
     use: Use
     signature: str
     """In api_check's notation; for ``READ`` and ``INHERIT`` just the name."""
-    since: tuple[int, int] | None = None
+    since: Release | None = None
+    until: Release | None = None
 
 
 @dataclass(frozen=True)
@@ -55,24 +66,48 @@ class ModuleUse:
     """Names the adapter imports from the module (functions, classes, constants, submodules)."""
     functions: tuple[Member, ...] = ()
     """Module-level functions the adapter calls (``Use.CALL``)."""
+    since: Release | None = None
+    """The first release with the module (older sources may lack it and every name in it)."""
+
+
+@dataclass(frozen=True)
+class CallOrder:
+    """The connector hooks one vLLM function calls, in the order they appear in its source.
+
+    ``calls`` lists every call in it of a connector hook (a name ``CONNECTOR_BASE`` lists) or of a name in
+    ``calls`` itself, whatever the receiver: vLLM's order as the adapter was tested against it. Branches are not
+    told apart (``if not defer_finalize: wait_for_save()`` counts as a call), so a hook that moves, appears or
+    goes is drift, and so is a new hook call.
+    """
+
+    module: str
+    function: str
+    """``name`` of a module-level function, or ``Class.method``."""
+    calls: tuple[str, ...]
+    why: str
+    """What the adapter relies on in this order (shown with the drift)."""
+    since: Release | None = None
 
 
 _ENTRY = re.compile(r"^(?:@\w+ )?(\w+)(?:\(.*\))?$")
+_RANGE = re.compile(r"^(.*) \[(since|until) (\d+)\.(\d+)\]$")
 
 
 def uses(use: Use, *entries: str) -> tuple[Member, ...]:
-    """Members from entries in the table's notation, each optionally ending in ``[since X.Y]``."""
+    """Members from entries in the table's notation, each optionally ending in ``[since X.Y]`` or
+    ``[until X.Y]``."""
     members = []
     for entry in entries:
-        text, since = entry, None
-        if entry.endswith("]"):
-            text, _, version = entry[:-1].rpartition(" [since ")
-            major, minor = version.split(".")
-            since = (int(major), int(minor))
+        text, bound, release = entry, None, None
+        ranged = _RANGE.match(entry)
+        if ranged is not None:
+            text, bound = ranged.group(1), ranged.group(2)
+            release = (int(ranged.group(3)), int(ranged.group(4)))
         match = _ENTRY.match(text)
         if match is None:
             raise ValueError(f"not an entry of the table's notation: {entry!r}")
-        members.append(Member(match.group(1), use, text, since))
+        members.append(Member(match.group(1), use, text, since=release if bound == "since" else None,
+                              until=release if bound == "until" else None))
     return tuple(members)
 
 
@@ -225,6 +260,76 @@ CONFIG = (
     ClassUse("vllm.config", "KVTransferConfig", members=uses(Use.READ, "kv_connector_extra_config")),
 )
 
+_UTILS = "vllm.v1.core.kv_cache_utils"
+_PLANNING = "vllm.v1.core.kv_cache_planning"
+
+KV_CACHE_PLANNING = (
+    # compat.get_kv_cache_configs: vLLM 0.33 moved the planner to kv_cache_planning, where it takes the model's
+    # groups (get_global_kv_cache_groups) as a fourth parameter.
+    ModuleUse(_UTILS, functions=uses(
+        Use.CALL, "get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory) [until 0.32]")),
+    ModuleUse(_PLANNING, since=(0, 33), functions=uses(
+        Use.CALL, "get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory, global_kv_cache_groups)",
+        "get_global_kv_cache_groups(vllm_config, kv_cache_specs)")),
+)
+
+BENCH = (
+    # bench/overhead_vllm.py builds vLLM's own scheduler and offloading connector beside ours.
+    ModuleUse("vllm.config", names=("KVTransferConfig",)),
+    ModuleUse("vllm.engine.arg_utils", names=("EngineArgs",)),
+    ClassUse("vllm.engine.arg_utils", "EngineArgs", members=uses(
+        Use.READ, "model", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "dtype",
+        "enable_prefix_caching", "kv_transfer_config") + uses(Use.CALL, "create_engine_config(self)")),
+    ModuleUse("vllm.distributed.kv_transfer.kv_connector.v1.offloading.common", names=("OffloadingWorkerMetadata",)),
+    ModuleUse("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector", names=("OffloadingConnector",)),
+    ModuleUse("vllm.v1.outputs", names=("ModelRunnerOutput",)),
+    ModuleUse("vllm.sampling_params", names=("SamplingParams",)),
+    ModuleUse("vllm.utils.hashing", names=("get_hash_fn_by_name",)),
+    ModuleUse(_UTILS, names=("get_request_block_hasher", "init_none_hash")),
+    ModuleUse("vllm.v1.core.sched.scheduler", names=("Scheduler",)),
+    ModuleUse("vllm.v1.structured_output", names=("StructuredOutputManager",)),
+)
+
 SURFACE: tuple[ClassUse | ModuleUse, ...] = (
-    CONNECTOR + METRICS + EVENTS + KV_CACHE_SPECS + SCHEDULER_OUTPUT + REQUESTS + CONFIG)
-"""Everything of vLLM that kvoffload.integrations.vllm uses."""
+    CONNECTOR + METRICS + EVENTS + KV_CACHE_SPECS + SCHEDULER_OUTPUT + REQUESTS + CONFIG + KV_CACHE_PLANNING + BENCH)
+"""Everything of vLLM that kvoffload.integrations.vllm and bench/overhead_vllm.py use."""
+
+_V1_RUNNER = "vllm.v1.worker.gpu_model_runner"
+_MIXIN = "vllm.v1.worker.kv_connector_model_runner_mixin"
+_V2_CONNECTOR = "vllm.v1.worker.gpu.kv_connector"
+_AFTER_FORWARD = ("wait_for_save", "get_transfer_results", "get_block_ids_with_load_errors", "get_kv_connector_stats",
+                  "get_kv_connector_kv_cache_events", "build_connector_worker_meta", "clear_connector_metadata")
+_FINALIZE = ("wait_for_save", "clear_connector_metadata")
+_REPORT_FIRST = ("with speculative decoding wait_for_save runs after the step's transfer results and worker "
+                 "metadata (sim.HookOrder.REPORT_FIRST): stores only queue there, and the next step's "
+                 "handle_preemptions submits them, in either order")
+
+CALL_ORDERS: tuple[CallOrder, ...] = (
+    CallOrder(_V1_RUNNER, "GPUModelRunner.execute_model",
+              ("handle_preemptions", "kv_connector_no_forward", "maybe_get_kv_connector_output"),
+              "handle_preemptions (submit last step's deferred stores, fence) comes first, also without a forward"),
+    CallOrder(_MIXIN, "KVConnectorModelRunnerMixin._get_kv_connector_output",
+              ("bind_connector_metadata", "start_load_kv", "start_load_kv", *_AFTER_FORWARD),
+              "without speculative decoding wait_for_save runs before the step's reports "
+              "(sim.HookOrder.SAVE_FIRST); with it, finalize_kv_connector calls it"),
+    CallOrder(_MIXIN, "KVConnectorModelRunnerMixin.finalize_kv_connector", _FINALIZE, _REPORT_FIRST),
+    CallOrder(_V1_RUNNER, "GPUModelRunner.sample_tokens", ("finalize_kv_connector",), _REPORT_FIRST),
+    CallOrder(_V2_CONNECTOR, "ActiveKVConnector.pre_forward", ("handle_preemptions", "bind_connector_metadata"),
+              "Model Runner V2: handle_preemptions comes first"),
+    CallOrder(_V2_CONNECTOR, "ActiveKVConnector.post_forward", _AFTER_FORWARD,
+              "Model Runner V2: wait_for_save before the reports, unless finalize_step defers it"),
+    CallOrder(_V2_CONNECTOR, "ActiveKVConnector.finalize_step", _FINALIZE, _REPORT_FIRST, since=(0, 33)),
+    CallOrder("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.sample_tokens",
+              ("post_forward", "post_forward", "finalize_step"), _REPORT_FIRST, since=(0, 33)),
+    CallOrder("vllm.config.vllm", "VllmConfig._verify_kv_transfer_compat", ("supports_sleep_mode",),
+              "vLLM asks before it enables sleep mode (its default says yes); compat.VersionHooks says no",
+              since=(0, 33)),
+)
+"""Where vLLM's model runners and config call the connector, as the adapter was tested against."""
+
+AVOIDED: dict[tuple[str, str], str] = {
+    ("vllm.distributed.kv_transfer.kv_connector.utils", "yield_req_data"):
+        "its third value meant 'resumed after a preemption' up to vLLM 0.32 and means 'the whole block table' "
+        "(new requests too) from 0.33 on; adapters.step_schedule reads resumed_req_ids and preempted_req_ids",
+}
+"""vLLM names the adapter must not import (module, name) -> why; tests/integrations/test_api_check.py checks."""
