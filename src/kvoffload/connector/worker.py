@@ -10,6 +10,11 @@ Semantics of vLLM's original ``OffloadingConnectorWorker``, plus failures end to
   ``get_block_ids_with_load_errors`` so the engine recomputes them;
 - ``build_connector_worker_meta`` reports finished job ids to the scheduler half.
 
+The step's reports (``get_finished``, ``get_block_ids_with_load_errors``, ``build_connector_worker_meta``) may come
+before or after ``prepare_store_kv``: vLLM calls ``wait_for_save`` after them when it runs a speculative drafter
+(testing/sim.HookOrder). Nothing here depends on which: ``prepare_store_kv`` only queues, the next step's
+``handle_preemptions`` submits, and a job is reported once, from the handler's result, after it was submitted.
+
 A replicated namespace (latent attention: every rank holds the same bytes) keeps one copy in the shared tiers:
 only rank 0 writes it, the other ranks report their writes done at once (``SkipWrites``, so the scheduler's
 every-rank count still completes the job, and rank 0's failure still fails it), and every rank reads the one

@@ -2,7 +2,8 @@
 
 Each step: schedule (decode running requests, admit waiting ones through the device prefix cache and then
 kvoffload, preempt the newest request when blocks run out) -> ``build_connector_meta`` -> on every worker:
-``handle_preemptions``, ``start_kv_transfers``, the forward pass, ``prepare_store_kv``, ``get_finished`` ->
+``handle_preemptions``, ``start_kv_transfers``, the forward pass, ``prepare_store_kv`` and the step's reports
+(``get_finished``, load errors, ``build_connector_worker_meta``) in either of vLLM's orders (``HookOrder``) ->
 ``update_connector_output`` -> finished loads, finished requests.
 
 The forward pass writes deterministic bytes: an engine block's page is a pseudo-random function of the tokens up
@@ -42,6 +43,16 @@ KVCaches = Mapping[str, torch.Tensor]
 
 NULL_SENTINEL = 0x5A
 """Every byte of the null block, on every worker: no write may change it."""
+
+
+class HookOrder(enum.Enum):
+    """Where a step's ``prepare_store_kv`` (vLLM's ``wait_for_save``) runs among the worker's hooks."""
+
+    SAVE_FIRST = "save first"
+    """Before the step's reports: vLLM's model runners without speculative decoding."""
+    REPORT_FIRST = "report first"
+    """After them: vLLM's runners with speculative decoding, which call ``wait_for_save`` once the drafter ran
+    (V1's ``finalize_kv_connector``; Model Runner V2's ``finalize_step``, vLLM 0.33)."""
 
 
 class Status(enum.Enum):
@@ -88,13 +99,15 @@ class SimEngine:
 
     ``sliding_windows``: KV-cache group -> its sliding window in tokens, for the groups that have one; a state
     group's is one block. ``clock``: the scheduler half's (a fake one makes a tier slow without waiting).
+    ``hook_order``: where each step's stores are handed to the workers (``HookOrder``).
     """
 
     def __init__(self, layout: KVCacheLayout, make_kv_caches: Callable[[], KVCaches], config: OffloadConfig,
                  block_size: int = 16, num_workers: int = 1, max_batch_tokens: int = 8192,
                  vocab_size: int = 1000, sliding_windows: Mapping[int, int] | None = None,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, hook_order: HookOrder = HookOrder.SAVE_FIRST) -> None:
         self.layout = layout
+        self.hook_order = hook_order
         self.block_size = block_size
         self.num_groups = len(layout.groups)
         self.vocab_size = vocab_size
@@ -187,17 +200,24 @@ class SimEngine:
             worker.handle_preemptions(meta)
             worker.start_kv_transfers(meta)
             self._forward(self.kvs[rank], self.page_ranks[rank])
-            worker.prepare_store_kv(meta)
-            for req_id in worker.get_finished():
-                self._finished_loads[req_id] = self._finished_loads.get(req_id, 0) + 1
-            self._load_errors |= worker.get_block_ids_with_load_errors()
-            report = report.aggregate(worker.build_connector_worker_meta())
+            if self.hook_order is HookOrder.SAVE_FIRST:
+                worker.prepare_store_kv(meta)
+            report = report.aggregate(self._collect(worker))
+            if self.hook_order is HookOrder.REPORT_FIRST:
+                worker.prepare_store_kv(meta)
         self.scheduler.update_connector_output(report)
         self._sample()
         self._complete_loads()
         finished = self._finish_requests()
         tokens = sum(end - start for _, start, end in self._work)
         return StepReport(self.step_count, tokens, tuple(finished), meta.is_empty)
+
+    def _collect(self, worker: ConnectorWorker) -> WorkerMetadata:
+        """One worker's reports of the step: finished loads, failed load blocks, finished jobs."""
+        for req_id in worker.get_finished():
+            self._finished_loads[req_id] = self._finished_loads.get(req_id, 0) + 1
+        self._load_errors |= worker.get_block_ids_with_load_errors()
+        return worker.build_connector_worker_meta()
 
     def _schedule(self) -> tuple[list[ScheduledRequest], list[str]]:
         scheduled: list[ScheduledRequest] = []

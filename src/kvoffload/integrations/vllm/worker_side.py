@@ -4,7 +4,10 @@ Lives in each vLLM worker process (one per rank). Per engine step vLLM calls ``h
 blocks are reused), binds the step's metadata, runs the forward pass, ``start_load_kv`` (before the forward
 when it has synchronous loads, else after), ``wait_for_save``, then collects ``get_transfer_results``,
 ``get_block_ids_with_load_errors``, ``get_kv_connector_stats`` and ``build_connector_worker_meta`` into the
-step's ``KVConnectorOutput``.
+step's ``KVConnectorOutput``. With speculative decoding vLLM collects those first and calls ``wait_for_save``
+once the drafter ran (V1's ``finalize_kv_connector``, Model Runner V2's ``finalize_step`` in vLLM 0.33, with the
+metadata still bound); ``wait_for_save`` only queues the step's stores, so both orders submit them at the next
+step's ``handle_preemptions`` and report each once (api_surface.CALL_ORDERS pins vLLM's orders).
 
 Failed loads: with one KV-cache group the failed device blocks go to vLLM (``invalid_block_ids``), which
 recomputes from the first bad block. With several groups block ids are not unique across groups and vLLM
