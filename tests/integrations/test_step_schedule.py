@@ -1,8 +1,14 @@
 """adapters.step_schedule: vLLM's SchedulerOutput as columns, new requests first, with the tokens computed after
-the step (decode, chunked prefill, speculative tokens left out, resumed and preempted requests)."""
+the step (decode, chunked prefill, speculative tokens left out, resumed and preempted requests, and new requests
+never taken for either)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from vllm.distributed.kv_transfer.kv_connector import utils as kv_connector_utils
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 from kvoffload.integrations.vllm import adapters
@@ -52,3 +58,31 @@ def test_resumed_and_preempted_requests_are_named() -> None:
     out.preempted_req_ids = {"c"}
     step = adapters.step_schedule(out)
     assert step.resumed == {"b"} and step.preempted_req_ids == {"c"}
+
+
+def yield_req_data_033(out: SchedulerOutput) -> Iterator[tuple[str, Any, bool]]:
+    """vLLM 0.33's ``kv_connector.utils.yield_req_data``: its third value became "the whole block table", true for
+    new requests too (up to 0.32 it was true only for requests resumed after a preemption)."""
+    for r in out.scheduled_new_reqs:
+        yield r.req_id, r.block_ids, True
+    cached = out.scheduled_cached_reqs
+    yield from zip(cached.req_ids, cached.new_block_ids, (r in cached.resumed_req_ids for r in cached.req_ids),
+                   strict=True)
+
+
+@pytest.mark.parametrize("helper", ["installed", "0.33"])
+def test_a_new_request_is_neither_resumed_nor_preempted_whatever_vllms_helper_says(
+        monkeypatch: pytest.MonkeyPatch, helper: str) -> None:
+    # The adapter reads resumed_req_ids and preempted_req_ids, never yield_req_data (api_surface.AVOIDED): a new
+    # request's block ids are its whole table too, and it must not be fenced or treated as resumed.
+    if helper == "0.33":
+        monkeypatch.setattr(kv_connector_utils, "yield_req_data", yield_req_data_033)
+    out = output([("n", 0, 32)], [("a", 40, 1), ("b", 10, 1)])
+    out.scheduled_cached_reqs.resumed_req_ids = {"b"}
+    out.preempted_req_ids = {"c"}
+
+    step = adapters.step_schedule(out)
+
+    assert list(step.req_ids) == ["n", "a", "b"]
+    assert step.resumed == {"b"}
+    assert step.preempted_req_ids == {"c"}

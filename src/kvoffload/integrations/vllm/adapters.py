@@ -345,7 +345,10 @@ def step_schedule(out: SchedulerOutput) -> StepSchedule:
 
     The running requests' columns are vLLM's own lists (``CachedRequestData``), not copied per request; their
     new blocks are vLLM's per-group lists, or None. Speculative tokens are left out of the computed count: the
-    engine may reject them.
+    engine may reject them. Resumed requests are ``resumed_req_ids`` and preempted ones ``preempted_req_ids``;
+    a new request is neither, though it too brings its whole block table. Never vLLM's ``yield_req_data``: its
+    flag meant "resumed" up to 0.32 and means "whole block table" (new requests too) from 0.33 on
+    (``api_surface.AVOIDED``).
     """
     new, cached = out.scheduled_new_reqs, out.scheduled_cached_reqs
     req_ids: list[str] = cached.req_ids
