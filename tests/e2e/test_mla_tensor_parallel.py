@@ -1,11 +1,12 @@
 """MLA at tensor_parallel_size=2 on vLLM's CPU backend: one copy in the shared tier, written once, loaded by both.
 
 Every rank of a latent-attention model holds the same bytes, so the disk tier keeps one copy of each block
-(``<world>/replicated/``) that only rank 0 writes and both ranks load (docs/mla.md). A host tier of 32 blocks per
-rank holds at most two of the four 12-block prefixes (the device cache computes two prompts at a time, 24 blocks
+(``<world>/replicated/``) that only rank 0 writes and both ranks load (docs/mla.md). A host tier of 512 tokens per
+rank holds at most two of the four 200-token prefixes (the device cache computes two prompts at a time, both
 filling at once): the second round's hits come back from disk. The baseline is plain vLLM at TP=2 reusing its own
 cached KV, as in test_mla_model.py (CPU MLA turns vLLM's prefix caching off; the patch that leaves it on reaches
-the engine processes because they are forked here), with its control built the same way.
+the engine processes because they are forked here), with its control built the same way. Like test_mla_model.py,
+it runs on every MLA backend of ``tests.e2e.mla.mla_backends()``, each with its own block size.
 """
 
 from __future__ import annotations
@@ -17,16 +18,26 @@ from pathlib import Path
 import pytest
 import vllm
 from tests.e2e.conftest import ROUNDS, Baseline, Result, assert_same_outputs, close, generate, make_llm, metric, prompts
-from tests.e2e.test_mla_model import DEVICE_BLOCKS, HIT_TOKENS, LATENT, MLA_BLOCK_SIZE, SHAPE, cached_baseline
+from tests.e2e.mla import MlaBackend, backend
+from tests.e2e.test_mla_model import SHAPE, cached_baseline, hit_tokens, latent_page
 from tests.e2e.test_tensor_parallel import TP, thread_binding
 
 from kvoffload.integrations.vllm.model import ModelFamily, write_tiny_model
 
 pytestmark = pytest.mark.e2e
+__all__ = ["backend"]  # the fixture: each test runs once per MLA backend
 
-BLOCK_BYTES = MLA_BLOCK_SIZE * LATENT * 2 * SHAPE.num_layers
-"""One offload block: a bf16 latent page per layer, the same bytes on every rank."""
-HOST_BLOCKS = 32
+HOST_TOKENS = 512
+"""The host tier of each rank, in tokens: two of the four prefixes at most."""
+
+
+def block_bytes(backend: MlaBackend) -> int:
+    """One offload block: a bf16 latent page per layer, the same bytes on every rank."""
+    return latent_page(backend) * SHAPE.num_layers
+
+
+def host_blocks(backend: MlaBackend) -> int:
+    return HOST_TOKENS // backend.block_size
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -42,15 +53,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-deepseek-v2-tp"), ModelFamily.DEEPSEEK_V2, SHAPE)
 
 
-def make_tp_llm(model_dir: Path, extra_config: dict[str, object] | None, device_blocks: int) -> vllm.LLM:
+def make_tp_llm(model_dir: Path, extra_config: dict[str, object] | None, backend: MlaBackend,
+                device_blocks: int) -> vllm.LLM:
+    engine = {**backend.engine_args(), "num_gpu_blocks_override": device_blocks}
     return make_llm(model_dir, extra_config, multiprocess=True, tensor_parallel_size=TP,
-                    distributed_executor_backend="mp", block_size=MLA_BLOCK_SIZE,
-                    num_gpu_blocks_override=device_blocks)
+                    distributed_executor_backend="mp", **engine)
 
 
 @pytest.fixture(scope="module")
-def tp_baseline(model_dir: Path) -> Baseline:
-    return cached_baseline(lambda: make_tp_llm(model_dir, None, 4 * DEVICE_BLOCKS))
+def tp_baseline(model_dir: Path, backend: MlaBackend) -> Baseline:
+    return cached_baseline(lambda: make_tp_llm(model_dir, None, backend, 4 * backend.device_blocks), backend)
 
 
 @dataclass(frozen=True)
@@ -63,9 +75,10 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def run(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, tp_baseline: Baseline) -> Run:
+def run(model_dir: Path, backend: MlaBackend, tmp_path_factory: pytest.TempPathFactory, tp_baseline: Baseline) -> Run:
     disk = tmp_path_factory.mktemp("mla-tp-disk")
-    llm = make_tp_llm(model_dir, {"host_bytes": HOST_BLOCKS * BLOCK_BYTES, "disk_path": str(disk)}, DEVICE_BLOCKS)
+    tiers = {"host_bytes": host_blocks(backend) * block_bytes(backend), "disk_path": str(disk)}
+    llm = make_tp_llm(model_dir, tiers, backend, backend.device_blocks)
     try:
         outputs = {name: generate(llm, prompts(tail)) for name, tail in ROUNDS.items()}
         counted = {d: metric(llm, "vllm:kvoffload_transfer_bytes", direction=d)
@@ -76,23 +89,25 @@ def run(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, tp_baseline: 
     return Run(outputs, sorted({f.parent.parent.name for f in files}), len(files), counted)
 
 
-def test_outputs_equal_plain_vllm_at_tp2(run: Run, tp_baseline: Baseline) -> None:
+def test_outputs_equal_plain_vllm_at_tp2(run: Run, backend: MlaBackend, tp_baseline: Baseline) -> None:
     for name in ROUNDS:
         assert_same_outputs(run.outputs[name], tp_baseline[name])
-    assert [r.cached_tokens for r in run.outputs["second"]] == [HIT_TOKENS] * len(run.outputs["second"])
+    assert [r.cached_tokens for r in run.outputs["second"]] == [hit_tokens(backend)] * len(run.outputs["second"])
 
 
-def test_the_disk_tier_holds_one_copy_written_once(run: Run) -> None:
-    assert run.rank_dirs == ["replicated"] and run.files > HOST_BLOCKS
+def test_the_disk_tier_holds_one_copy_written_once(run: Run, backend: MlaBackend) -> None:
+    block = block_bytes(backend)
+    assert run.rank_dirs == ["replicated"] and run.files > host_blocks(backend)
     # Rank 1's writes are skipped: the bytes written, summed over both ranks, are at most one copy of each file
     # (two writers would have written twice that; the last writes may end after the metrics were read).
-    assert run.files * BLOCK_BYTES / 2 < run.counted["host_to_disk"] <= run.files * BLOCK_BYTES
+    assert run.files * block / 2 < run.counted["host_to_disk"] <= run.files * block
 
 
-def test_both_ranks_load_from_that_copy(run: Run) -> None:
-    hit_blocks = sum(r.cached_tokens for r in run.outputs["second"]) // MLA_BLOCK_SIZE
+def test_both_ranks_load_from_that_copy(run: Run, backend: MlaBackend) -> None:
+    block = block_bytes(backend)
+    hit_blocks = sum(r.cached_tokens for r in run.outputs["second"]) // backend.block_size
     # Each rank copies every hit block into its own device cache, from its own host tier, which holds only
-    # HOST_BLOCKS: the others come back from the one copy on disk, on both ranks alike.
-    assert run.counted["host_to_device"] == TP * hit_blocks * BLOCK_BYTES
+    # host_blocks(): the others come back from the one copy on disk, on both ranks alike.
+    assert run.counted["host_to_device"] == TP * hit_blocks * block
     promoted = run.counted["disk_to_host"]
-    assert promoted >= TP * (hit_blocks - HOST_BLOCKS) * BLOCK_BYTES and promoted % (TP * BLOCK_BYTES) == 0
+    assert promoted >= TP * (hit_blocks - host_blocks(backend)) * block and promoted % (TP * block) == 0

@@ -35,7 +35,7 @@ from kvoffload.integrations.vllm import adapters
 from kvoffload.layout import LatentAttentionSpec
 
 NUM_BLOCKS = 6
-BLOCK_SIZE = 16  # the only block size vLLM's CPU MLA kernel takes
+BLOCK_SIZE = 16  # CPU_MLA's block size (AMX_MLA takes multiples of 32); no kernel runs here, any size builds
 LATENT = 512 + 64  # DeepSeek-V2: kv_lora_rank + qk_rope_head_dim, the only head size of the CPU MLA kernel
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
 
