@@ -18,7 +18,9 @@ from typing import Any
 import pytest
 
 from kvoffload.bench import peer
+from kvoffload.bench.e2e import demo_args
 from kvoffload.cli import build_parser, main
+from kvoffload.integrations.vllm import demo
 from kvoffload.integrations.vllm.demo_engine import EngineSettings
 from kvoffload.integrations.vllm.demo_report import Workload
 from kvoffload.integrations.vllm.peer_lmcache import (
@@ -122,13 +124,16 @@ def test_engine_settings_name_the_three_engine_kinds() -> None:
     assert names == ["off", "on", "lmc"]
 
 
+BOUND = {"cpu_bind": "0-1", "omp_threads": 2}
+
+
 def _summary(hit_tokens: list[int], bytes_loaded: int, bytes_stored: int) -> dict[str, Any]:
     turns = [{"offload_hit_tokens": n} for n in hit_tokens]
     return {"hit_turns": sum(1 for n in hit_tokens if n), "miss_turns": sum(1 for n in hit_tokens if not n),
             "ttft_ratio_hit_turns": 0.5, "ttft_ratio_miss_turns": 1.0, "outputs_match": True,
-            "control": {"holds": True}, "turns": turns, "off": {"ttft_median_s": 0.2},
+            "control": {"holds": True}, "turns": turns, "off": {"ttft_median_s": 0.2, **BOUND},
             "on": {"offload_hit_rate": 0.4, "bytes_loaded": bytes_loaded, "bytes_stored": bytes_stored,
-                   "ttft_median_s": 0.1}}
+                   "ttft_median_s": 0.1, **BOUND}}
 
 
 def _measured() -> dict[str, Any]:
@@ -145,6 +150,18 @@ def test_side_rows_take_lmcache_stores_and_cpu_from_its_server_and_give_kvoffloa
     assert (lmc["side"], lmc["tokens_from_tier"], lmc["bytes_loaded"], lmc["bytes_stored"], lmc["helper_cpu_s"]) == (
         "vLLM + LMCache", 96, 900, 2500, 1.25)
     assert (lmc["hit_turns"], lmc["miss_turns"], lmc["outputs_match"]) == (2, 1, True)
+
+
+def test_side_rows_record_the_binding_of_the_side_and_of_plain_vllm() -> None:
+    for row in peer.side_rows(0, _measured()):
+        assert (row["cpu_bind"], row["omp_threads"], row["plain_cpu_bind"], row["plain_omp_threads"]) == (
+            "0-1", 2, "0-1", 2)
+
+
+def test_the_cpu_bind_flag_reaches_the_demo_s_options(tmp_path: Path) -> None:
+    assert demo_args(demo, "--turns 2", tmp_path, "1").cpu_bind == "1"
+    assert demo_args(demo, "--cpu-bind 0", tmp_path).cpu_bind == "0"
+    assert build_parser().parse_args(["bench", "peer", "--cpu-bind", "0-1"]).cpu_bind == "0-1"
 
 
 def test_the_report_has_a_row_per_side_and_states_the_chunk_size_and_capacity() -> None:

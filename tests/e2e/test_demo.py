@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from kvoffload.integrations.vllm.cpu_binding import resolve
+
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.e2e
 
@@ -62,6 +64,28 @@ def test_run_without_kvoffload_moves_nothing(demo: tuple[dict[str, Any], Path]) 
     summary, _ = demo
     assert summary["off"]["offload_hit_rate"] == 0
     assert summary["off"]["bytes_loaded"] == summary["off"]["bytes_stored"] == 0
+
+
+def test_both_engines_computed_with_the_binding_the_demo_set(demo: tuple[dict[str, Any], Path]) -> None:
+    summary, _ = demo
+    binding = resolve()  # what the demo resolves too: every allowed CPU, unless VLLM_CPU_OMP_THREADS_BIND says
+    assert summary["cpu_binding"] == binding.as_json()
+    for run in ("off", "on"):
+        assert (summary[run]["cpu_bind"], summary[run]["omp_threads"]) == (binding.spec, binding.threads), run
+
+
+def test_a_cpu_bind_of_one_cpu_gives_each_in_process_engine_one_thread(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    # In-process vLLM binds nothing itself: only the OpenMP variables the demo sets make the engines take one CPU.
+    out = tmp_path_factory.mktemp("demo-one-cpu")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvoffload.cli", "demo", "--json", "--no-chart", "--out", str(out), "--cpu-bind",
+         str(min(resolve().cpus)), *TINY], capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads(proc.stdout)
+    assert summary["cpu_binding"]["source"] == "--cpu-bind"
+    assert [summary[run]["omp_threads"] for run in ("off", "on")] == [1, 1]
 
 
 def test_details_file_lists_every_turn(demo: tuple[dict[str, Any], Path]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvoffload.integrations.vllm.cpu_binding import BindingMismatch, EngineBinding
 from kvoffload.integrations.vllm.demo_report import (
     RunResult,
     TurnResult,
@@ -100,6 +101,21 @@ def test_outputs_match_is_not_claimed_when_the_control_failed() -> None:
     report = format_report(summary)
     assert "not meaningful" in report
     assert "generated tokens match" not in report
+
+
+def test_the_summary_records_each_engine_s_binding() -> None:
+    bound = EngineBinding("0-1", 2)
+    off, on = (RunResult(name, (turn(0, 0, 1.0),), 1.0, bound) for name in ("off", "on"))
+    summary = summarize(off, on, None)
+    assert [(summary[run]["cpu_bind"], summary[run]["omp_threads"]) for run in ("off", "on")] == [("0-1", 2)] * 2
+    assert "both engines computed on CPUs 0-1 with 2 OpenMP threads" in format_report(summary)
+
+
+def test_engines_bound_differently_are_not_compared() -> None:
+    off = RunResult("off", (turn(0, 0, 1.0),), 1.0, EngineBinding("0", 1))
+    on = RunResult("on", (turn(0, 0, 0.1, offload_hit=64),), 1.0, EngineBinding("0-1", 2))
+    with pytest.raises(BindingMismatch, match=r"off CPUs 0 \(1 OpenMP thread\), on CPUs 0-1 \(2 OpenMP threads\)"):
+        summarize(off, on, HOLDS)
 
 
 def test_a_turn_with_a_load_names_a_position_inside_the_loaded_run() -> None:

@@ -5,8 +5,10 @@ vLLM's ``LMCacheMPConnector`` talking to a separate LMCache server (``integratio
 Data flow: write the demo's model -> start the LMCache server from its venv (``make setup-lmcache``), chunk size
 equal to the vLLM block size and L1 capacity equal to kvoffload's host tier -> start three demo engines (plain
 vLLM, vLLM + kvoffload, vLLM + LMCache) and send them the same turns, each request to all three in an order reversed
-every request (``demo.serve_engines``) -> one output control per side on the plain engine -> per side, the demo's
-summary against plain vLLM (``demo_report.summarize``) plus the server's L1 growth and CPU time -> one row per side.
+every request (``demo.serve_engines``), all three with their OpenMP threads bound to the same CPUs
+(``cpu_binding``) -> one output control per side on the plain engine -> per side, the demo's summary against plain
+vLLM (``demo_report.summarize``, which refuses engines bound differently) plus the server's L1 growth and CPU time
+-> one row per side. The LMCache server is a helper process, not an engine: it is left unbound.
 
 When vLLM, the demo or the LMCache venv is missing it says why and exits 2.
 """
@@ -22,6 +24,7 @@ from typing import Any
 
 from kvoffload.bench.common import Progress, Report, add_common_arguments, emit, format_table
 from kvoffload.bench.e2e import demo_args, load_demo
+from kvoffload.integrations.vllm.cpu_binding import FLAG, FLAG_HELP, BindingError, BindingMismatch
 
 SIDES = {"on": "vLLM + kvoffload", "lmc": "vLLM + LMCache"}
 
@@ -33,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "demo --help`); --block-size is also LMCache's chunk size, --host-gib its L1 size")
     parser.add_argument("--lmcache-venv", type=Path, default=None,
                         help="LMCache's virtualenv (default: .venv-lmcache here; make setup-lmcache)")
+    parser.add_argument(FLAG, metavar="CPUS", default=None, help=FLAG_HELP)
 
 
 def lmcache_venv(args: argparse.Namespace) -> Path:
@@ -57,7 +61,11 @@ def run(args: argparse.Namespace) -> int:
     summaries: list[dict[str, Any]] = []
     for i in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="kvoffload-peer-") as tmp:
-            measured = run_once(demo, demo_args(demo, args.demo_args, Path(tmp)), venv, Path(tmp))
+            try:
+                measured = run_once(demo, demo_args(demo, args.demo_args, Path(tmp), args.cpu_bind), venv, Path(tmp))
+            except BindingError as e:  # a bad --cpu-bind (2), or engines that reported different bindings (1)
+                print(f"kvoffload bench peer: {e}", file=sys.stderr)
+                return 1 if isinstance(e, BindingMismatch) else 2
         summaries.append(measured)
         rows += side_rows(i, measured)
         progress.advance()
@@ -69,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
 def run_once(demo: Any, dargs: argparse.Namespace, venv: Path, tmp: Path) -> dict[str, Any]:
     """One pass of the workload on the three engines; per side, the demo's summary against plain vLLM and the
     LMCache server's figures (``"server"``)."""
+    from kvoffload.integrations.vllm.cpu_binding import resolve
     from kvoffload.integrations.vllm.demo_engine import EngineSettings
     from kvoffload.integrations.vllm.demo_report import Workload, summarize
     from kvoffload.integrations.vllm.model import ModelFamily, TinyShape, write_tiny_model
@@ -80,6 +89,7 @@ def run_once(demo: Any, dargs: argparse.Namespace, venv: Path, tmp: Path) -> dic
         site_packages,
     )
 
+    binding = resolve(dargs.cpu_bind)
     workload = Workload(conversations=dargs.conversations, turns=dargs.turns, system_tokens=dargs.system_tokens,
                         first_user_tokens=dargs.first_user_tokens, user_tokens=dargs.user_tokens,
                         reply_tokens=dargs.reply_tokens, seed=dargs.seed)
@@ -97,7 +107,7 @@ def run_once(demo: Any, dargs: argparse.Namespace, venv: Path, tmp: Path) -> dic
         stack.callback(remove_segments, pids)  # the engines have exited by then: their segments are garbage
         side = LMCacheSide(server.port, tmp / "lmcache-overlay")
         base = dict(model_dir=model_dir, workload=workload, dtype=dargs.dtype, block_size=dargs.block_size,
-                    device_blocks=dargs.device_blocks, host_gib=dargs.host_gib)
+                    device_blocks=dargs.device_blocks, host_gib=dargs.host_gib, binding=binding)
         settings = [EngineSettings(with_kvoffload=False, **base), EngineSettings(with_kvoffload=True, **base),
                     EngineSettings(with_kvoffload=False, lmcache=side, **base)]
 
@@ -111,7 +121,7 @@ def run_once(demo: Any, dargs: argparse.Namespace, venv: Path, tmp: Path) -> dic
                           "chunk_size": dargs.block_size, "l1_gib": dargs.host_gib, "overlay": linked}
     off, on, lmc = runs
     return {"on": summarize(off, on, controls["on"]), "lmc": summarize(off, lmc, controls["lmc"]),
-            "server": server_figures, "settings": demo._settings(workload, dargs)}
+            "server": server_figures, "settings": demo._settings(workload, dargs, binding)}
 
 
 def side_rows(run: int, measured: dict[str, Any]) -> list[dict[str, Any]]:
@@ -136,17 +146,20 @@ def side_rows(run: int, measured: dict[str, Any]) -> list[dict[str, Any]]:
             "control_holds": control.get("holds"), "helper_cpu_s": helper_cpu,
             "ttft_median_ms": round(side["ttft_median_s"] * 1e3, 1),
             "plain_ttft_median_ms": round(summary["off"]["ttft_median_s"] * 1e3, 1),
+            "cpu_bind": side.get("cpu_bind"), "omp_threads": side.get("omp_threads"),
+            "plain_cpu_bind": summary["off"].get("cpu_bind"), "plain_omp_threads": summary["off"].get("omp_threads"),
         })
     return rows
 
 
 def report(rows: list[dict[str, Any]], last: dict[str, Any], args: argparse.Namespace) -> Report:
     headers = ("run", "side", "hit turns", "hit TTFT x plain", "miss turns", "miss TTFT x plain", "tokens from tier",
-               "hit rate", "MiB loaded", "MiB stored", "outputs match", "helper CPU s")
+               "hit rate", "MiB loaded", "MiB stored", "outputs match", "helper CPU s", "CPUs", "threads")
     table = format_table(headers, [[r["run"], r["side"], r["hit_turns"], r["hit_ttft_ratio"], r["miss_turns"],
                                     r["miss_ttft_ratio"], r["tokens_from_tier"], r["tier_hit_rate"],
                                     round(r["bytes_loaded"] / 2**20, 2), round(r["bytes_stored"] / 2**20, 2),
-                                    r["outputs_match"], "-" if r["helper_cpu_s"] is None else r["helper_cpu_s"]]
+                                    r["outputs_match"], "-" if r["helper_cpu_s"] is None else r["helper_cpu_s"],
+                                    r["cpu_bind"], r["omp_threads"]]
                                    for r in rows])
     server = last["server"]
     notes = (
@@ -162,6 +175,8 @@ def report(rows: list[dict[str, Any]], last: dict[str, Any], args: argparse.Name
         "(one prompt token changed inside a loaded run moves plain vLLM's outputs) held",
         "helper CPU s: user+system CPU of the LMCache server process from warm engines to the end (kvoffload has no "
         "helper process: its copies run in the engine)",
+        "CPUs, threads: what the side's engine computed with (OpenMP threads bound to those CPUs), the same as plain "
+        "vLLM's (engines bound differently are not compared); the LMCache server is not bound",
         f"demo options: {args.demo_args or '(defaults)'}",
     )
     settings = {"runs": args.runs, "demo_args": args.demo_args, "lmcache_venv": str(lmcache_venv(args)),

@@ -9,7 +9,9 @@ move its outputs (``kvoffload.testing.outputs``), or the "outputs match" verdict
 results (``demo_report.summarize``) -> table, JSON, PNG chart.
 
 The device cache (``num_gpu_blocks_override``) holds about one conversation, so without kvoffload every later
-turn recomputes its whole history; with it, the history is loaded from the host tier.
+turn recomputes its whole history; with it, the history is loaded from the host tier. Both engines' OpenMP threads
+are bound to the same CPUs (``cpu_binding``, ``--cpu-bind``); the summary records what each reported, and engines
+bound differently are not compared.
 
 vLLM is imported only in the children: ``kvoffload --help`` imports this module to build its parser.
 """
@@ -27,6 +29,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvoffload.integrations.vllm.cpu_binding import (
+    FLAG,
+    FLAG_HELP,
+    BindingError,
+    BindingMismatch,
+    CpuBinding,
+    EngineBinding,
+    resolve,
+)
 from kvoffload.integrations.vllm.demo_engine import EngineSettings, engine_main
 from kvoffload.integrations.vllm.demo_report import (
     RunResult,
@@ -80,14 +91,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="also a remote tier on this Redis-protocol server (redis://host:port), below the host tier")
     g.add_argument("--remote-server", action="store_true",
                    help="start a throwaway local redis-server (loopback) for the remote tier; needs redis-server")
+    g.add_argument(FLAG, metavar="CPUS", default=None, help=FLAG_HELP)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run both engines, print the report (or JSON), write out/demo.json and the chart.
 
     Returns:
-        0, or 1 when an engine failed (its traceback is printed to stderr).
+        0, 1 when an engine failed (its traceback is printed to stderr) or the engines reported different CPU
+        bindings, 2 when ``--cpu-bind`` (or ``VLLM_CPU_OMP_THREADS_BIND``) is not a CPU list this process may use.
     """
+    try:
+        binding = resolve(args.cpu_bind)
+    except BindingError as e:
+        _stderr_progress(f"kvoffload demo: {e}")
+        return 2
     workload = Workload(conversations=args.conversations, turns=args.turns, system_tokens=args.system_tokens,
                         first_user_tokens=args.first_user_tokens, user_tokens=args.user_tokens,
                         reply_tokens=args.reply_tokens, seed=args.seed)
@@ -104,13 +122,14 @@ def run(args: argparse.Namespace) -> int:
                           num_kv_heads=args.kv_heads, head_dim=args.head_dim, intermediate_size=4 * args.hidden_size)
         write_tiny_model(model_dir, ModelFamily.LLAMA, shape, seed=args.seed)
         settings = [EngineSettings(model_dir, workload, with_kvoffload, args.dtype, args.block_size,
-                                   args.device_blocks, args.host_gib, remote_url) for with_kvoffload in (False, True)]
+                                   args.device_blocks, args.host_gib, remote_url, binding=binding)
+                    for with_kvoffload in (False, True)]
         try:
             off, on, check = serve_both(settings, progress)
-        except EngineError as e:
+            summary = summarize(off, on, check, extra=_settings(workload, args, binding))
+        except (EngineError, BindingMismatch) as e:
             progress(f"kvoffload demo: {e}")
             return 1
-    summary = summarize(off, on, check, extra=_settings(workload, args))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "demo.json").write_text(json.dumps(summary, indent=2) + "\n")
     if not args.no_chart:
@@ -140,6 +159,7 @@ class _Engine:
         self.process.start()
         child.close()
         self.busy_s = 0.0
+        self.binding: EngineBinding | None = None
 
     def _recv(self) -> Any:
         try:
@@ -151,7 +171,7 @@ class _Engine:
         return value
 
     def wait_ready(self) -> None:
-        self._recv()
+        self.binding = self._recv()
 
     def serve(self, conv: int, turn: int, prompt: list[int]) -> TurnResult:
         start = time.perf_counter()
@@ -219,7 +239,7 @@ def serve_engines(settings: list[EngineSettings], progress: Progress,
     finally:
         for engine in engines:
             engine.stop()
-    return [RunResult(e.name, tuple(results[e.name]), e.busy_s) for e in engines], checks
+    return [RunResult(e.name, tuple(results[e.name]), e.busy_s, e.binding) for e in engines], checks
 
 
 def run_control(plain: _Engine, results: dict[str, list[TurnResult]], plain_prompts: list[list[int]],
@@ -249,8 +269,9 @@ def _vocab_size(model_dir: Path) -> int:
     return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
 
 
-def _settings(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
+def _settings(workload: Workload, args: argparse.Namespace, binding: CpuBinding) -> dict[str, Any]:
     return {
+        "cpu_binding": binding.as_json(),
         "workload": {k: v for k, v in vars(workload).items()},
         "model": {"hidden_size": args.hidden_size, "layers": args.layers, "heads": args.heads,
                   "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": args.dtype},

@@ -6,20 +6,24 @@ measurements is taken seconds apart under the same machine load (on a shared mac
 over a minute than kvoffload's effect on a miss). Each child runs vLLM in its own process with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (both connector halves and vLLM's metrics in one place), answers each prompt
 with a ``TurnResult`` built from vLLM's first-token latency and the request's deltas of vLLM's metrics, and its
-stdout goes to stderr so the parent's stdout stays clean.
+stdout goes to stderr so the parent's stdout stays clean. Every engine's OpenMP threads are bound alike
+(``cpu_binding``: in-process vLLM binds nothing itself), set before torch is imported, and each child reports the
+binding it computed with.
 
-Protocol over a ``multiprocessing`` pipe: child sends ``("ready", None)`` or ``("error", text)``; parent sends
+Protocol over a ``multiprocessing`` pipe: child sends ``("ready", EngineBinding)`` or ``("error", text)``; parent sends
 ``(conversation, turn, prompt_ids)`` and gets ``("turn", TurnResult)`` or ``("error", text)``; ``None`` stops.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvoffload.integrations.vllm.cpu_binding import BindingError, CpuBinding, EngineBinding, format_cpus
 from kvoffload.integrations.vllm.demo_report import TurnResult, Workload, user_turns
 from kvoffload.integrations.vllm.peer_lmcache import LMCacheSide, connector_config, kv_bytes_per_token, prepare_engine
 from kvoffload.testing.outputs import TOP_LOGPROBS
@@ -52,6 +56,8 @@ class EngineSettings:
     """kvoffload's remote tier (a Redis-protocol server) below its host tier; None: host tier only."""
     lmcache: LMCacheSide | None = None
     """Use LMCache (a running server) instead of kvoffload; ``with_kvoffload`` must then be False."""
+    binding: CpuBinding | None = None
+    """The CPUs the engine's OpenMP threads are bound to (the same for every engine); None: OpenMP's defaults."""
 
     @property
     def name(self) -> str:
@@ -67,13 +73,20 @@ def engine_main(conn: Any, settings: EngineSettings) -> None:
     """Child entry point: build and warm the engine, then serve turns until the parent sends ``None``."""
     os.dup2(2, 1)  # vLLM (and its C++ code) log to stdout
     try:
+        if settings.binding is not None:
+            bind_threads(settings.binding)
         llm = build_llm(settings)
         warm_up(llm, settings.workload)
+        binding = measured_binding()
+        if settings.binding is not None and binding != settings.binding.expected():
+            raise BindingError(f"the {settings.name} engine computed on CPUs {binding.cpu_bind} with "
+                               f"{binding.omp_threads} OpenMP threads, not the CPUs {settings.binding.spec} and "
+                               f"{settings.binding.threads} threads it was bound to")
         kv_bytes = kv_bytes_per_token(settings.model_dir, settings.dtype) if settings.lmcache else 0
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
-    conn.send(("ready", None))
+    conn.send(("ready", binding))
     while (request := conn.recv()) is not None:
         conv, turn, prompt = request
         try:
@@ -81,6 +94,21 @@ def engine_main(conn: Any, settings: EngineSettings) -> None:
         except Exception:
             conn.send(("error", traceback.format_exc()))
             return
+
+
+def bind_threads(binding: CpuBinding) -> None:
+    """Put the binding's OpenMP variables into this process's environment; OpenMP reads them once, when torch
+    loads it, so torch must not be imported yet (a spawned child imports it only in ``build_llm``)."""
+    if "torch" in sys.modules:
+        raise RuntimeError("torch was imported before the CPU binding was set: OpenMP would not see it")
+    os.environ.update(binding.environment(in_process=True))
+
+
+def measured_binding() -> EngineBinding:
+    """The CPUs this process's main thread may run on (OpenMP binds it to the first place) and torch's threads."""
+    import torch
+
+    return EngineBinding(format_cpus(os.sched_getaffinity(0)), torch.get_num_threads())
 
 
 def build_llm(settings: EngineSettings) -> Any:

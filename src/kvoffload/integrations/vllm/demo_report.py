@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvoffload.integrations.vllm.cpu_binding import EngineBinding, require_same
 from kvoffload.testing.outputs import TOLERANCE, Control, divergence
 
 # Targets the demo checks itself against (the issue's acceptance figures).
@@ -104,6 +105,8 @@ class RunResult:
     name: str
     turns: tuple[TurnResult, ...]
     wall_s: float
+    binding: EngineBinding | None = None
+    """The CPUs and OpenMP threads the engine reported computing with (None: not reported)."""
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -126,6 +129,7 @@ def run_summary(run: RunResult) -> dict[str, Any]:
         "bytes_loaded": sum(t.bytes_loaded for t in run.turns),
         "bytes_stored": sum(t.bytes_stored for t in run.turns),
         "wall_s": round(run.wall_s, 2),
+        **(run.binding.as_json() if run.binding else {"cpu_bind": None, "omp_threads": None}),
     }
 
 
@@ -145,7 +149,9 @@ def summarize(off: RunResult, on: RunResult, control: Control | None,
 
     Raises:
         ValueError: the runs did not serve the same turns in the same order.
+        BindingMismatch: the engines computed with different CPU bindings or thread counts (``cpu_binding``).
     """
+    require_same({off.name: off.binding, on.name: on.binding})
     keys_off = [(t.conversation, t.turn) for t in off.turns]
     if keys_off != [(t.conversation, t.turn) for t in on.turns]:
         raise ValueError("off and on runs served different turns")
@@ -232,6 +238,8 @@ def format_report(summary: dict[str, Any]) -> str:
         f"bytes moved: {_mib(on['bytes_loaded'])} loaded, {_mib(on['bytes_stored'])} stored",
         _outputs_line(summary),
     ]
+    if on.get("cpu_bind") is not None:
+        lines.append(f"both engines computed on CPUs {on['cpu_bind']} with {on['omp_threads']} OpenMP threads")
     return "\n".join(lines)
 
 
