@@ -20,6 +20,7 @@ import pytest
 
 from kvoffload.bench import serve
 from kvoffload.bench.serve_server import Server, mapped_segments, parse_metrics, session_pids
+from kvoffload.integrations.vllm.cpu_binding import BindingMismatch, EngineBinding, resolve
 
 
 def _client(texts: list[str], throughput: float, median_ttft: float) -> dict[str, Any]:
@@ -66,6 +67,33 @@ def test_ratios_are_medians_over_repeats_of_each_repeat_s_ratio() -> None:
     assert serve.summarize(runs)["throughput_ratio"] == 1.2
 
 
+def test_rows_record_the_binding_each_server_logged() -> None:
+    run = _run(["a", "b"], ["a", "b"])
+    for side in serve.SIDES:
+        run[side]["binding"] = EngineBinding("0-1", 2)
+    rows = serve.summarize([run])["rows"]
+    assert [(r["side"], r["cpu_bind"], r["omp_threads"]) for r in rows] == [("plain", "0-1", 2),
+                                                                           ("kvoffload", "0-1", 2)]
+
+
+def test_servers_bound_differently_are_not_compared() -> None:
+    # What vLLM's default binding does on 2 cores: 1 thread without a KV connector, 2 with one.
+    runs = [_run(["a", "b"], ["a", "b"]) for _ in range(2)]
+    for run in runs:
+        run["plain"]["binding"], run["kvoffload"]["binding"] = EngineBinding("0-1", 2), EngineBinding("0-1", 2)
+    runs[1]["plain"]["binding"] = EngineBinding("0", 1)
+    with pytest.raises(BindingMismatch, match=r"plain \(repeat 1\) CPUs 0 \(1 OpenMP thread\)"):
+        serve.summarize(runs)
+
+
+def test_a_cpu_bind_that_is_not_a_cpu_list_exits_2_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("vllm.benchmarks.serve")
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    assert serve.run(parser.parse_args(["--cpu-bind", "auto"])) == 2
+    assert "--cpu-bind='auto'" in capsys.readouterr().err
+
+
 def test_metrics_parsing_keeps_the_prefix_s_series_with_their_labels() -> None:
     text = ("# HELP vllm:kvoffload_hit_tokens_total x\n"
             'vllm:kvoffload_hit_tokens_total{engine="0"} 12.0\n'
@@ -103,11 +131,14 @@ def test_a_small_run_serves_both_sides_with_hits_and_leaves_nothing_behind(tmp_p
                               "--model-dir", str(tmp_path / "model")])
     work = serve.Workload(args.prefixes, args.prefix_tokens, args.suffix_tokens, args.output_tokens, args.prompts,
                           args.concurrency)
-    settings = serve.engine_settings(args, work, tmp_path / "model")
+    binding = resolve()
+    settings = serve.engine_settings(args, work, tmp_path / "model", binding)
     runs: dict[str, dict[str, Any]] = {}
     for side in serve.SIDES:
         with Server(settings[side], tmp_path / f"{side}.log") as server:
-            runs[side] = {"metrics_before": server.metrics(),
+            # An explicit binding gives the server with a KV connector the threads of the one without.
+            assert server.binding == binding.expected(), side
+            runs[side] = {"metrics_before": server.metrics(), "binding": server.binding,
                           "client": serve.run_client(work.client_args(server.base_url, tmp_path / "model"))}
             runs[side]["metrics_after"] = server.metrics()
             assert server.process is not None

@@ -12,6 +12,10 @@ Per side and repeat: request throughput, output tokens/s, mean / median / p99 TT
 kvoffload, its /metrics series before and after the run (hit tokens, bytes per direction). Outputs are compared
 request by request with plain vLLM's (greedy, ``ignore_eos``), and the comparison is only trusted when the plain
 outputs are not all alike (a model whose outputs ignore their prompt would match whatever the KV held).
+
+Both servers' OpenMP threads are bound to the same CPUs (``--cpu-bind``; ``integrations/vllm/cpu_binding.py``):
+left to itself vLLM reserves a core more for a server with a KV connector, which on 2 cores gives plain vLLM 1
+thread and kvoffload 2. Each row records what its server logged it bound; sides bound differently are refused.
 """
 
 from __future__ import annotations
@@ -28,6 +32,16 @@ from typing import Any
 
 from kvoffload.bench.common import Progress, Report, emit, format_table, positive_int
 from kvoffload.bench.serve_server import Server, ServerSettings
+from kvoffload.integrations.vllm.cpu_binding import (
+    FLAG,
+    FLAG_HELP,
+    BindingError,
+    BindingMismatch,
+    CpuBinding,
+    EngineBinding,
+    require_same,
+    resolve,
+)
 
 SIDES = ("plain", "kvoffload")
 TARGET_THROUGHPUT_RATIO = 1.5
@@ -86,6 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=positive_int, default=32, help="vLLM block size (a multiple of 32 on CPU)")
     g.add_argument("--host-gib", type=float, default=1.0, help="kvoffload host tier capacity")
     g.add_argument("--model-dir", type=Path, default=None, help="where to write the model (default: a temp dir)")
+    g.add_argument(FLAG, metavar="CPUS", default=None, help=FLAG_HELP)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,16 +109,25 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as e:
         print(f"kvoffload bench serve: needs vLLM (make setup-vllm): {e}", file=sys.stderr)
         return 2
+    try:
+        binding = resolve(args.cpu_bind)
+    except BindingError as e:
+        print(f"kvoffload bench serve: {e}", file=sys.stderr)
+        return 2
     work = Workload(args.prefixes, args.prefix_tokens, args.suffix_tokens, args.output_tokens, args.prompts,
                     args.concurrency)
     progress = Progress("bench serve", 2 * args.repeats, enabled=not args.quiet)
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvoffload-serve-")))
         model_dir = args.model_dir or tmp / "model"
-        settings = engine_settings(args, work, model_dir)
+        settings = engine_settings(args, work, model_dir, binding)
         runs = [serve_repeat(i, settings, work, tmp, progress) for i in range(args.repeats)]
     progress.close()
-    summary = summarize(runs)
+    try:
+        summary = summarize(runs)
+    except BindingMismatch as e:
+        print(f"kvoffload bench serve: {e}", file=sys.stderr)
+        return 1
     emit(report(runs, summary, args, settings["plain"]), args, plot=lambda path: plot(path, runs))
     if args.dashboard:
         from kvoffload.bench.serve_dashboard import draw
@@ -112,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def engine_settings(args: argparse.Namespace, work: Workload, model_dir: Path) -> dict[str, ServerSettings]:
+def engine_settings(args: argparse.Namespace, work: Workload, model_dir: Path,
+                    binding: CpuBinding | None = None) -> dict[str, ServerSettings]:
     from kvoffload.integrations.vllm.demo import DEMO_SHAPE
     from kvoffload.integrations.vllm.model import ModelFamily, write_tiny_model
 
@@ -125,7 +150,7 @@ def engine_settings(args: argparse.Namespace, work: Workload, model_dir: Path) -
     max_len = work.prompt_tokens + work.output_tokens + args.block_size
     host: dict[str, object] = {"host_bytes": int(args.host_gib * (1 << 30))}
     return {side: ServerSettings(model_dir, args.block_size, device_blocks, max_len, "float32",
-                                 host if side == "kvoffload" else None, work.seed) for side in SIDES}
+                                 host if side == "kvoffload" else None, work.seed, binding) for side in SIDES}
 
 
 def serve_repeat(index: int, settings: dict[str, ServerSettings], work: Workload, tmp: Path,
@@ -152,7 +177,8 @@ def serve_once(settings: ServerSettings, work: Workload, log: Path) -> dict[str,
         finally:
             sampler.stop()
         after = server.metrics()
-    return {"client": result, "metrics_before": before, "metrics_after": after, "samples": sampler.samples}
+    return {"client": result, "metrics_before": before, "metrics_after": after, "samples": sampler.samples,
+            "binding": server.binding}
 
 
 def run_client(argv: list[str]) -> dict[str, Any]:
@@ -175,6 +201,8 @@ def side_row(index: int, side: str, measured: dict[str, Any], plain: dict[str, A
            "mean_ttft_ms": r["mean_ttft_ms"], "median_ttft_ms": r["median_ttft_ms"], "p99_ttft_ms": r["p99_ttft_ms"],
            "outputs_equal": sum(a == b for a, b in zip(texts, plain_texts, strict=True)),
            "distinct_plain_outputs": len(set(plain_texts))}
+    binding: EngineBinding | None = measured.get("binding")
+    row.update(binding.as_json() if binding else {"cpu_bind": None, "omp_threads": None})
     row.update(metric_deltas(measured["metrics_before"], measured["metrics_after"]))
     return row
 
@@ -197,7 +225,12 @@ def metric_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str
 
 
 def summarize(runs: Sequence[dict[str, dict[str, Any]]]) -> dict[str, Any]:
-    """Medians over repeats of the per-repeat ratios kvoffload / plain, and whether the targets were met."""
+    """Medians over repeats of the per-repeat ratios kvoffload / plain, and whether the targets were met.
+
+    Raises:
+        BindingMismatch: a server of any repeat computed with other CPUs or threads than the others.
+    """
+    require_same({f"{side} (repeat {i})": run[side].get("binding") for i, run in enumerate(runs) for side in SIDES})
     rows = [side_row(i, side, run[side], run["plain"]) for i, run in enumerate(runs) for side in SIDES]
     ours = [r for r in rows if r["side"] == "kvoffload"]
     plain = [r for r in rows if r["side"] == "plain"]
@@ -222,13 +255,14 @@ def summarize(runs: Sequence[dict[str, dict[str, Any]]]) -> dict[str, Any]:
 def report(runs: Sequence[dict[str, Any]], summary: dict[str, Any], args: argparse.Namespace,
            settings: ServerSettings) -> Report:
     headers = ("repeat", "side", "req/s", "out tok/s", "TTFT mean ms", "median", "p99", "failed", "outputs = plain",
-               "hit tokens", "MiB host->device", "series at start")
+               "hit tokens", "MiB host->device", "series at start", "CPUs", "threads")
     rows = summary["rows"]
     table = format_table(headers, [[r["repeat"], r["side"], round(r["request_throughput"], 3),
                                     round(r["output_throughput"], 1), round(r["mean_ttft_ms"], 1),
                                     round(r["median_ttft_ms"], 1), round(r["p99_ttft_ms"], 1), r["failed"],
                                     f"{r['outputs_equal']}/{r['completed'] + r['failed']}", int(r["hit_tokens"]),
-                                    round(r["bytes_host_to_device"] / 2**20, 2), r["series_before"]]
+                                    round(r["bytes_host_to_device"] / 2**20, 2), r["series_before"],
+                                    r["cpu_bind"], r["omp_threads"]]
                                    for r in rows])
     verdict = "met" if summary["targets_met"] else "NOT met"
     notes = (
@@ -242,11 +276,21 @@ def report(runs: Sequence[dict[str, Any]], summary: dict[str, Any], args: argpar
         f"device cache {settings.device_blocks} blocks of {settings.block_size} tokens; workload: "
         f"{args.prefixes} prefixes of {args.prefix_tokens} tokens, {args.suffix_tokens}-token suffixes, "
         f"{args.prompts} prompts, concurrency {args.concurrency}, {args.output_tokens} output tokens",
+        f"CPUs, threads: what each server logged it bound its worker's OpenMP threads to; asked: "
+        f"{_asked(settings.binding)}",
     )
     doc = {k: v for k, v in summary.items() if k != "rows"}
     return Report("serve", rows, table, notes, {"summary": doc, "repeats": len(runs),
                                                 "device_blocks": settings.device_blocks,
-                                                "block_size": settings.block_size})
+                                                "block_size": settings.block_size,
+                                                "cpu_binding": settings.binding.as_json() if settings.binding
+                                                else None})
+
+
+def _asked(binding: CpuBinding | None) -> str:
+    if binding is None:
+        return "nothing (vLLM's own binding)"
+    return f"CPUs {binding.spec} for both sides ({binding.threads} OpenMP threads; from {binding.source})"
 
 
 def plot(path: str, runs: Sequence[dict[str, Any]]) -> None:

