@@ -6,6 +6,7 @@ Checks what the demo reports, not how fast it was (speed is the demo's and the b
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -77,10 +78,13 @@ def test_both_engines_computed_with_the_binding_the_demo_set(demo: tuple[dict[st
 def test_a_cpu_bind_of_one_cpu_gives_each_in_process_engine_one_thread(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     # In-process vLLM binds nothing itself: only the OpenMP variables the demo sets make the engines take one CPU.
+    # Started from a clean environment, as from a user's shell: the in-process engines of earlier tests leave
+    # vLLM's own settings in this process's environment (seen: a demo engine then computing with 2 threads).
     out = tmp_path_factory.mktemp("demo-one-cpu")
+    clean = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR", "VLLM_CPU_KVCACHE_SPACE")}
     proc = subprocess.run(
         [sys.executable, "-m", "kvoffload.cli", "demo", "--json", "--no-chart", "--out", str(out), "--cpu-bind",
-         str(min(resolve().cpus)), *TINY], capture_output=True, text=True, timeout=600, check=False,
+         str(min(resolve().cpus)), *TINY], capture_output=True, text=True, timeout=600, check=False, env=clean,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads(proc.stdout)
