@@ -41,11 +41,6 @@ class MlaBackend:
             args["attention_config"] = {"backend": self.name}
         return args
 
-    @property
-    def turns_prefix_caching_off(self) -> bool:
-        """vLLM turns its own prefix caching off for the reference CPU MLA backend (not for AMX_MLA)."""
-        return self.name == AttentionBackendEnum.CPU_MLA.name
-
 
 def default_mla_backend_name() -> str:
     """The MLA backend vLLM's platform picks on this machine when none is requested."""
