@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.keys import Namespace, hash_blocks, offload_key, offload_keys
+from kvoffload.keys import Namespace, extra_key, hash_blocks, offload_key, offload_keys
 
 
 def ns(**kw):
@@ -59,6 +59,25 @@ def test_extra_keys_and_groups_change_the_key():
     assert plain != lora
     assert offload_key(plain, 0) != offload_key(plain, 1)
     assert offload_keys([plain], 1) == [offload_key(plain, 1)]
+
+
+def test_extra_key_fields_are_length_prefixed() -> None:
+    assert extra_key("lora-v2", "a:b", "c") == "lora-v2:3:a:b:1:c"
+    assert extra_key("lora-v2", "a", "b:c") == "lora-v2:1:a:3:b:c"
+    assert extra_key("k") == "k"
+
+
+@settings(max_examples=300, deadline=None)
+@given(a=st.lists(st.text(alphabet=":1ab", max_size=4), max_size=3),
+       b=st.lists(st.text(alphabet=":1ab", max_size=4), max_size=3))
+def test_different_extra_key_fields_give_different_keys(a: list[str], b: list[str]) -> None:
+    assert (extra_key("k", *a) == extra_key("k", *b)) == (a == b)
+
+
+@pytest.mark.parametrize("kind", ["", "lora:x"])
+def test_an_extra_key_kind_with_a_colon_or_empty_is_refused_naming_it(kind: str) -> None:
+    with pytest.raises(ValueError, match=f"kind {kind!r}"):
+        extra_key(kind, "field")
 
 
 def test_bad_namespace_names_the_field():

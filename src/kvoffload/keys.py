@@ -95,6 +95,23 @@ def _encode_tokens(tokens: Sequence[int]) -> bytes:
     return struct.pack(f"<{len(tokens)}q", *tokens)
 
 
+def extra_key(kind: str, *fields: str) -> str:
+    """An extra key of ``kind`` over ``fields``: ``kind:<len>:<field>:<len>:<field>...``.
+
+    Each field carries its length, so no two field lists give the same key whatever characters the fields hold
+    (``("a:b", "c")`` and ``("a", "b:c")`` differ). ``hash_block`` frames each extra key as a whole; this keeps
+    the fields inside one key apart. A key with one free-text field (``salt:<salt>``), or whose only free text
+    is followed by fields that are integers (``mm:<id>@<offset>+<length>``: the integers are read from the
+    right and hold neither ``@`` nor ``+``), is already unambiguous and needs no lengths.
+
+    Raises:
+        ValueError: ``kind`` is empty or holds ``:``.
+    """
+    if not kind or ":" in kind:
+        raise ValueError(f"extra key kind {kind!r} must be non-empty and without ':'")
+    return "".join([kind, *(f":{len(field)}:{field}" for field in fields)])
+
+
 def frame_extra_keys(extra_keys: Sequence[str]) -> bytes:
     """The extra keys as ``hash_block`` frames them (for ``chain_hashes``; the same for every block)."""
     return b"".join(_framed(k.encode()) for k in extra_keys)

@@ -1,5 +1,6 @@
 """What names a block in vLLM: the namespace covers what decides the weights; a request's extra keys cover its LoRA
-adapter by name and path and each multimodal input with its place in the prompt. Built on vLLM's own objects."""
+adapter by name and path (each length-prefixed) and each multimodal input with its place in the prompt. Built on
+vLLM's own objects."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from vllm.v1.request import Request
 from kvoffload.config import OffloadConfig
 from kvoffload.integrations.vllm.adapters import VllmRequest, weights_identity
 from kvoffload.integrations.vllm.model import ModelFamily, TinyShape, write_tiny_model
-from kvoffload.keys import Namespace
+from kvoffload.keys import Namespace, hash_blocks
 
 LINEAR_ROPE = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
 
@@ -58,8 +59,23 @@ def test_revision_and_quantization_change_the_namespace(model_dir: Path) -> None
         setattr(base, field, original)
 
 
-def request(lora: LoRARequest | None = None, mm: list[MultiModalFeatureSpec] | None = None) -> VllmRequest:
-    return VllmRequest(Request("r", list(range(64)), SamplingParams(), None, lora_request=lora, mm_features=mm))
+def request(lora: LoRARequest | None = None, mm: list[MultiModalFeatureSpec] | None = None,
+            salt: str | None = None) -> VllmRequest:
+    return VllmRequest(Request("r", list(range(64)), SamplingParams(), None, lora_request=lora, mm_features=mm,
+                               cache_salt=salt))
+
+
+def image(offset: int) -> list[MultiModalFeatureSpec]:
+    return [MultiModalFeatureSpec(None, "image", "img-hash", PlaceholderRange(offset=offset, length=16))]
+
+
+def old_lora_key(lora: LoRARequest) -> str:
+    """The LoRA key before issue 21: name and path joined by a colon either of them may hold."""
+    return f"lora:{lora.lora_name}:{lora.lora_path}"
+
+
+def last_hash(r: VllmRequest) -> str:
+    return hash_blocks(Namespace("m", "bf16", "pages=16").chain_root(), list(range(64)), 16, r.extra_keys)[-1].hex()
 
 
 def test_a_lora_name_re_pointed_at_other_weights_is_another_key() -> None:
@@ -69,9 +85,27 @@ def test_a_lora_name_re_pointed_at_other_weights_is_another_key() -> None:
     assert a.extra_keys == request(LoRARequest("adapter", 2, "/loras/a")).extra_keys
 
 
-def test_the_same_image_at_another_place_in_the_prompt_is_another_key() -> None:
-    def image(offset: int) -> list[MultiModalFeatureSpec]:
-        return [MultiModalFeatureSpec(None, "image", "img-hash", PlaceholderRange(offset=offset, length=16))]
+def test_lora_names_and_paths_that_join_to_the_same_text_are_other_keys() -> None:
+    a, b = LoRARequest("a:b", 1, "c"), LoRARequest("a", 1, "b:c")
+    assert old_lora_key(a) == old_lora_key(b)  # the old encoding gave both adapters one key
+    assert request(a).extra_keys != request(b).extra_keys
+    assert last_hash(request(a)) != last_hash(request(b))
 
+
+def test_no_lora_key_equals_a_key_the_old_encoding_gave() -> None:
+    # Blocks stored under old keys stay in shared tiers: a new key must never hit another adapter's.
+    (key,) = request(LoRARequest("adapter", 1, "/loras/a")).extra_keys
+    assert not key.startswith("lora:"), key  # every old LoRA key did
+
+
+def test_requests_without_lora_keep_their_keys_exactly() -> None:
+    # Values computed before the LoRA key changed: salt and multimodal keys were already unambiguous.
+    salted = request(mm=image(4), salt="tenant-1")
+    assert salted.extra_keys == ["salt:tenant-1", "mm:img-hash@4+16"]
+    assert last_hash(salted) == "f452a9bdc339bb11d35da8398e699ff4"
+    assert request().extra_keys == [] and last_hash(request()) == "ad363b76e6597c76e14f9039e5060bcb"
+
+
+def test_the_same_image_at_another_place_in_the_prompt_is_another_key() -> None:
     assert request(mm=image(4)).extra_keys != request(mm=image(20)).extra_keys
     assert request(mm=image(4)).extra_keys == request(mm=image(4)).extra_keys

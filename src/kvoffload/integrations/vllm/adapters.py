@@ -27,7 +27,7 @@ from vllm.v1 import kv_cache_interface as vkv
 
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.requests import StepSchedule
-from kvoffload.keys import Namespace
+from kvoffload.keys import Namespace, extra_key
 from kvoffload.layout import (
     AttentionSpec,
     KVBuffer,
@@ -313,8 +313,8 @@ class VllmRequest:
         keys: list[str] = []
         lora = self.request.lora_request
         if lora is not None:
-            # Name and path, as vLLM keys its own prefix cache: a name re-pointed at other weights is another key.
-            keys.append(f"lora:{lora.lora_name}:{lora.lora_path}")
+            # Name and path, as vLLM keys it; length-prefixed: the old "lora:{name}:{path}" was ambiguous.
+            keys.append(extra_key("lora-v2", lora.lora_name, lora.lora_path))
         if self.request.cache_salt:
             keys.append(f"salt:{self.request.cache_salt}")
         # Each input with its place in the prompt: the same image at another position gives other KV.
