@@ -2,7 +2,8 @@
 
 Both halves call ``open_tree`` at start-up (the scheduler's ``DiskTierManager`` for rank 0's directory, each
 worker's ``DiskHandler`` for its own). It creates what is missing with its modes set explicitly (the umask would
-cut them), refuses with a ``ConfigError`` naming it any directory of the tree another user could write, and
+cut them), refuses with a ``ConfigError`` naming it any directory of the tree another user could write, and any
+directory above it whose writers could swap the tree (only a warning when a tier secret authenticates blocks), and
 lists the fan-out directories that are not real directories (symbolic links): those are skipped, never followed.
 ``scan`` then lists the blocks from their names. Only what nobody else could have planted is trusted: a regular
 file (never followed) with its exact canonical name in its own fan-out directory; only our own temporary names
@@ -12,6 +13,7 @@ are removed. docs/security.md says what this protects against. No torch, no bloc
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -71,14 +73,16 @@ def open_tree(disk_path: Path, rank_dir: Path, access: Access, fmt: BlockFormat 
 
     Raises:
         ConfigError: a directory from ``disk_path`` down is owned by another user, writable by others or by a
-            group other than the shared one, a symbolic link below ``disk_path``, or cannot be created.
+            group other than the shared one, a symbolic link below ``disk_path``, or cannot be created; or,
+            without a tier secret, a directory above it is not safe (``_ancestor_problems``).
     """
     chain = [disk_path]
     for part in rank_dir.relative_to(disk_path).parts:
         chain.append(chain[-1] / part)
     try:
-        for directory in _missing_ancestors(disk_path):
+        for directory in [*_missing_ancestors(disk_path), disk_path]:
             _make(directory, access)
+        _check_ancestors(disk_path, access, fmt)
         for directory in chain:
             _make(directory, access)
             # disk_path itself may be a link an administrator made; nothing below it may be.
@@ -134,6 +138,85 @@ def untrusted(info: os.stat_result, access: Access) -> str | None:
         return (f"writable by group {info.st_gid}; set disk_shared_group to share it with that group, or "
                 f"chmod g-w")
     return None
+
+
+_MAX_LINKS = 40
+"""Symbolic links followed in resolving one path before giving up (as Linux does)."""
+
+
+def _check_ancestors(disk_path: Path, access: Access, fmt: BlockFormat) -> None:
+    """Refuse (or, with a tier secret, warn about) the directories above ``disk_path`` that are not safe."""
+    problems = _ancestor_problems(disk_path, access)
+    if not problems:
+        return
+    found = "; ".join(problems)
+    if fmt.auth is None:
+        raise ConfigError(
+            f"disk_path={str(disk_path)!r}: {found}: another user could replace the tier's tree after start-up "
+            f"and plant blocks that load; fix that directory, or set tier_secret_file or tier_secret_env")
+    logger.warning("disk tier: disk_path=%r: %s: another user could replace the tier's tree; blocks they plant "
+                   "fail authentication (tier secret set)", str(disk_path), found)
+
+
+def _ancestor_problems(disk_path: Path, access: Access) -> list[str]:
+    """Why the directories that resolving ``disk_path`` goes through could let someone swap what it names.
+
+    As OpenSSH's ``StrictModes``: each such directory (symbolic links followed, ``/`` included) must be owned by
+    root, by this user or (as the tree's own) by the shared group, and not be writable by anyone else, unless it
+    is sticky (``/tmp``) and the entry on our path in it is owned by such an owner: others then cannot rename or
+    remove it. An empty list: none could.
+    """
+    problems = []
+    for directory, entry in _lookups(disk_path):
+        info = os.lstat(directory)
+        writer = _other_writer(info, access)
+        if not _trusted_owner(info, access):
+            problems.append(f"{directory} is owned by uid {info.st_uid} (not root, nor this user)")
+        elif writer and not (info.st_mode & stat.S_ISVTX):
+            problems.append(f"{directory} is writable by {writer} (and not sticky)")
+        elif writer and not _trusted_owner(owner := os.lstat(entry), access):
+            problems.append(f"{directory} is writable by {writer}, sticky, but {entry} in it is owned by uid "
+                            f"{owner.st_uid}")
+    return problems
+
+
+def _trusted_owner(info: os.stat_result, access: Access) -> bool:
+    return info.st_uid in (0, os.geteuid()) or (access.gid is not None and info.st_gid == access.gid)
+
+
+def _other_writer(info: os.stat_result, access: Access) -> str | None:
+    if info.st_mode & stat.S_IWOTH:
+        return "others"
+    if info.st_mode & stat.S_IWGRP and info.st_gid != access.gid:
+        return f"group {info.st_gid}"
+    return None
+
+
+def _lookups(path: Path) -> list[tuple[Path, Path]]:
+    """Each (real directory, entry in it) that resolving ``path`` looks up, symbolic links followed, top first."""
+    steps: list[tuple[Path, Path]] = []
+    pending = list(reversed(path.absolute().parts[1:]))
+    current, links = Path("/"), 0
+    while pending:
+        name = pending.pop()
+        if name == "..":
+            current = current.parent  # ``current`` is never a link: its lexical parent is its real one
+            continue
+        entry = current / name
+        steps.append((current, entry))
+        if not entry.is_symlink():
+            current = entry
+            continue
+        links += 1
+        if links > _MAX_LINKS:
+            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path))
+        target = Path(os.readlink(entry))
+        if target.is_absolute():
+            current, names = Path("/"), target.parts[1:]
+        else:
+            names = target.parts
+        pending.extend(reversed(names))
+    return steps
 
 
 def _fan_outs(rank_dir: Path, access: Access, disk_path: Path) -> list[str]:
