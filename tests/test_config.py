@@ -105,3 +105,68 @@ def test_bad_remote_settings_are_config_errors_that_show_no_password(raw, culpri
     with pytest.raises(ConfigError, match=culprit) as err:
         OffloadConfig.from_dict(raw)
     assert "hunter2" not in str(err.value)
+
+
+REMOTE = {"remote_url": "redis://cache:6379"}
+
+
+@pytest.mark.parametrize(("raw", "culprit"), [
+    ({1: "x"}, "key 1 is not a string"),
+    ({None: "x"}, "key None is not a string"),
+    ({"disk_path": "~nosuchuser/kv"}, "disk_path='~nosuchuser/kv': starts with ~nosuchuser"),
+    ({"record_trace": "~nosuchuser/t.jsonl"}, "record_trace="),
+    ({"disk_path": "/tmp/kv\0"}, "disk_path='/tmp/kv\\\\x00': must not contain a NUL byte"),
+    ({"record_trace": "t\0.jsonl"}, "record_trace=.*NUL byte"),
+    ({"remote_url": "redis://cache:99999"}, "remote_url: redis://cache:99999 is not a valid URL: Port out of range"),
+    ({"remote_url": "redis://cache:notaport"}, "remote_url: redis://cache:notaport is not a valid URL"),
+    ({"remote_url": "redis://[::1"}, r"remote_url: redis://\[::1 is not a valid URL: Invalid IPv6 URL"),
+    ({"remote_url": "redis://cache:0"}, "remote_url: redis://cache:0: the port must be in 1..65535"),
+    ({"remote_url": "redis:///db"}, "has no host"),
+    ({"remote_url": "unix://host/sock"}, "unix:///path/to/socket"),
+    ({**REMOTE, "remote_timeout_ms": 1e300}, r"remote_timeout_ms=1e\+300: must be a number in 1..3600000"),
+    ({**REMOTE, "remote_connect_timeout_ms": 1e300}, "remote_connect_timeout_ms=1e.300: must be a number in 1.."),
+    ({"offload_block_tokens": 10**30}, "offload_block_tokens=1000000000000000000000000000000: must be an integer in"),
+    ({"offload_block_tokens": 1e30}, "offload_block_tokens=1e.30: must be an integer in 1..65536"),
+    ({"disk_path": "/tmp/kv", "disk_io_threads": 10**30}, "disk_io_threads=.*must be an integer in 1..256"),
+    ({**REMOTE, "remote_ttl_s": 10**16}, r"remote_ttl_s=10000000000000000: must be an integer in 1..315360000"),
+    ({**REMOTE, "remote_gib": 1e-300}, "remote_gib=1e-300: must be a number in 1 byte"),
+    ({**REMOTE, "remote_breaker_errors": 10**300}, "remote_breaker_errors=.*1..1000000"),
+    ({**REMOTE, "remote_breaker_cooldown_s": 1e300}, "remote_breaker_cooldown_s=1e.300: .*0.001..86400"),
+    ({"host_gib": 10**400}, r"host_gib=1000.*\.\.\.: must be a number"),
+    ({"disk_pth": "/tmp/kv"}, "unknown key 'disk_pth' \\(did you mean 'disk_path'\\?\\)"),
+])  # fmt: skip
+def test_each_bad_value_of_issue_21_is_a_config_error_naming_the_key(raw, culprit):
+    with pytest.raises(ConfigError, match=culprit):
+        OffloadConfig.from_dict(raw)
+
+
+def test_an_unknown_key_is_reported_once_not_also_as_a_dependent_key():
+    with pytest.raises(ConfigError) as err:
+        OffloadConfig.from_dict({"disk_pth": "/tmp/kv"})
+    assert "given without" not in str(err.value)
+
+
+@pytest.mark.parametrize("url", ["redis://cache", "redis://cache:6379/0", "rediss://cache:6380/", "redis://[::1]:6379",
+                                 "unix:///run/redis.sock", "unix:///run/redis.sock?db=2", "redis://10.0.0.1:7000"])
+def test_valid_remote_urls_are_kept_as_given(url):
+    remote = OffloadConfig.from_dict({"remote_url": url}).remote
+    assert remote is not None and remote.urls == (url,)
+
+
+@pytest.mark.parametrize(("raw", "culprit"), [
+    ({"remote_url": "unix:///run/redis.sock", "remote_cluster": True}, "not unix://"),
+    ({"remote_url": ["redis://a:1/2", "redis://b:1"], "remote_cluster": True}, "database 0 only"),
+    ({"remote_url": ["redis://a:1", "rediss://b:1"]}, "the same scheme, got redis, rediss"),
+    ({"remote_url": "redis://cache:1?password=pw-hunter2"}, "takes no query but db=N"),
+    ({"remote_url": "redis://cache:99999?password=pw-hunter2"}, "Port out of range"),
+])  # fmt: skip
+def test_remote_urls_that_redis_py_would_refuse_or_misread_are_config_errors_without_the_query(raw, culprit):
+    with pytest.raises(ConfigError, match=culprit) as err:
+        OffloadConfig.from_dict(raw)
+    assert "hunter2" not in str(err.value)
+
+
+def test_a_long_value_is_cut_short_in_the_error():
+    with pytest.raises(ConfigError) as err:
+        OffloadConfig.from_dict({"model_id": 7 * 10**500})
+    assert "model_id=7000" in str(err.value) and len(str(err.value)) < 2000

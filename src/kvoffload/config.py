@@ -2,24 +2,40 @@
 
 Engines hand kvoffload a flat ``{key: value}`` dict (vLLM's ``kv_connector_extra_config``). ``OffloadConfig.from_dict``
 validates all of it at once and raises one ``ConfigError`` that names every bad or unknown key and lists the
-accepted ones. Every other module receives the typed values below. docs/configuration.md lists every key.
+accepted ones; nothing else escapes it, whatever the keys and values. Every other module receives the typed values
+below. Each key's parser (config_values.py: ranges, paths, URLs; config_secrets.py: secrets and passwords) is in
+``KEYS``; docs/configuration.md lists every key with its accepted range.
 """
 
 from __future__ import annotations
 
+import difflib
 import enum
-import grp
-import math
-import os
-import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvoffload.auth import MIN_SECRET_BYTES, TierSecret
+from kvoffload.auth import TierSecret
+from kvoffload.config_secrets import password_env, password_file, password_text, secret_env, secret_file
+from kvoffload.config_values import (
+    GIB,
+    MAX_BYTES,
+    REMOTE_SCHEMES,
+    FloatRange,
+    IntRange,
+    cluster_url_problem,
+    enum_of,
+    flag,
+    gib_size,
+    group,
+    path,
+    remote_urls,
+    text,
+)
 
-GIB = 1 << 30
+__all__ = ["FAULT_KEYS", "GIB", "KEYS", "REMOTE_SCHEMES", "ConfigError", "DiskTierConfig", "EvictionPolicy",
+           "HostTierConfig", "LoadPolicy", "OffloadConfig", "RemoteTierConfig", "StoreAdmission", "WritePolicy"]
 
 
 class ConfigError(ValueError):
@@ -86,9 +102,6 @@ class DiskTierConfig:
     """With a secret every block carries a keyed MAC and is named by it (kvoffload.auth); None: CRC only."""
 
 
-REMOTE_SCHEMES = ("redis", "rediss", "unix")
-
-
 @dataclass(frozen=True)
 class RemoteTierConfig:
     """A Redis-protocol store (Redis 7+, Valkey, Redis Cluster) below the host tier, shared by many engines."""
@@ -138,9 +151,14 @@ class OffloadConfig:
     """Testing knob: the first N load jobs of each worker load a zeroed block yet succeed (proves that the
     end-to-end output comparisons catch a wrong load)."""
 
+    def injected_faults(self) -> dict[str, int]:
+        """The fault-injection keys (``FAULT_KEYS``) this configuration sets, with their counts; empty in production."""
+        return {key: getattr(self, key) for key in FAULT_KEYS if getattr(self, key)}
+
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None) -> OffloadConfig:
-        """Build and validate the tree from flat keys; raise ``ConfigError`` naming every problem."""
+        """Build and validate the tree from flat keys; raise ``ConfigError`` naming every problem (and nothing
+        else, whatever ``raw`` holds: tests/test_config_fuzz.py)."""
         if raw is None:
             raw = {}
         if not isinstance(raw, Mapping):
@@ -149,186 +167,66 @@ class OffloadConfig:
         return _Parser(dict(raw)).parse()
 
 
-def _positive_int(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ValueError("must be a positive integer")
-    return v
-
-
-def _non_negative_int(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ValueError("must be a non-negative integer")
-    return v
-
-
-def _positive_float(v: Any) -> float:
-    # NaN compares false with everything, so "v <= 0" alone would let it through (and disable a deadline).
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
-        raise ValueError("must be a finite positive number")
-    return float(v)
-
-
-def _gib(v: Any) -> int:
-    size = _positive_float(v) * GIB
-    if not math.isfinite(size):
-        raise ValueError("is too large")
-    return int(size)
-
-
-def _enum(kind: type[enum.Enum]) -> Callable[[Any], Any]:
-    def parse(v: Any) -> Any:
-        try:
-            return kind(str(v).lower())
-        except ValueError:
-            raise ValueError(f"must be one of {[e.value for e in kind]}") from None
-
-    return parse
-
-
-def _path(v: Any) -> Path:
-    if not isinstance(v, str | Path) or not str(v):
-        raise ValueError("must be a directory path")
-    return Path(v).expanduser()
-
-
-def _group(v: Any) -> int:
-    """A group name or gid, as a gid (names are resolved here, once)."""
-    if isinstance(v, str) and v and not v.isdigit():
-        try:
-            return grp.getgrnam(v).gr_gid
-        except KeyError:
-            raise ValueError(f"no group named {v!r} on this machine") from None
-    if isinstance(v, str) and v:
-        return int(v)
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ValueError("must be a group name or a non-negative gid")
-    return v
-
-
-def _secret_file(v: Any) -> TierSecret:
-    path = _path(v)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            info = os.fstat(fd)
-            value = os.read(fd, 1 << 16)
-        finally:
-            os.close(fd)
-    except OSError as e:
-        raise ValueError(f"cannot read the secret file: {e.strerror}") from None
-    if not stat.S_ISREG(info.st_mode) or info.st_mode & 0o077:
-        raise ValueError("the secret file must be a regular file readable by its owner only (chmod 600)")
-    return _secret(f"file {path}", value)
-
-
-def _secret_env(v: Any) -> TierSecret:
-    name = _text(v)
-    if name not in os.environ:
-        raise ValueError("no such environment variable")
-    return _secret(f"environment variable {name}", os.environ[name].encode())
-
-
-def _secret(source: str, value: bytes) -> TierSecret:
-    value = value.removesuffix(b"\n")
-    if len(value) < MIN_SECRET_BYTES:
-        raise ValueError(f"the secret must be at least {MIN_SECRET_BYTES} bytes")
-    return TierSecret(source, value)
-
-
-def _urls(v: Any) -> tuple[str, ...]:
-    urls = (v,) if isinstance(v, str) else tuple(v) if isinstance(v, list | tuple) else ()
-    if not urls or not all(isinstance(u, str) and u for u in urls):
-        raise ValueError("must be a URL or a list of URLs")
-    for url in urls:
-        scheme, _, rest = url.partition("://")
-        if "@" in rest.split("/", 1)[0]:  # so that no password sits in the config's repr or in a log line
-            raise ValueError("a URL must not carry credentials: give remote_username and remote_password_env "
-                             "(or remote_password_file) instead")
-        if scheme not in REMOTE_SCHEMES:
-            raise ValueError(f"{url!r} is not a {', '.join(s + '://' for s in REMOTE_SCHEMES)} URL")
-    return urls
-
-
-def _flag(v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise ValueError("must be true or false")
-    return v
-
-
-def _password_text(v: Any) -> TierSecret:
-    return TierSecret("configuration", _text(v).encode())
-
-
-def _password_env(v: Any) -> TierSecret:
-    name = _text(v)
-    if not os.environ.get(name):
-        raise ValueError("no such environment variable, or it is empty")
-    return TierSecret(f"environment variable {name}", os.environ[name].encode())
-
-
-def _password_file(v: Any) -> TierSecret:
-    path = _path(v)
-    try:
-        value = path.read_bytes().removesuffix(b"\n")
-    except OSError as e:
-        raise ValueError(f"cannot read the password file: {e.strerror}") from None
-    if not value:
-        raise ValueError("the password file is empty")
-    return TierSecret(f"file {path}", value)
-
-
-def _text(v: Any) -> str:
-    if not isinstance(v, str) or not v:
-        raise ValueError("must be a non-empty string")
-    return v
+_BYTES = IntRange(1, MAX_BYTES, "1 EiB")
+_GIB = gib_size(MAX_BYTES, "1 EiB")
+_THREADS = IntRange(1, 256)
+_BREAKER_ERRORS = IntRange(1, 1_000_000)
+_COOLDOWN_S = FloatRange(0.001, 86_400, "1 ms..1 day")
+_REMOTE_TIMEOUT_MS = FloatRange(1, 3_600_000, "1 ms..1 hour")
+_FAULT_COUNT = IntRange(0, 1_000_000_000)
 
 
 # key -> (parser, help). The help text is the source of docs/configuration.md's table.
 KEYS: dict[str, tuple[Callable[[Any], Any], str]] = {
-    "offload_block_tokens": (_positive_int, "tokens per offload block; a multiple of the engine block size"),
-    "host_bytes": (_positive_int, "host tier capacity in bytes (default 4 GiB)"),
-    "host_gib": (_gib, "host tier capacity in GiB (a float); alternative to host_bytes"),
-    "eviction_policy": (_enum(EvictionPolicy), "lru, arc, s3fifo or tinylfu, for every tier"),
-    "store_admission": (_enum(StoreAdmission), "all (store every full block) or second-sighting (store a block "
-                                               "the second time it is seen)"),
-    "record_trace": (_path, "append each finished request's arrival, lengths and offload keys (never tokens) "
-                            "to this JSONL file, for kvoffload replay and plan"),
-    "copy_threads": (_positive_int, "CPU threads copying device<->host when the KV cache is on the CPU"),
-    "disk_path": (_path, "directory of the disk tier; no disk tier when absent"),
-    "disk_bytes": (_positive_int, "disk tier capacity in bytes (default 64 GiB)"),
-    "disk_gib": (_gib, "disk tier capacity in GiB; alternative to disk_bytes"),
-    "disk_io_threads": (_positive_int, "threads doing disk reads and writes"),
-    "disk_write_policy": (_enum(WritePolicy), "write_through or on_evict"),
-    "disk_read_deadline_ms": (_positive_float, "a disk read slower than this counts as a miss"),
-    "disk_breaker_errors": (_positive_int, "consecutive disk errors that switch the disk tier off"),
-    "disk_breaker_cooldown_s": (_positive_float, "how long the disk tier stays off after tripping"),
-    "disk_shared_group": (_group, "group (name or gid) allowed to share disk_path: its tree is made group-"
-                                  "writable for that group only; default: private to the user"),
-    "load_policy": (_enum(LoadPolicy), "auto (load a lower tier's hits only when faster than recomputing), "
-                                       "always or never"),
-    "prefill_tokens_per_s": (_positive_float, "the engine's prefill speed for load_policy auto (default: measured)"),
-    "model_id": (_text, "model name in the key namespace (default: the engine's model)"),
-    "model_version": (_text, "weights version in the key namespace, for checkpoints whose configs are the same"),
-    "remote_url": (_urls, "remote tier server: redis://host:port, rediss:// (TLS) or unix:///path; a list for a "
-                          "cluster's start-up nodes; no remote tier when absent"),
-    "remote_cluster": (_flag, "true: the servers are a Redis Cluster (redis-py's cluster client)"),
-    "remote_username": (_text, "ACL user name for the remote tier"),
-    "remote_password": (_password_text, "ACL password (prefer remote_password_env or remote_password_file)"),
-    "remote_password_env": (_password_env, "environment variable holding the ACL password"),
-    "remote_password_file": (_password_file, "file holding the ACL password"),
-    "remote_connect_timeout_ms": (_positive_float, "connecting to a remote server slower than this fails"),
-    "remote_timeout_ms": (_positive_float, "a remote command slower than this fails (a miss or a skipped store)"),
-    "remote_ttl_s": (_positive_int, "expire remote values this long after they are written (default: never)"),
-    "remote_bytes": (_positive_int, "bytes this engine may have stored in the remote tier (default 16 GiB)"),
-    "remote_gib": (_gib, "the same in GiB; alternative to remote_bytes"),
-    "remote_breaker_errors": (_positive_int, "consecutive remote errors that switch the remote tier off"),
-    "remote_breaker_cooldown_s": (_positive_float, "how long the remote tier stays off after tripping"),
-    "tier_secret_file": (_secret_file, "file (mode 0600) holding the secret that authenticates disk-tier blocks"),
-    "tier_secret_env": (_secret_env, "environment variable holding that secret; alternative to tier_secret_file"),
-    "inject_load_failures": (_non_negative_int, "testing: the first N load jobs fail, forcing recompute"),
-    "inject_load_corruption": (_non_negative_int,
+    "offload_block_tokens": (IntRange(1, 65_536), "tokens per offload block; a multiple of the engine block size"),
+    "host_bytes": (_BYTES, "host tier capacity in bytes (default 4 GiB)"),
+    "host_gib": (_GIB, "host tier capacity in GiB (a float); alternative to host_bytes"),
+    "eviction_policy": (enum_of(EvictionPolicy), "lru, arc, s3fifo or tinylfu, for every tier"),
+    "store_admission": (enum_of(StoreAdmission), "all (store every full block) or second-sighting (store a block "
+                                                 "the second time it is seen)"),
+    "record_trace": (path, "append each finished request's arrival, lengths and offload keys (never tokens) "
+                           "to this JSONL file, for kvoffload replay and plan"),
+    "copy_threads": (_THREADS, "CPU threads copying device<->host when the KV cache is on the CPU"),
+    "disk_path": (path, "directory of the disk tier; no disk tier when absent"),
+    "disk_bytes": (_BYTES, "disk tier capacity in bytes (default 64 GiB)"),
+    "disk_gib": (_GIB, "disk tier capacity in GiB; alternative to disk_bytes"),
+    "disk_io_threads": (_THREADS, "threads doing disk reads and writes"),
+    "disk_write_policy": (enum_of(WritePolicy), "write_through or on_evict"),
+    "disk_read_deadline_ms": (FloatRange(1, 1e9, "1 ms..11.6 days"), "a disk read slower than this counts as a miss"),
+    "disk_breaker_errors": (_BREAKER_ERRORS, "consecutive disk errors that switch the disk tier off"),
+    "disk_breaker_cooldown_s": (_COOLDOWN_S, "how long the disk tier stays off after tripping"),
+    "disk_shared_group": (group, "group (name or gid) allowed to share disk_path: its tree is made group-"
+                                 "writable for that group only; default: private to the user"),
+    "load_policy": (enum_of(LoadPolicy), "auto (load a lower tier's hits only when faster than recomputing), "
+                                         "always or never"),
+    "prefill_tokens_per_s": (FloatRange(1, 1e9), "the engine's prefill speed for load_policy auto (default: measured)"),
+    "model_id": (text, "model name in the key namespace (default: the engine's model)"),
+    "model_version": (text, "weights version in the key namespace, for checkpoints whose configs are the same"),
+    "remote_url": (remote_urls, "remote tier server: redis://host:port, rediss:// (TLS) or unix:///path; a list "
+                                "for a cluster's start-up nodes; no remote tier when absent"),
+    "remote_cluster": (flag, "true: the servers are a Redis Cluster (redis-py's cluster client)"),
+    "remote_username": (text, "ACL user name for the remote tier"),
+    "remote_password": (password_text, "ACL password (prefer remote_password_env or remote_password_file)"),
+    "remote_password_env": (password_env, "environment variable holding the ACL password"),
+    "remote_password_file": (password_file, "file holding the ACL password"),
+    "remote_connect_timeout_ms": (_REMOTE_TIMEOUT_MS, "connecting to a remote server slower than this fails"),
+    "remote_timeout_ms": (_REMOTE_TIMEOUT_MS, "a remote command slower than this fails (a miss or a skipped store)"),
+    "remote_ttl_s": (IntRange(1, 315_360_000, "10 years"),
+                     "expire remote values this long after they are written (default: never)"),
+    "remote_bytes": (_BYTES, "bytes this engine may have stored in the remote tier (default 16 GiB)"),
+    "remote_gib": (_GIB, "the same in GiB; alternative to remote_bytes"),
+    "remote_breaker_errors": (_BREAKER_ERRORS, "consecutive remote errors that switch the remote tier off"),
+    "remote_breaker_cooldown_s": (_COOLDOWN_S, "how long the remote tier stays off after tripping"),
+    "tier_secret_file": (secret_file, "file (mode 0600) holding the secret that authenticates disk-tier blocks"),
+    "tier_secret_env": (secret_env, "environment variable holding that secret; alternative to tier_secret_file"),
+    "inject_load_failures": (_FAULT_COUNT, "testing: the first N load jobs fail, forcing recompute"),
+    "inject_load_corruption": (_FAULT_COUNT,
                                "testing: the first N load jobs load a zeroed block yet succeed (wrong KV)"),
 }
+
+FAULT_KEYS = tuple(key for key in KEYS if key.startswith("inject_"))
+"""Testing knobs that make kvoffload fail or serve wrong KV on purpose, each an ``OffloadConfig`` field of that
+name; the worker half, which applies them, logs a warning for every one set (connector/worker.py)."""
 
 _EXCLUSIVE = (("host_bytes", "host_gib"), ("disk_bytes", "disk_gib"), ("tier_secret_file", "tier_secret_env"),
               ("remote_bytes", "remote_gib"), ("remote_password", "remote_password_env"),
@@ -339,38 +237,69 @@ _HIDDEN_VALUES = frozenset({"remote_password", "remote_url"})
 """Keys whose values may hold a password: errors name the key, never the value."""
 
 
+_SHOWN_CHARS = 80
+"""A value longer than this is cut short in error messages."""
+
+
+def _shown(value: Any) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # an int of more than 4300 digits, or a broken __repr__: the error must still be a ConfigError
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS - 3] + "..."
+
+
+def _unknown(key: object) -> str:
+    if not isinstance(key, str):
+        return f"key {_shown(key)} is not a string"
+    near = difflib.get_close_matches(key, KEYS, n=1)
+    return f"unknown key {_shown(key)}" + (f" (did you mean {near[0]!r}?)" if near else "")
+
+
 class _Parser:
-    def __init__(self, raw: dict[str, Any]) -> None:
+    def __init__(self, raw: dict[Any, Any]) -> None:
         self.raw = raw
+        self.keys = {k for k in raw if k in KEYS}  # an unknown key is reported once, as unknown
         self.errors: list[str] = []
         self.values: dict[str, Any] = {}
 
     def parse(self) -> OffloadConfig:
         for key, value in self.raw.items():
-            if key not in KEYS:
-                self.errors.append(f"unknown key {key!r}")
-                continue
-            try:
-                self.values[key] = KEYS[key][0](value)
-            except ValueError as e:
-                shown = "" if key in _HIDDEN_VALUES else f"={value!r}"
-                self.errors.append(f"{key}{shown}: {e}")
-        for a, b in _EXCLUSIVE:
-            if a in self.raw and b in self.raw:
-                self.errors.append(f"give {a} or {b}, not both")
-        for prefix, owner in (("disk_", "disk_path"), ("remote_", "remote_url")):
-            dependent = sorted(k for k in self.raw if k.startswith(prefix) and k != owner)
-            if dependent and owner not in self.raw:
-                self.errors.append(f"{', '.join(dependent)} given without {owner}")
-        secret_keys = sorted(k for k in self.raw if k.startswith("tier_secret_"))
-        if secret_keys and "disk_path" not in self.raw and "remote_url" not in self.raw:
-            self.errors.append(f"{', '.join(secret_keys)} given without a shared tier (disk_path or remote_url)")
+            if key in KEYS:
+                self._parse_value(key, value)
+            else:
+                self.errors.append(_unknown(key))
+        self._check_combinations()
         if self.errors:
             raise ConfigError(
                 "invalid kvoffload configuration: " + "; ".join(self.errors)
                 + ". Accepted keys: " + ", ".join(sorted(KEYS))
             )
         return self._build()
+
+    def _parse_value(self, key: str, value: Any) -> None:
+        try:
+            self.values[key] = KEYS[key][0](value)
+        except ValueError as e:
+            shown = "" if key in _HIDDEN_VALUES else f"={_shown(value)}"
+            self.errors.append(f"{key}{shown}: {e}")
+
+    def _check_combinations(self) -> None:
+        keys = self.keys
+        for a, b in _EXCLUSIVE:
+            if a in keys and b in keys:
+                self.errors.append(f"give {a} or {b}, not both")
+        for prefix, owner in (("disk_", "disk_path"), ("remote_", "remote_url")):
+            dependent = sorted(k for k in keys if k.startswith(prefix) and k != owner)
+            if dependent and owner not in keys:
+                self.errors.append(f"{', '.join(dependent)} given without {owner}")
+        secret_keys = sorted(k for k in keys if k.startswith("tier_secret_"))
+        if secret_keys and "disk_path" not in keys and "remote_url" not in keys:
+            self.errors.append(f"{', '.join(secret_keys)} given without a shared tier (disk_path or remote_url)")
+        if self.values.get("remote_cluster") and "remote_url" in self.values:
+            problem = cluster_url_problem(self.values["remote_url"])
+            if problem:
+                self.errors.append(f"remote_url with remote_cluster: {problem}")
 
     def _remote(self, policy: EvictionPolicy) -> RemoteTierConfig | None:
         v = self.values

@@ -29,7 +29,7 @@ from collections.abc import Collection, Mapping
 import torch
 
 from kvoffload.canonical import CanonicalKV, canonicalize
-from kvoffload.config import OffloadConfig
+from kvoffload.config import KEYS, OffloadConfig
 from kvoffload.connector.metadata import ConnectorMetadata, WorkerMetadata
 from kvoffload.connector.stats import TransferStats
 from kvoffload.connector.tiers import host_num_slots, host_slot_bytes, offload_factor
@@ -43,6 +43,13 @@ from kvoffload.transfer.host_pool import HostPool
 from kvoffload.transfer.worker import TransferWorker
 
 logger = logging.getLogger(__name__)
+
+
+def _warn_of_faults(config: OffloadConfig) -> None:
+    """One warning per fault-injection key set: a worker applying one serves failed or wrong loads on purpose."""
+    for key, count in config.injected_faults().items():
+        logger.warning("kvoffload FAULT INJECTION is on in this worker: %s=%d (%s); a testing knob, never for "
+                       "production", key, count, KEYS[key][1])
 
 
 class SkipWrites(TransferHandler):
@@ -99,6 +106,7 @@ class ConnectorWorker:
                              host_slot_bytes(self.layout, self.factor), pin_memory=on_cuda)
         handler: TransferHandler = DeviceHostHandler(self.kv, self.pool, self.factor,
                                                      threads=self.config.host.copy_threads)
+        _warn_of_faults(self.config)
         if self.config.inject_load_failures:
             handler = FailFirstLoads(handler, self.config.inject_load_failures)
         if self.config.inject_load_corruption:
