@@ -1,4 +1,4 @@
-"""Authenticated blocks: MACs that only the secret's holders can make, names only they can compute, secrets that
+"""Sealed blocks: seals that only the secret's holders can make and open, names only they can compute, secrets that
 are read safely and never shown."""
 
 import os
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvoffload.auth import MAC_BYTES, BlockAuth, TierSecret
+from kvoffload.auth import NONCE_BYTES, TAG_BYTES, BlockAuth, TierSecret
 from kvoffload.config import ConfigError, OffloadConfig
 
 SECRET = TierSecret("test", b"s" * 32)
@@ -29,19 +29,53 @@ def test_names_are_a_keyed_permutation_of_keys():
     assert all(other.name(k) != n for k, n in zip(ks, names, strict=True))
 
 
-def test_a_mac_fails_for_any_changed_byte_and_for_another_secret():
-    auth = BlockAuth(SECRET)
-    header, payload = bytes(range(64)), bytes(4096)
-    tag = auth.mac(header, payload)
-    assert len(tag) == MAC_BYTES and auth.verify(header, payload, tag)
-    assert not auth.verify(header, payload[:-1] + b"\x01", tag)
-    assert not auth.verify(b"\x01" + header[1:], payload, tag)
-    assert not BlockAuth(TierSecret("other", b"t" * 32)).verify(header, payload, tag)
+def seal(auth, binding, payload, header=b"h" * 64, nonce=b"n" * NONCE_BYTES):
+    out = bytearray(len(payload) + TAG_BYTES)
+    auth.seal_into(binding, nonce, header, memoryview(payload), memoryview(out))
+    return bytes(out)
+
+
+def opens(auth, binding, sealed, header=b"h" * 64, nonce=b"n" * NONCE_BYTES):
+    out = bytearray(len(sealed) - TAG_BYTES)
+    return bytes(out) if auth.open_into(binding, nonce, header, memoryview(sealed), memoryview(out)) else None
+
+
+def test_a_seal_opens_to_its_payload_and_hides_it():
+    auth, payload = BlockAuth(SECRET), bytes(range(256)) * 16
+    sealed = seal(auth, b"b" * 32, payload)
+    assert opens(auth, b"b" * 32, sealed) == payload
+    assert payload[:16] not in sealed and len(sealed) == len(payload) + TAG_BYTES
+
+
+@pytest.mark.parametrize("change", ["ciphertext", "tag", "header", "nonce", "binding", "secret"])
+def test_a_seal_fails_to_open_for_any_changed_byte_binding_or_secret(change):
+    auth, payload = BlockAuth(SECRET), bytes(4096)
+    sealed = bytearray(seal(auth, b"b" * 32, payload))
+    header, nonce, binding, reader = b"h" * 64, b"n" * NONCE_BYTES, b"b" * 32, auth
+    if change == "ciphertext":
+        sealed[7] ^= 1
+    elif change == "tag":
+        sealed[-1] ^= 1
+    elif change == "header":
+        header = b"H" + header[1:]
+    elif change == "nonce":
+        nonce = b"N" + nonce[1:]
+    elif change == "binding":
+        binding = b"c" + binding[1:]  # another key, rank or namespace
+    else:
+        reader = BlockAuth(TierSecret("other", b"t" * 32))
+    assert opens(reader, binding, bytes(sealed), header, nonce) is None
+    assert opens(auth, b"b" * 32, seal(auth, b"b" * 32, payload)) == payload  # the unchanged seal still opens
+
+
+def test_nonces_are_fresh_random_bytes():
+    nonces = {BlockAuth.new_nonce() for _ in range(1000)}
+    assert len(nonces) == 1000 and all(len(n) == NONCE_BYTES for n in nonces)
 
 
 def test_a_long_secret_works_and_the_directory_name_depends_on_it():
     long_auth = BlockAuth(TierSecret("long", b"x" * 200))
-    assert long_auth.verify(b"h", b"p", long_auth.mac(b"h", b"p"))
+    assert opens(long_auth, b"b", seal(long_auth, b"b", b"p")) == b"p"
     assert long_auth.directory(b"root") != BlockAuth(SECRET).directory(b"root")
 
 

@@ -4,18 +4,31 @@ Shared by both halves: the worker's ``DiskHandler`` writes and reads files in th
 ``DiskTierManager`` rebuilds its index from file names (``disk_tree.scan``: no payload is read). This module
 imports no torch and does no block I/O; docs/disk-format.md is its prose twin: change them together.
 
-A file is ``HEADER`` (64 bytes, little-endian) followed by the raw payload bytes, and, for an authenticated tier
-(``tier_secret_*``), by a 32-byte keyed BLAKE2b MAC of header and payload (``kvoffload.auth``)::
+A plain file (no tier secret: format version 1) is ``HEADER`` (64 bytes, little-endian) followed by the raw payload
+bytes::
 
     offset size field
          0    8 magic              b"KVOFFBLK"
          8    2 format version     1
         10    2 header size        64
-        12    4 checksum algorithm 2 = CRC32C (Castagnoli) of the payload; 3 = CRC32C and the MAC trailer
+        12    4 checksum algorithm 2 = CRC32C (Castagnoli) of the payload
         16   16 namespace fingerprint (Namespace.fingerprint(): model, layout, rank, world size unless replicated)
         32   16 key                (OffloadKey, the same on every rank)
         48    8 payload length
         56    4 payload checksum
+        60    4 header checksum    (crc32 of bytes 0..59)
+
+A sealed file (a tier secret: format version 2) hides what it holds: a 64-byte clear header that names neither
+namespace nor key, the payload encrypted with AES-256-GCM, and its 16-byte tag (``kvoffload.auth``)::
+
+    offset size field
+         0    8 magic              b"KVOFFBLK"
+         8    2 format version     2
+        10    2 header size        64
+        12    4 algorithm          4 = AES-256-GCM
+        16   12 nonce              random
+        28    8 payload length
+        36   24 zero
         60    4 header checksum    (crc32 of bytes 0..59)
 
 Paths: ``<disk_path>/<world>/rank<r>/<name hex[:2]>/<name hex>.kvb``, where ``world`` is the chain root's hex[:16]
@@ -39,7 +52,7 @@ from typing import Any, Protocol
 
 import crc32c
 
-from kvoffload.auth import MAC_BYTES, BlockAuth, TierSecret
+from kvoffload.auth import NONCE_BYTES, SEAL_VERSION, TAG_BYTES, BlockAuth, TierSecret
 from kvoffload.keys import Namespace, OffloadKey
 
 logger = logging.getLogger(__name__)
@@ -47,8 +60,10 @@ logger = logging.getLogger(__name__)
 MAGIC = b"KVOFFBLK"
 DISK_FORMAT_VERSION = 1
 CHECKSUM_CRC32C = 2  # 1 (zlib crc32) was used by unreleased builds; such files fail to load
-CHECKSUM_CRC32C_MAC = 3
+AES_256_GCM = 4  # 3 (CRC32C and a keyed BLAKE2b MAC, version 1) was the sealed format before encryption
+SEALED_FORMAT_VERSION = SEAL_VERSION
 _HEADER = struct.Struct("<8sHHI16s16sQI")
+_SEALED_HEADER = struct.Struct(f"<8sHHI{NONCE_BYTES}sQ24x")
 HEADER_BYTES = _HEADER.size + 4
 BLOCK_SUFFIX = ".kvb"
 TMP_SUFFIX = ".tmp"
@@ -63,13 +78,14 @@ class CorruptBlockError(ValueError):
 
 
 class UnauthenticBlockError(CorruptBlockError):
-    """A block file's MAC is not this tier's secret's: someone without the secret wrote or changed it."""
+    """A sealed block's tag does not verify, or a plain block stands in a sealed tier: someone without the secret
+    wrote or changed it (or it was damaged: authenticated encryption cannot tell the two apart)."""
 
 
 @dataclass(frozen=True)
 class BlockFormat:
-    """How a tier names and seals its files: plain (names are keys, CRC32C only) or authenticated by a secret
-    (names and the world directory keyed by it, a MAC trailer after the payload)."""
+    """How a tier names and seals its files: plain (names are keys, CRC32C only) or sealed by a secret (names and
+    the world directory keyed by it, the payload encrypted and authenticated, a tag trailer after it)."""
 
     auth: BlockAuth | None = None
 
@@ -78,12 +94,8 @@ class BlockFormat:
         return cls(None if secret is None else BlockAuth(secret))
 
     @property
-    def algorithm(self) -> int:
-        return CHECKSUM_CRC32C if self.auth is None else CHECKSUM_CRC32C_MAC
-
-    @property
     def trailer_bytes(self) -> int:
-        return 0 if self.auth is None else MAC_BYTES
+        return 0 if self.auth is None else TAG_BYTES
 
     def file_bytes(self, payload_bytes: int) -> int:
         """Size on disk of a block with ``payload_bytes`` of payload."""
@@ -158,34 +170,30 @@ def checksum(payload: memoryview | bytes) -> int:
     return int(crc32c.crc32c(payload))
 
 
-def encode_header(fingerprint: bytes, key: OffloadKey, payload_bytes: int, payload_checksum: int,
-                  algorithm: int = CHECKSUM_CRC32C) -> bytes:
-    """The 64 header bytes of a block file."""
-    body = _HEADER.pack(MAGIC, DISK_FORMAT_VERSION, HEADER_BYTES, algorithm, fingerprint, key,
+def encode_header(fingerprint: bytes, key: OffloadKey, payload_bytes: int, payload_checksum: int) -> bytes:
+    """The 64 header bytes of a plain block."""
+    body = _HEADER.pack(MAGIC, DISK_FORMAT_VERSION, HEADER_BYTES, CHECKSUM_CRC32C, fingerprint, key,
                         payload_bytes, payload_checksum)
     return body + struct.pack("<I", zlib.crc32(body))
 
 
-def decode_header(raw: bytes | memoryview, fingerprint: bytes, key: OffloadKey, payload_bytes: int,
-                  algorithm: int = CHECKSUM_CRC32C) -> int:
-    """Check a header against what the reader expects and return the payload checksum it records.
+def encode_sealed_header(nonce: bytes, payload_bytes: int) -> bytes:
+    """The 64 clear header bytes of a sealed block (they name neither namespace nor key)."""
+    body = _SEALED_HEADER.pack(MAGIC, SEALED_FORMAT_VERSION, HEADER_BYTES, AES_256_GCM, nonce, payload_bytes)
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def decode_header(raw: bytes | memoryview, fingerprint: bytes, key: OffloadKey, payload_bytes: int) -> int:
+    """Check a plain block's header against what the reader expects and return the payload checksum it records.
 
     Raises:
-        CorruptBlockError: the header is damaged, from another format version or namespace, for another
-            key, records another payload length, or another algorithm than the reader's (a plain file in an
-            authenticated tier is refused, whatever its CRC says).
+        CorruptBlockError: the header is damaged, of another format (a sealed block in a plain tier, too), from
+            another namespace, for another key, or records another payload length.
     """
-    if len(raw) != HEADER_BYTES:
-        raise CorruptBlockError(f"header is {len(raw)} bytes, expected {HEADER_BYTES}")
-    body = bytes(raw[:_HEADER.size])
-    if struct.unpack("<I", raw[_HEADER.size:])[0] != zlib.crc32(body):
-        raise CorruptBlockError("header checksum mismatch")
-    magic, version, size, file_algorithm, file_fp, file_key, length, payload_crc = _HEADER.unpack(body)
-    if (magic, version, size, file_algorithm) == (MAGIC, DISK_FORMAT_VERSION, HEADER_BYTES, CHECKSUM_CRC32C) \
-            and algorithm == CHECKSUM_CRC32C_MAC:
-        raise UnauthenticBlockError("block carries no MAC (written without this tier's secret)")
-    if (magic, version, size, file_algorithm) != (MAGIC, DISK_FORMAT_VERSION, HEADER_BYTES, algorithm):
-        raise CorruptBlockError(f"unknown format (magic {magic!r}, version {version}, algorithm {file_algorithm})")
+    body = _checked_body(raw)
+    magic, version, size, algorithm, file_fp, file_key, length, payload_crc = _HEADER.unpack(body)
+    if (magic, version, size, algorithm) != (MAGIC, DISK_FORMAT_VERSION, HEADER_BYTES, CHECKSUM_CRC32C):
+        raise CorruptBlockError(f"unknown format (magic {magic!r}, version {version}, algorithm {algorithm})")
     if file_fp != fingerprint:
         raise CorruptBlockError("block belongs to another namespace")
     if file_key != key:
@@ -194,3 +202,33 @@ def decode_header(raw: bytes | memoryview, fingerprint: bytes, key: OffloadKey, 
         raise CorruptBlockError(f"payload is {length} bytes, expected {payload_bytes}")
     payload_checksum: int = payload_crc
     return payload_checksum
+
+
+def decode_sealed_header(raw: bytes | memoryview, payload_bytes: int) -> bytes:
+    """Check a sealed block's clear header and return its nonce (what it claims is proven only by its tag).
+
+    Raises:
+        UnauthenticBlockError: the block is of version 1 (plain, or the keyed-MAC format before encryption):
+            it was not written with this tier's secret by this version.
+        CorruptBlockError: the header is damaged, of another format or version (an older sealed format's blocks
+            live under other names and are never asked for), or records another payload length.
+    """
+    body = _checked_body(raw)
+    magic, version, size, algorithm, nonce, length = _SEALED_HEADER.unpack(body)
+    if (magic, version, size) == (MAGIC, DISK_FORMAT_VERSION, HEADER_BYTES):
+        raise UnauthenticBlockError("block is not sealed (written without this tier's secret, or by an older version)")
+    if (magic, version, size, algorithm) != (MAGIC, SEALED_FORMAT_VERSION, HEADER_BYTES, AES_256_GCM):
+        raise CorruptBlockError(f"unknown format (magic {magic!r}, version {version}, algorithm {algorithm})")
+    if length != payload_bytes:
+        raise CorruptBlockError(f"payload is {length} bytes, expected {payload_bytes}")
+    sealed_nonce: bytes = nonce
+    return sealed_nonce
+
+
+def _checked_body(raw: bytes | memoryview) -> bytes:
+    if len(raw) != HEADER_BYTES:
+        raise CorruptBlockError(f"header is {len(raw)} bytes, expected {HEADER_BYTES}")
+    body = bytes(raw[:_HEADER.size])
+    if struct.unpack("<I", raw[_HEADER.size:])[0] != zlib.crc32(body):
+        raise CorruptBlockError("header checksum mismatch")
+    return body

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvoffload.block_codec import encode_value, open_into
 from kvoffload.config import RemoteTierConfig
 from kvoffload.disk_format import HEADER_BYTES, PLAIN, CorruptBlockError
 from kvoffload.keys import Namespace, OffloadKey, offload_key
@@ -26,7 +27,6 @@ from kvoffload.testing.redis_server import RedisServer
 from kvoffload.transfer.base import TransferHandler
 from kvoffload.transfer.host_pool import HostPool
 from kvoffload.transfer.remote import RemoteHandler
-from kvoffload.transfer.remote_values import encode_value, verified_payload
 
 redis = pytest.importorskip("redis")
 
@@ -93,10 +93,12 @@ class RemoteHarness(HandlerHarness):
             value = self.client.get(value_name(NS, PLAIN, key))
             if value is None or len(value) < HEADER_BYTES:
                 return []
+            payload = bytearray(ENTRY)
             try:
-                out.append(bytes(verified_payload(PLAIN, NS.fingerprint(), key, value, ENTRY)))
+                open_into(PLAIN, NS.fingerprint(), key, value, memoryview(payload))
             except CorruptBlockError:
                 return []
+            out.append(bytes(payload))
         return out
 
 

@@ -1,4 +1,4 @@
-"""remote_stage: staged values are byte for byte the block encoding (as ``encode_value`` makes it too), and
+"""remote_stage: staged values are the block encoding (plain ones byte for byte as ``encode_value`` makes them), and
 ``overlapped`` runs its two sides in order, two items in flight, and ends cleanly on the first error of either
 side."""
 
@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from kvoffload.auth import TierSecret
+from kvoffload.block_codec import encode_value, open_into
 from kvoffload.disk_format import PLAIN, BlockFormat, checksum, encode_header
 from kvoffload.keys import Namespace, OffloadKey, offload_key
 from kvoffload.transfer.remote_stage import SealStage, batches, overlapped
-from kvoffload.transfer.remote_values import encode_value
 
 NS = Namespace(model="m", dtype="bf16", layout="pages=64")
 FORMATS = {"plain": PLAIN, "secret": BlockFormat.of(TierSecret("t", b"s" * 32))}
@@ -26,25 +26,35 @@ def key(i: int) -> OffloadKey:
     return offload_key(bytes([i]) * 16, 0)  # type: ignore[arg-type]
 
 
-def by_hand(fmt: BlockFormat, k: OffloadKey, payload: bytes) -> bytes:
-    """The block encoding of docs/disk-format.md, put together here part by part: header, payload, MAC."""
-    header = encode_header(NS.fingerprint(), k, len(payload), checksum(payload), fmt.algorithm)
-    return header + payload + (fmt.auth.mac(header, payload) if fmt.auth is not None else b"")
+def by_hand(k: OffloadKey, payload: bytes) -> bytes:
+    """The plain block encoding of docs/disk-format.md, put together here part by part: header, payload."""
+    return encode_header(NS.fingerprint(), k, len(payload), checksum(payload)) + payload
+
+
+def opened(fmt: BlockFormat, k: OffloadKey, value: memoryview | bytes, n: int) -> bytes:
+    out = bytearray(n)
+    open_into(fmt, NS.fingerprint(), k, value, memoryview(out))
+    return bytes(out)
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS.values()), ids=list(FORMATS))
-def test_sealed_values_are_the_reference_encoding_and_each_buffer_keeps_its_own(fmt: BlockFormat) -> None:
+def test_sealed_values_are_the_block_encoding_and_each_buffer_keeps_its_own(fmt: BlockFormat) -> None:
     rng = np.random.default_rng(1)
     payloads = [rng.integers(-128, 128, n, dtype=np.int8) for n in (96, 40, 96)]  # two groups' sizes
     stage = SealStage(fmt, NS.fingerprint(), fmt.file_bytes(96), per_batch=3)
     first = stage.seal(0, [(key(i), p) for i, p in enumerate(payloads)])
-    expected = [by_hand(fmt, key(i), p.tobytes()) for i, p in enumerate(payloads)]
-    assert [encode_value(fmt, NS.fingerprint(), key(i), p.data) for i, p in enumerate(payloads)] == expected
-    assert [bytes(v) for v in first] == expected
+    assert [len(v) for v in first] == [fmt.file_bytes(p.nbytes) for p in payloads]
+    expected = [p.tobytes() for p in payloads]
+    assert [opened(fmt, key(i), v, p.nbytes) for i, (v, p) in enumerate(zip(first, payloads, strict=True))] == expected
+    if fmt.auth is None:  # deterministic: byte for byte the reference encoding
+        assert [bytes(v) for v in first] == [by_hand(key(i), e) for i, e in enumerate(expected)]
+        assert [encode_value(fmt, NS.fingerprint(), key(i), p.data) for i, p in enumerate(payloads)] == \
+            [bytes(v) for v in first]
+    kept = [bytes(v) for v in first]
     stage.seal(1, [(key(9), payloads[1])])  # the other buffer: the first batch's views still hold their bytes
-    assert [bytes(v) for v in first] == expected
+    assert [bytes(v) for v in first] == kept
     stage.seal(0, [(key(7), payloads[0])])  # the same buffer again: its first view now holds the new value
-    assert bytes(first[0]) == by_hand(fmt, key(7), payloads[0].tobytes())
+    assert opened(fmt, key(7), first[0], 96) == expected[0] and bytes(first[0]) != kept[0]
 
 
 def test_batches_cut_in_order_with_a_shorter_last_one() -> None:

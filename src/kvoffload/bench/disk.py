@@ -9,6 +9,10 @@ block into the host pool). Before each read the page cache is dropped when the p
 and the output says so. Neither side calls fsync: both measure what the engine waits for. Rows report medians
 over rounds and the ratio handler / baseline.
 
+``--tier-secret``: a second handler, given a throwaway secret, seals every block (AES-256-GCM, ``kvoffload.auth``)
+and moves the same blocks in the same rounds, interleaved with the plain handler's and the raw I/O; its rows are
+reported beside the plain ones with the ratio sealed / plain (target: at least 0.9).
+
 The rebuild figure: ``--rebuild-blocks`` empty block files are created in a fresh directory (the index reads
 names only), then ``DiskTierManager.create`` is timed (scan, crash-leftover removal, index insert).
 """
@@ -40,6 +44,18 @@ class Row:
     raw_read_gbps: float
     read_ratio: float
     checksum_gbps: float
+    sealed_write_gbps: float | None = None
+    sealed_read_gbps: float | None = None
+    seal_gbps: float | None = None
+    """AES-256-GCM sealing of one block, in memory, one thread (the sealed rows' CPU cost)."""
+
+    @property
+    def sealed_write_ratio(self) -> float | None:
+        return None if self.sealed_write_gbps is None else self.sealed_write_gbps / self.write_gbps
+
+    @property
+    def sealed_read_ratio(self) -> float | None:
+        return None if self.sealed_read_gbps is None else self.sealed_read_gbps / self.read_gbps
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where to write (default: a fresh directory under the system temp directory)")
     parser.add_argument("--no-drop-caches", action="store_true",
                         help="do not try to drop the page cache before reads (reads may hit it)")
+    parser.add_argument("--tier-secret", action="store_true",
+                        help="also run a handler with a throwaway tier secret (sealed blocks) beside the plain one")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -112,9 +130,25 @@ def _crc_gbps(block_bytes: int) -> float:
     return n * block_bytes / (time.perf_counter() - start) / 1e9
 
 
+def _seal_gbps(block_bytes: int) -> float:
+    from kvoffload.auth import TierSecret
+    from kvoffload.block_codec import seal_into
+    from kvoffload.disk_format import BlockFormat
+    from kvoffload.keys import OffloadKey
+
+    fmt = BlockFormat.of(TierSecret("bench", os.urandom(32)))
+    data, out = memoryview(os.urandom(block_bytes)), memoryview(bytearray(fmt.file_bytes(block_bytes)))
+    n = max(1, (64 * MIB) // block_bytes)
+    start = time.perf_counter()
+    for i in range(n):
+        seal_into(fmt, bytes(16), OffloadKey(i.to_bytes(16, "little")), data, out)
+    return n * block_bytes / (time.perf_counter() - start) / 1e9
+
+
 def bench_block_size(root: Path, block_bytes: int, args: argparse.Namespace, drop: bool) -> Row:
     import torch
 
+    from kvoffload.auth import TierSecret
     from kvoffload.config import DiskTierConfig
     from kvoffload.keys import Namespace, offload_key
     from kvoffload.specs import DiskBlocks, HostBlocks, JobId, TransferJob
@@ -126,30 +160,37 @@ def bench_block_size(root: Path, block_bytes: int, args: argparse.Namespace, dro
     pool = HostPool(slots, block_bytes)
     pool.buffer.copy_(torch.randint(-128, 128, (slots, block_bytes), dtype=torch.int8))
     ns = Namespace(model="bench", dtype="int8", layout=f"bench-{block_bytes}")
-    handler = DiskHandler(DiskTierConfig(path=root / "tier", io_threads=args.io_threads), pool, ns,
-                          (block_bytes,))
+    secrets = {"": None} | ({"s": TierSecret("bench --tier-secret", os.urandom(32))} if args.tier_secret else {})
+    handlers = {side: DiskHandler(DiskTierConfig(path=root / "tier", io_threads=args.io_threads, secret=secret),
+                                  pool, ns, (block_bytes,)) for side, secret in secrets.items()}
     data = memoryview(os.urandom(block_bytes))
     buf = memoryview(bytearray(block_bytes))
-    results: dict[str, list[float]] = {k: [] for k in ("w", "rw", "r", "rr")}
+    results: dict[str, list[float]] = {k: [] for k in ("rw", "rr", *(d + s for s in handlers for d in "wr"))}
     host = HostBlocks(tuple(i % slots for i in range(blocks)), (blocks,))
+    job_ids = iter(range(1 << 30))
     try:
         for rnd in range(args.rounds):
             keys = tuple(offload_key(rnd.to_bytes(4, "little") + i.to_bytes(8, "little"), 0)  # type: ignore[arg-type]
                          for i in range(blocks))
             disk = DiskBlocks(keys, (blocks,))
-            results["w"].append(_run(handler, TransferJob(JobId(2 * rnd), host, disk)))
+            for side, handler in handlers.items():
+                results["w" + side].append(_run(handler, TransferJob(JobId(next(job_ids)), host, disk)))
             results["rw"].append(_raw_write(root / "raw", data, blocks))
-            if drop:
-                drop_caches()
-            results["r"].append(_run(handler, TransferJob(JobId(2 * rnd + 1), disk, host)))
+            for side, handler in handlers.items():
+                if drop:
+                    drop_caches()
+                results["r" + side].append(_run(handler, TransferJob(JobId(next(job_ids)), disk, host)))
             if drop:
                 drop_caches()
             results["rr"].append(_raw_read(root / "raw", buf, blocks))
     finally:
-        handler.shutdown()
+        for handler in handlers.values():
+            handler.shutdown()
     gbps = {k: blocks * block_bytes / statistics.median(v) / 1e9 for k, v in results.items()}
+    sealed = {"sealed_write_gbps": gbps["ws"], "sealed_read_gbps": gbps["rs"],
+              "seal_gbps": _seal_gbps(block_bytes)} if args.tier_secret else {}
     return Row(block_bytes, blocks, gbps["w"], gbps["rw"], gbps["w"] / gbps["rw"], gbps["r"], gbps["rr"],
-               gbps["r"] / gbps["rr"], _crc_gbps(block_bytes))
+               gbps["r"] / gbps["rr"], _crc_gbps(block_bytes), **sealed)
 
 
 def _run(handler: object, job: object) -> float:
@@ -211,7 +252,9 @@ def _report(rows: list[Row], rebuild_s: float | None, args: argparse.Namespace, 
              "page cache NOT dropped (not allowed here, or --no-drop-caches): reads of just-written files "
              "hit the page cache, on both sides")
     if args.json:
-        print(json.dumps({"rows": [asdict(r) for r in rows], "rebuild_blocks": args.rebuild_blocks,
+        print(json.dumps({"rows": [asdict(r) | {"sealed_write_ratio": r.sealed_write_ratio,
+                                                "sealed_read_ratio": r.sealed_read_ratio} for r in rows],
+                          "rebuild_blocks": args.rebuild_blocks,
                           "rebuild_seconds": rebuild_s, "page_cache_dropped": dropped,
                           "directory": str(root.parent), "io_threads": args.io_threads}, indent=2))
         return
@@ -223,5 +266,12 @@ def _report(rows: list[Row], rebuild_s: float | None, args: argparse.Namespace, 
         print(f"{r.block_bytes // KIB:>7}K {r.blocks:>7} {r.write_gbps:>7.2f} {r.raw_write_gbps:>7.2f} "
               f"{r.write_ratio:>6.2f} {r.read_gbps:>7.2f} {r.raw_read_gbps:>7.2f} {r.read_ratio:>6.2f} "
               f"{r.checksum_gbps:>7.2f}")
+    if args.tier_secret:
+        print("with a throwaway tier secret (sealed: AES-256-GCM), the same blocks in the same rounds:")
+        print(f"{'block':>8} {'write':>7} {'vs pl':>6} {'read':>7} {'vs pl':>6} {'seal':>7}   (GB/s; vs pl = sealed / "
+              "plain, target >= 0.9)")
+        for r in rows:
+            print(f"{r.block_bytes // KIB:>7}K {r.sealed_write_gbps:>7.2f} {r.sealed_write_ratio:>6.2f} "
+                  f"{r.sealed_read_gbps:>7.2f} {r.sealed_read_ratio:>6.2f} {r.seal_gbps:>7.2f}")
     if rebuild_s is not None:
         print(f"index rebuild: {args.rebuild_blocks} blocks in {rebuild_s:.3f} s")

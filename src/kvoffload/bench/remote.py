@@ -13,6 +13,10 @@ does with these bytes. Every side uses the hiredis parser when installed and one
 figure: the scheduler's ``RemoteTierManager`` looks up a 2,048-key prompt whose values are all on the server
 (answers not cached: a fresh manager each round), median milliseconds. Without ``--url`` the bench starts its own
 ``redis-server`` (``testing.redis_server``).
+
+``--tier-secret``: a fourth side, a second handler given a throwaway secret, stores and loads the same blocks
+sealed (AES-256-GCM, ``kvoffload.auth``) in the same rounds; its rows are reported beside the plain handler's with
+the ratio sealed / plain (target: at least 0.9) and sealed / raw.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import statistics
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from kvoffload.bench.disk import KIB, MIB, _size
@@ -44,6 +48,16 @@ class Row:
     raw_set_in_place_gbps: float
     """Raw ``SET`` with redis-py's Python packer, which sends values as they are (the handler's client does)."""
     store_ratio_in_place: float
+    sealed_store_gbps: float | None = None
+    sealed_load_gbps: float | None = None
+
+    @property
+    def sealed_store_ratio(self) -> float | None:
+        return None if self.sealed_store_gbps is None else self.sealed_store_gbps / self.store_gbps
+
+    @property
+    def sealed_load_ratio(self) -> float | None:
+        return None if self.sealed_load_gbps is None else self.sealed_load_gbps / self.load_gbps
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=7, help="rounds per block size (median reported)")
     parser.add_argument("--url", default=None, help="a server to use (default: start a redis-server here); "
                                                     "it is FLUSHALLed between sides")
+    parser.add_argument("--tier-secret", action="store_true",
+                        help="also run a handler with a throwaway tier secret (sealed values) beside the plain one")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -60,6 +76,7 @@ def bench_block_size(url: str, block_bytes: int, args: argparse.Namespace) -> Ro
     import redis
     import torch
 
+    from kvoffload.auth import TierSecret
     from kvoffload.config import RemoteTierConfig
     from kvoffload.keys import Namespace
     from kvoffload.remote_client import in_place_connection
@@ -71,13 +88,17 @@ def bench_block_size(url: str, block_bytes: int, args: argparse.Namespace) -> Ro
     pool.buffer.copy_(torch.randint(-128, 128, (blocks, block_bytes), dtype=torch.int8))
     payloads = [bytes(pool.buffer[i].numpy()) for i in range(blocks)]
     ns = Namespace(model="bench", dtype="int8", layout=f"bench-{block_bytes}")
-    handler = RemoteHandler(RemoteTierConfig(urls=(url,), timeout_s=30.0), pool, ns, (block_bytes,))
+    config = RemoteTierConfig(urls=(url,), timeout_s=30.0)
+    handler = RemoteHandler(config, pool, ns, (block_bytes,))
+    secret = TierSecret("bench --tier-secret", os.urandom(32))
+    sealed = RemoteHandler(replace(config, secret=secret), pool, ns, (block_bytes,)) if args.tier_secret else None
     raw = redis.Redis.from_url(url, socket_timeout=30.0)  # redis-py's defaults: what a user of it writes
     raw_in_place = redis.Redis.from_url(url, socket_timeout=30.0, connection_class=in_place_connection("redis"))
     # The raw side runs on a thread of its own too, as the handler's lanes do: replies allocated on the main
     # thread come from another malloc arena and measured up to 1.6x slower here.
     raw_thread = ThreadPoolExecutor(1, thread_name_prefix="bench-raw")
-    times: dict[str, list[float]] = {k: [] for k in ("store", "load", "set", "get", "set_in_place")}
+    times: dict[str, list[float]] = {k: [] for k in ("store", "load", "set", "get", "set_in_place", "sealed_store",
+                                                     "sealed_load")}
     sets = [("SET", f"raw:{i}", p) for i, p in enumerate(payloads)]
     gets = [("GET", f"raw:{i}") for i in range(blocks)]
     try:
@@ -90,22 +111,28 @@ def bench_block_size(url: str, block_bytes: int, args: argparse.Namespace) -> Ro
                         ("get", functools.partial(_on, raw_thread, functools.partial(_raw, raw, gets)))],
                 "in_place": [("set_in_place",
                               functools.partial(_on, raw_thread, functools.partial(_raw, raw_in_place, sets)))]}
+            if sealed is not None:
+                sides["sealed"] = [("sealed_store", functools.partial(_run, sealed, store)),
+                                   ("sealed_load", functools.partial(_run, sealed, load))]
             # Every side writes into a server just flushed (a fuller server is slower to grow), and which side
             # goes first turns round by round (the first after a flush may find colder caches).
             names = sorted(sides)
-            for name in names[rnd % 3:] + names[:rnd % 3]:
+            for name in names[rnd % len(names):] + names[:rnd % len(names)]:
                 raw.flushall()
                 for measure, run_side in sides[name]:
                     times[measure].append(run_side())
             raw.flushall()
     finally:
         handler.shutdown()
+        if sealed is not None:
+            sealed.shutdown()
         raw_thread.shutdown()
         raw.close()
         raw_in_place.close()
-    gbps = {k: blocks * block_bytes / statistics.median(v) / 1e9 for k, v in times.items()}
+    gbps = {k: blocks * block_bytes / statistics.median(v) / 1e9 for k, v in times.items() if v}
     return Row(block_bytes, blocks, gbps["store"], gbps["set"], gbps["store"] / gbps["set"], gbps["load"],
-               gbps["get"], gbps["load"] / gbps["get"], gbps["set_in_place"], gbps["store"] / gbps["set_in_place"])
+               gbps["get"], gbps["load"] / gbps["get"], gbps["set_in_place"], gbps["store"] / gbps["set_in_place"],
+               gbps.get("sealed_store"), gbps.get("sealed_load"))
 
 
 def _jobs(rnd: int, blocks: int) -> tuple[Any, Any]:
@@ -202,7 +229,9 @@ def _parser() -> str:
 
 def _report(rows: list[Row], lookup_ms: float, args: argparse.Namespace) -> None:
     if args.json:
-        print(json.dumps({"rows": [asdict(r) for r in rows], "lookup_2048_keys_ms": round(lookup_ms, 3),
+        print(json.dumps({"rows": [asdict(r) | {"sealed_store_ratio": r.sealed_store_ratio,
+                                                "sealed_load_ratio": r.sealed_load_ratio} for r in rows],
+                          "lookup_2048_keys_ms": round(lookup_ms, 3),
                           "parser": _parser(), "rounds": args.rounds, "cpus": os.cpu_count()}, indent=2))
         return
     print(f"kvoffload bench remote: redis-py with the {_parser()} parser, one server on 127.0.0.1, "
@@ -213,4 +242,13 @@ def _report(rows: list[Row], lookup_ms: float, args: argparse.Namespace) -> None
         print(f"{r.block_bytes // KIB:>7}K {r.blocks:>7} {r.store_gbps:>7.2f} {r.raw_set_gbps:>8.2f} "
               f"{r.store_ratio:>6.2f} {r.load_gbps:>7.2f} {r.raw_get_gbps:>8.2f} {r.load_ratio:>6.2f} "
               f"{r.raw_set_in_place_gbps:>13.2f} {r.store_ratio_in_place:>6.2f}")
+    if args.tier_secret:
+        print("with a throwaway tier secret (sealed: AES-256-GCM), the same blocks in the same rounds:")
+        print(f"{'block':>8} {'store':>7} {'vs pl':>6} {'vs raw':>7} {'load':>7} {'vs pl':>6} {'vs raw':>7}   "
+              "(GB/s; vs pl = sealed / plain handler, target >= 0.9)")
+        for r in rows:
+            assert r.sealed_store_gbps is not None and r.sealed_load_gbps is not None
+            print(f"{r.block_bytes // KIB:>7}K {r.sealed_store_gbps:>7.2f} {r.sealed_store_ratio:>6.2f} "
+                  f"{r.sealed_store_gbps / r.raw_set_gbps:>7.2f} {r.sealed_load_gbps:>7.2f} "
+                  f"{r.sealed_load_ratio:>6.2f} {r.sealed_load_gbps / r.raw_get_gbps:>7.2f}")
     print(f"lookup of a {LOOKUP_KEYS}-key prompt (every value present, no cached answers): {lookup_ms:.2f} ms")

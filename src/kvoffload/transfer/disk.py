@@ -31,8 +31,6 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from kvoffload.config import DiskTierConfig
 from kvoffload.disk_format import (
     BlockFormat,
@@ -48,7 +46,7 @@ from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.specs import DiskBlocks, HostBlocks, JobId, Medium, TransferJob
 from kvoffload.transfer.base import TransferHandler, TransferResult
 from kvoffload.transfer.disk_breaker import CircuitBreaker
-from kvoffload.transfer.disk_io import FileOps, read_block, write_block
+from kvoffload.transfer.disk_io import FileOps, read_for_slot, write_block
 from kvoffload.transfer.io_threads import IoThreads
 from kvoffload.transfer.job_waits import drain_jobs, wait_jobs
 
@@ -139,7 +137,6 @@ class DiskHandler(TransferHandler):
         self._deadline_s = config.read_deadline_s
         self.breaker = CircuitBreaker(config.breaker_errors, config.breaker_cooldown_s, clock)
         self._threads = IoThreads(config.io_threads, "kvoffload-disk", clock)
-        self._buffers = threading.local()
         self._lock = threading.Lock()
         self._copied = threading.Condition(self._lock)
         self._jobs: dict[JobId, _Job] = {}
@@ -276,27 +273,20 @@ class DiskHandler(TransferHandler):
         return True
 
     def _read(self, state: _Job, block: _Block) -> bool:
-        """Read into this thread's buffer, then into the slot if the job is live and on time (False if not)."""
-        buffer = self._buffer()[:block.nbytes]
-        read_block(self._ops, block.path, self._fingerprint, block.key, buffer.data, self._fmt)
+        """Read the block off the disk, then put it into its slot if the job is live and on time (False if not)."""
+        put = read_for_slot(self._ops, block.path, self._fingerprint, block.key, block.nbytes, self._fmt)
         with self._lock:
             if state.finished or self._is_late(state):
                 return False
             state.copying += 1
         try:
-            self._slots[block.slot, :block.nbytes] = buffer
+            put(self._slots[block.slot, :block.nbytes].data)
         finally:
             with self._lock:
                 state.copying -= 1
                 if not state.copying:
                     self._copied.notify_all()
         return True
-
-    def _buffer(self) -> np.ndarray:
-        buffer: np.ndarray | None = getattr(self._buffers, "buffer", None)
-        if buffer is None:
-            buffer = self._buffers.buffer = np.empty(max(self._entry_bytes), dtype=np.int8)
-        return buffer
 
     def _is_late(self, state: _Job) -> bool:
         """A read job past its deadline is a miss: the engine recomputes rather than wait on a slow disk."""

@@ -16,7 +16,10 @@ import errno
 import itertools
 import os
 import stat
+import threading
+from collections.abc import Callable, Iterator
 
+from kvoffload.block_codec import check_length, open_into, seal_into
 from kvoffload.disk_format import (
     BLOCK_SUFFIX,
     FILE_MODE,
@@ -25,7 +28,6 @@ from kvoffload.disk_format import (
     TMP_SUFFIX,
     BlockFormat,
     CorruptBlockError,
-    UnauthenticBlockError,
     checksum,
     decode_header,
     encode_header,
@@ -136,17 +138,21 @@ def _write_rest(fd: int, buffers: list[memoryview | bytes], written: int) -> Non
 
 def write_block(ops: FileOps, path: str, fingerprint: bytes, key: OffloadKey, payload: memoryview,
                 fmt: BlockFormat = PLAIN) -> None:
-    """Write one block: header, payload (and MAC, for an authenticated ``fmt``) to a temporary name, then rename
-    into place (atomic on POSIX).
+    """Write one block (``block_codec``'s bytes) to a temporary name, then rename into place (atomic on POSIX).
+
+    A plain block goes out as header and payload straight from the slot; a sealed one is encrypted into this
+    thread's scratch buffer first.
 
     Raises:
         OSError: the write or rename failed; the temporary file is removed.
     """
     tmp = f"{path[:-len(BLOCK_SUFFIX)]}.{os.getpid()}-{next(_tmp_counter)}{TMP_SUFFIX}"
-    header = encode_header(fingerprint, key, len(payload), checksum(payload), fmt.algorithm)
-    parts: list[memoryview | bytes] = [header, payload]
-    if fmt.auth is not None:
-        parts.append(fmt.auth.mac(header, payload))
+    parts: list[memoryview | bytes]
+    if fmt.auth is None:
+        parts = [encode_header(fingerprint, key, len(payload), checksum(payload)), payload]
+    else:
+        out = _scratch(fmt.file_bytes(len(payload)))
+        parts = [out[:seal_into(fmt, fingerprint, key, payload, out)]]
     try:
         ops.write_new(tmp, parts)
         ops.rename(tmp, path)  # replaces a link at ``path``; never writes through it
@@ -158,31 +164,80 @@ def write_block(ops: FileOps, path: str, fingerprint: bytes, key: OffloadKey, pa
 
 def read_block(ops: FileOps, path: str, fingerprint: bytes, key: OffloadKey, out: memoryview,
                fmt: BlockFormat = PLAIN) -> None:
-    """Read one block's payload into ``out`` (exactly its length) and verify it (and its MAC, for an
-    authenticated ``fmt``).
+    """Read one block's payload into ``out`` (exactly its length) and verify it (``block_codec``).
 
-    ``out`` may hold garbage afterwards when this raises.
+    A plain block is read straight into ``out`` and checked there; a sealed one is read into this thread's
+    scratch buffer and decrypted into ``out``. ``out`` may hold garbage afterwards when this raises.
 
     Raises:
         FileNotFoundError: no such block.
         OSError: the read failed.
         CorruptBlockError: the file is truncated, too long, damaged, or belongs to another namespace or key;
-            ``NotABlockFileError`` when it is not a regular file; ``UnauthenticBlockError`` when its MAC is not
-            this secret's.
+            ``NotABlockFileError`` when it is not a regular file; ``UnauthenticBlockError`` when it is not sealed
+            by this secret for this name.
     """
+    if fmt.auth is not None:
+        scratch = _scratch(fmt.file_bytes(len(out)) + 1)  # a byte past the block proves the file is too long
+        got = ops.read_into(path, [scratch])
+        with _naming(path):
+            open_into(fmt, fingerprint, key, scratch[:got], out)
+        return
     header = memoryview(bytearray(HEADER_BYTES))
-    tag = memoryview(bytearray(fmt.trailer_bytes))
-    extra = memoryview(bytearray(1))  # A byte past the payload proves the file is too long.
-    expected_size = fmt.file_bytes(len(out))
-    got = ops.read_into(path, [header, out, tag, extra])
-    # The header first: it says what the file claims to be (a plain block in an authenticated tier is refused
-    # as unauthentic, whatever its size); a short file fails its header checksum.
-    expected = decode_header(header, fingerprint, key, len(out), fmt.algorithm)
-    if got != expected_size:
-        raise CorruptBlockError(f"{path}: file is {'longer' if got > expected_size else 'shorter'} "
-                                f"than a {len(out)}-byte block")
-    if checksum(out) != expected:
-        raise CorruptBlockError(f"{path}: payload checksum mismatch")
-    # After the CRC: a damaged file is reported as damaged, and only a well-formed one as forged.
-    if fmt.auth is not None and not fmt.auth.verify(header, out, tag):
-        raise UnauthenticBlockError(f"{path}: MAC mismatch (not written with this tier's secret)")
+    extra = memoryview(bytearray(1))
+    got = ops.read_into(path, [header, out, extra])
+    with _naming(path):
+        # The header first: it says what the file claims to be; a short file fails its header checksum.
+        expected = decode_header(header, fingerprint, key, len(out))
+        check_length(fmt, key, got, len(out))
+        if checksum(out) != expected:
+            raise CorruptBlockError("payload checksum mismatch")
+
+
+def read_for_slot(ops: FileOps, path: str, fingerprint: bytes, key: OffloadKey, payload_bytes: int,
+                  fmt: BlockFormat = PLAIN) -> Callable[[memoryview], None]:
+    """Read one block into this thread's buffers and return what puts its payload into a slot, so the I/O runs
+    before the caller takes hold of the slot and only the copy runs while it does.
+
+    A plain block is verified here and ``put`` copies it. A sealed one is only read here: ``put`` decrypts it
+    into the slot (the decryption is the copy) and raises ``UnauthenticBlockError`` when its tag fails, leaving
+    garbage in the slot, which a failed load drops. The buffers stay valid until this thread's next read.
+
+    Raises:
+        The errors of ``read_block``.
+    """
+    if fmt.auth is None:
+        buffer = _scratch(payload_bytes)
+        read_block(ops, path, fingerprint, key, buffer, fmt)
+        return lambda out: _put(out, buffer)
+    scratch = _scratch(fmt.file_bytes(payload_bytes) + 1)
+    block = scratch[:ops.read_into(path, [scratch])]
+
+    def put(out: memoryview) -> None:
+        with _naming(path):
+            open_into(fmt, fingerprint, key, block, out)
+
+    return put
+
+
+def _put(out: memoryview, payload: memoryview) -> None:
+    (out if out.format == "B" else out.cast("B"))[:] = payload
+
+
+@contextlib.contextmanager
+def _naming(path: str) -> Iterator[None]:
+    """Prefix a ``CorruptBlockError``'s message with the file's path (keeping its class)."""
+    try:
+        yield
+    except CorruptBlockError as e:
+        raise type(e)(f"{path}: {e}") from None
+
+
+_scratch_of_thread = threading.local()
+
+
+def _scratch(nbytes: int) -> memoryview:
+    """This thread's reusable buffer of at least ``nbytes`` (kept, so its memory stays mapped across blocks)."""
+    buffer: bytearray | None = getattr(_scratch_of_thread, "buffer", None)
+    if buffer is None or len(buffer) < nbytes:
+        buffer = _scratch_of_thread.buffer = bytearray(nbytes)
+    return memoryview(buffer)[:nbytes]

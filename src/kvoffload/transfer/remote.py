@@ -1,17 +1,17 @@
 """Worker side of the remote tier: copies blocks between the host pool and values in a Redis-protocol store.
 
 The router sends this handler the jobs of (HOST, REMOTE) and (REMOTE, HOST). A store seals each block's host slot
-bytes into a value (``remote_stage.SealStage``: the disk tier's encoding, ``remote_values``, staged in buffers it
-keeps) and sends non-transactional pipelines of ``SET name value NX [EX ttl]``; a load sends pipelines of ``GET``
-and verifies every value before copying its payload into the host slot. A job is cut into pipelines of about
-``BATCH_BYTES`` of values, and a helper thread per lane seals (or verifies and copies) one batch while the lane
-sends (or receives) the next: the copies and checksums hide behind the network. The workers' client sends a value
-from its staging buffer straight to the socket (``remote_client.connect(values_in_place=True)``). Values are named
-as ``remote_client.value_name`` says (this rank, this namespace, this secret), so an engine only ever reads values
-of its own namespace and rank (a replicated namespace's ranks share one name per key, written by rank 0 alone:
-``connector.worker.SkipWrites``). ``SET`` writes a whole value at once, so a half-written value is never read; ``NX``
-keeps the first writer's value (every writer of one name writes the same bytes: the name is the content's key), and
-a value already there is a successful store.
+bytes into a value (``remote_stage.SealStage``: the disk tier's encoding, ``block_codec``, staged in buffers it
+keeps) and sends non-transactional pipelines of ``SET name value NX [EX ttl]``; a load sends pipelines of
+``GETRANGE`` that read no more than a value's size (``remote_reads``) and verifies every value before copying its
+payload into the host slot. A job is cut into pipelines of about ``BATCH_BYTES`` of values, and a helper thread
+per lane seals (or verifies and copies) one batch while the lane sends (or receives) the next: the copies and
+checksums hide behind the network. The workers' client sends a value from its staging buffer straight to the socket
+(``remote_client.connect(values_in_place=True)``). Values are named as ``remote_client.value_name`` says (this rank,
+this namespace, this secret), so an engine only ever reads values of its own namespace and rank (a replicated
+namespace's ranks share one name per key, written by rank 0 alone: ``connector.worker.SkipWrites``). ``SET`` writes
+a whole value at once, so a half-written value is never read; ``NX`` keeps the first writer's value (every writer of
+one name writes the same bytes: the name is the content's key), and a value already there is a successful store.
 
 Never on the engine step: ``submit`` only queues. Jobs run on two lanes, one daemon thread each (``IoThreads``):
 stores and loads, so a backlog of stores never delays a load (a request waits for its loads, never for stores).
@@ -42,8 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from kvoffload.block_codec import open_into
 from kvoffload.config import RemoteTierConfig
 from kvoffload.disk_format import BlockFormat, CorruptBlockError, GroupedLayout, entry_bytes_of
 from kvoffload.keys import Namespace, OffloadKey
@@ -55,8 +54,8 @@ from kvoffload.transfer.io_threads import IoThreads
 from kvoffload.transfer.job_waits import drain_jobs, wait_jobs
 from kvoffload.transfer.remote_faults import Fault, FaultLog, classify, delete_quietly, raise_first_error
 from kvoffload.transfer.remote_link import RemoteLink
+from kvoffload.transfer.remote_reads import read_bounded
 from kvoffload.transfer.remote_stage import BATCH_BYTES, SealStage, batches, overlapped
-from kvoffload.transfer.remote_values import verified_payload
 
 if TYPE_CHECKING:
     from kvoffload.transfer.host_pool import HostPool
@@ -278,13 +277,14 @@ class RemoteHandler(TransferHandler):
         raise_first_error(pipe.execute(raise_on_error=False))
 
     def _load(self, state: _Job) -> None:
-        """GET the job's values, one pipeline per batch; verify each and copy its payload into its slot.
+        """Read the job's values, one pipeline per batch; verify each and copy its payload into its slot.
 
         With more than one batch, the load lane's helper thread verifies and copies batch k while this thread
         receives batch k+1. Copies per block: redis-py's hiredis parser makes two (its read buffer into hiredis's,
-        that into the reply ``bytes``); the payload is then a view of the reply (``verified_payload``), so the one
-        copy here is the reply into the host slot. No parser hands out a buffer it does not own, so that is the
-        fewest redis-py allows (benchmarks/README.md has the figures).
+        that into the reply ``bytes``); the reply is then opened straight into the host slot (``open_into``: for a
+        sealed value the decryption is that copy), so the one copy here is the reply into the host slot. No parser
+        hands out a buffer it does not own, so that is the fewest redis-py allows (benchmarks/README.md has the
+        figures).
         """
         client = self._link.client()
         work = batches(state.blocks, self._per_batch)
@@ -301,26 +301,24 @@ class RemoteHandler(TransferHandler):
         state.copied = sum(b.nbytes for b in state.blocks)
 
     def _fetch(self, client: Any, _buffer: int, batch: Sequence[_Block]) -> list[bytes]:
-        pipe = client.pipeline(transaction=False)
-        for block in batch:
-            pipe.get(block.name)
-        values = pipe.execute(raise_on_error=False)
-        raise_first_error(values)
-        if any(v is None for v in values):
+        """``batch``'s values, none read past its expected size (``remote_reads``: planted ones are deleted)."""
+        found = read_bounded(client, [(b.name, self._fmt.file_bytes(b.nbytes)) for b in batch])
+        if found.damage is not None:
+            raise found.damage  # a damaged value, not a server fault
+        if found.missing:
             raise _Miss()
-        return values
+        return found.values
 
     def _copy_in(self, state: _Job, batch: Sequence[_Block], values: list[bytes]) -> None:
-        """Verify every value of ``batch``, then copy their payloads into their slots (while the job owns them)."""
-        payloads = []
-        for block, value in zip(batch, values, strict=True):
-            try:
-                payloads.append(verified_payload(self._fmt, self._fingerprint, block.key, value, block.nbytes))
-            except CorruptBlockError as e:
-                raise _Damaged(block.name, e) from None
+        """Open every value of ``batch`` into its slot (``block_codec.open_into``: checked, and decrypted with a
+        secret) while the job owns the slots; a failed check fails the whole job, whose slots are then dropped."""
         with self._owning(state):
-            for block, payload in zip(batch, payloads, strict=True):
-                self._slots[block.slot, :block.nbytes] = np.frombuffer(payload, dtype=np.int8)
+            for block, value in zip(batch, values, strict=True):
+                slot = self._slots[block.slot, :block.nbytes].data
+                try:
+                    open_into(self._fmt, self._fingerprint, block.key, value, slot)
+                except CorruptBlockError as e:
+                    raise _Damaged(block.name, e) from None
 
     @contextlib.contextmanager
     def _owning(self, state: _Job) -> Iterator[None]:

@@ -35,8 +35,11 @@ class Fault(enum.Enum):
 
     @property
     def is_server_fault(self) -> bool:
-        """Counts towards the breaker: the server or the way to it is failing (not a bad value, not a full one)."""
-        return self not in (Fault.FULL, Fault.UNAUTHENTIC)
+        """Counts towards the breaker: the server or the way to it is failing (not a bad value, not a full one).
+
+        A bad value is one name's problem, and any writer of the store can plant one (``SCAN`` shows the names):
+        counted, a few planted values would switch the tier off for every engine."""
+        return self not in (Fault.FULL, Fault.CORRUPT, Fault.UNAUTHENTIC)
 
 
 def classify(error: BaseException) -> Fault:

@@ -16,9 +16,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from kvoffload.block_codec import seal_into
 from kvoffload.disk_format import BlockFormat
 from kvoffload.keys import OffloadKey
-from kvoffload.transfer.remote_values import seal_into
 
 BATCH_BYTES = 8 << 20
 """About this many value bytes per pipeline: large enough that a pipeline's round trip is noise, small enough that
