@@ -10,7 +10,8 @@ and the output says so. Neither side calls fsync: both measure what the engine w
 over rounds and the ratio handler / baseline.
 
 ``--tier-secret``: a second handler, given a throwaway secret, seals every block (AES-256-GCM, ``kvoffload.auth``)
-and moves the same blocks in the same rounds, interleaved with the plain handler's and the raw I/O; its rows are
+and moves the same blocks in the same rounds, interleaved with the plain handler's (which of the two goes first
+turns round by round) and the raw I/O; its rows are
 reported beside the plain ones with the ratio sealed / plain (target: at least 0.9).
 
 The rebuild figure: ``--rebuild-blocks`` empty block files are created in a fresh directory (the index reads
@@ -173,10 +174,13 @@ def bench_block_size(root: Path, block_bytes: int, args: argparse.Namespace, dro
             keys = tuple(offload_key(rnd.to_bytes(4, "little") + i.to_bytes(8, "little"), 0)  # type: ignore[arg-type]
                          for i in range(blocks))
             disk = DiskBlocks(keys, (blocks,))
-            for side, handler in handlers.items():
+            # Which handler goes first turns round by round: the second writes while the first's pages are
+            # still being written back.
+            order = list(handlers.items())[rnd % len(handlers):] + list(handlers.items())[:rnd % len(handlers)]
+            for side, handler in order:
                 results["w" + side].append(_run(handler, TransferJob(JobId(next(job_ids)), host, disk)))
             results["rw"].append(_raw_write(root / "raw", data, blocks))
-            for side, handler in handlers.items():
+            for side, handler in order:
                 if drop:
                     drop_caches()
                 results["r" + side].append(_run(handler, TransferJob(JobId(next(job_ids)), disk, host)))
