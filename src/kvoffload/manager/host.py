@@ -41,7 +41,8 @@ from kvoffload.manager.base import (
     ResidencyManager,
     TierUsage,
 )
-from kvoffload.manager.policies.base import Policy, make_policy
+from kvoffload.manager.policies.base import Policy
+from kvoffload.manager.policies.registry import make_policy
 from kvoffload.specs import BlockSpec, HostBlocks, Medium
 
 logger = logging.getLogger(__name__)

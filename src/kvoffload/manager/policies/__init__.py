@@ -1,8 +1,9 @@
 """Eviction policies behind one small interface (see ``base.py``)."""
 
 from kvoffload.manager.policies.arc import ARCPolicy
-from kvoffload.manager.policies.base import CanEvict, Policy, make_policy
+from kvoffload.manager.policies.base import CanEvict, Policy
 from kvoffload.manager.policies.lru import LRUPolicy
+from kvoffload.manager.policies.registry import make_policy
 from kvoffload.manager.policies.s3fifo import S3FIFOPolicy
 from kvoffload.manager.policies.tinylfu import TinyLFUPolicy
 

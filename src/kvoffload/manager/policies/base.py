@@ -15,7 +15,6 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from kvoffload.config import EvictionPolicy
 from kvoffload.keys import OffloadKey
 
 CanEvict = Callable[[OffloadKey], bool]
@@ -99,35 +98,3 @@ class Policy(ABC):
         Raises:
             IntegrityError: the policy's bookkeeping is inconsistent.
         """
-
-
-def make_policy(kind: EvictionPolicy, capacity: int | None = None) -> Policy:
-    """Build the policy ``kind`` names.
-
-    Args:
-        kind: which policy.
-        capacity: the most keys the tier can hold. ARC bounds its history by it; without it, ARC uses the
-            largest resident count it has seen. S3-FIFO and TinyLFU size their queues by it and need it. LRU
-            ignores it.
-    Raises:
-        ValueError: ``capacity`` is not positive, or missing where ``kind`` needs it, or ``kind`` is not a known
-            policy.
-    """
-    # Imported here: the implementations import this module for ``Policy``.
-    from kvoffload.manager.policies.arc import ARCPolicy
-    from kvoffload.manager.policies.lru import LRUPolicy
-    from kvoffload.manager.policies.s3fifo import S3FIFOPolicy
-    from kvoffload.manager.policies.tinylfu import TinyLFUPolicy
-
-    if capacity is not None and capacity <= 0:
-        raise ValueError(f"make_policy: capacity {capacity} must be positive")
-    if kind is EvictionPolicy.LRU:
-        return LRUPolicy()
-    if kind is EvictionPolicy.ARC:
-        return ARCPolicy(capacity)
-    sized = {EvictionPolicy.S3FIFO: S3FIFOPolicy, EvictionPolicy.TINYLFU: TinyLFUPolicy}.get(kind)
-    if sized is not None:
-        if capacity is None:
-            raise ValueError(f"make_policy: {kind.value} needs the tier's capacity")
-        return sized(capacity)
-    raise ValueError(f"make_policy: unknown eviction policy {kind!r}")
