@@ -87,16 +87,16 @@ $(VLLM031_STAMP): $(STAMP) requirements-vllm031.txt
 # width of 4"; width 4 in float32: "causal_conv1d_fwd_kernel_impl not implemented for 'Float'"; in bfloat16: an
 # IndexError in ShortConv.forward_native); tests/integrations/test_state_layers.py covers state layers on 0.31.
 test-vllm031: setup-vllm031
-	$(VLLM031_BIN)/python -m pytest -q tests/e2e tests/integrations --ignore=tests/e2e/test_state_model.py
+	$(VLLM031_BIN)/python -m pytest -q tests/e2e tests/integrations tests/tools/vllm --ignore=tests/e2e/test_state_model.py
 
 # The adapter against the newest vLLM, which has no CPU build yet: its wheel's source, read without importing it
-# (kvoffload/integrations/vllm/api_check.py). The wheel is downloaded once per machine into KVOFFLOAD_CACHE; a
+# (kvoffload/tools/vllm/api_check.py). The wheel is downloaded once per machine into KVOFFLOAD_CACHE; a
 # failed download fails the check (never a silent pass: make test needs the package index anyway).
 vllm-api-check: setup
 	@ls $(VLLM_NEXT_DIR)/vllm-$(VLLM_NEXT)-*.whl >/dev/null 2>&1 || { \
 		echo "downloading the vllm $(VLLM_NEXT) wheel (about 340 MB, once per machine) into $(VLLM_NEXT_DIR)"; \
 		$(BIN)/python -m pip download -q --no-deps --only-binary=:all: -d $(VLLM_NEXT_DIR) vllm==$(VLLM_NEXT); }
-	$(BIN)/python -m kvoffload.integrations.vllm.api_check "$$(ls $(VLLM_NEXT_DIR)/vllm-$(VLLM_NEXT)-*.whl | head -n 1)"
+	$(BIN)/python -m kvoffload.tools.vllm.api_check "$$(ls $(VLLM_NEXT_DIR)/vllm-$(VLLM_NEXT)-*.whl | head -n 1)"
 
 demo: setup-vllm
 	$(BIN)/kvoffload demo

@@ -39,7 +39,7 @@ CUDA_TEST_FILES = (
     "tests/transfer/test_host.py",
     "tests/testing/test_conformance.py",
     "tests/test_layout.py",
-    "tests/bench/test_copy_bench.py",
+    "tests/tools/bench/test_copy_bench.py",
 )
 """Every test file with a ``pytest.mark.cuda`` test (tests/test_gpu_check.py keeps this list complete)."""
 PAGE_SIZES = "4K,16K,64K,256K,2M"
@@ -273,7 +273,7 @@ def _bench(check: Check) -> bool:
     ok = True
     for layers in BENCH_LAYERS:
         done = check.step(f"bench copy, {layers} layer(s)", [
-            sys.executable, "-m", "kvoffload.cli", "bench", "copy", "--device", "cuda", "--json",
+            sys.executable, "-m", "kvoffload.tools.cli", "bench", "copy", "--device", "cuda", "--json",
             "--page-sizes", PAGE_SIZES, "--layers", str(layers)], 150)
         if not _passed(done):
             ok = False

@@ -140,7 +140,7 @@ class OffloadConfig:
     """The engine's prefill speed, for cost-aware loading; None: measured from its steps."""
     record_trace: Path | None = None
     """Append each finished request's arrival time, lengths and offload keys (no tokens) to this JSONL file,
-    the trace format ``kvoffload replay`` reads (replay/record.py)."""
+    the trace format ``kvoffload replay`` reads (``kvoffload.trace_format``)."""
     model_id: str | None = None
     """Overrides the model name used in the key namespace (engines sharing a tier must agree on it)."""
     model_version: str | None = None

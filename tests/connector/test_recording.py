@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.cli import main
 from kvoffload.config import ConfigError, OffloadConfig
-from kvoffload.replay.trace import read_trace
 from kvoffload.testing import layouts
 from kvoffload.testing.sim import SimEngine
+from kvoffload.tools.cli import main
+from kvoffload.tools.replay.trace import read_trace
 
 BLOCK = 4
 

@@ -25,8 +25,8 @@ import pytest
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import vllm
 
-from kvoffload.integrations.vllm.model import ModelFamily, TinyShape, write_tiny_model
 from kvoffload.testing.outputs import TOLERANCE, TOP_LOGPROBS, control, divergence, with_changed_token
+from kvoffload.tools.vllm.model import ModelFamily, TinyShape, write_tiny_model
 
 BLOCK_SIZE = 32
 DEVICE_BLOCKS = 16  # 15 usable: two 200-token prompts fit, four do not

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvoffload.integrations.vllm.cpu_binding import resolve
+from kvoffload.tools.vllm.cpu_binding import resolve
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.e2e
@@ -31,7 +31,7 @@ TINY = [
 def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
     out = tmp_path_factory.mktemp("demo")
     proc = subprocess.run(
-        [sys.executable, "-m", "kvoffload.cli", "demo", "--json", "--no-chart", "--out", str(out), *TINY],
+        [sys.executable, "-m", "kvoffload.tools.cli", "demo", "--json", "--no-chart", "--out", str(out), *TINY],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -83,7 +83,7 @@ def test_a_cpu_bind_of_one_cpu_gives_each_in_process_engine_one_thread(
     out = tmp_path_factory.mktemp("demo-one-cpu")
     clean = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR", "VLLM_CPU_KVCACHE_SPACE")}
     proc = subprocess.run(
-        [sys.executable, "-m", "kvoffload.cli", "demo", "--json", "--no-chart", "--out", str(out), "--cpu-bind",
+        [sys.executable, "-m", "kvoffload.tools.cli", "demo", "--json", "--no-chart", "--out", str(out), "--cpu-bind",
          str(min(resolve().cpus)), *TINY], capture_output=True, text=True, timeout=600, check=False, env=clean,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -105,8 +105,8 @@ def test_with_a_remote_tier_under_a_tiny_host_tier_later_turns_still_load_and_ma
     out = tmp_path_factory.mktemp("demo-remote")
     tiny_host = [a if a != "0.05" else "0.0002" for a in TINY]  # 200 KiB: a host tier of a few blocks
     proc = subprocess.run(
-        [sys.executable, "-m", "kvoffload.cli", "demo", "--json", "--no-chart", "--out", str(out), "--remote-server",
-         *tiny_host], capture_output=True, text=True, timeout=600, check=False,
+        [sys.executable, "-m", "kvoffload.tools.cli", "demo", "--json", "--no-chart", "--out", str(out),
+         "--remote-server", *tiny_host], capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads(proc.stdout)

@@ -28,7 +28,7 @@ from tests.e2e.conftest import (
     prompts,
 )
 
-from kvoffload.integrations.vllm.model import ModelFamily, TinyShape, write_tiny_model
+from kvoffload.tools.vllm.model import ModelFamily, TinyShape, write_tiny_model
 
 pytestmark = pytest.mark.e2e
 

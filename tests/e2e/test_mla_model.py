@@ -39,7 +39,7 @@ from tests.e2e.conftest import (
 )
 from tests.e2e.mla import MlaBackend, backend, backends_in_use
 
-from kvoffload.integrations.vllm.model import ModelFamily, TinyShape, write_tiny_model
+from kvoffload.tools.vllm.model import ModelFamily, TinyShape, write_tiny_model
 
 pytestmark = pytest.mark.e2e
 __all__ = ["backend"]  # the fixture: each test runs once per MLA backend

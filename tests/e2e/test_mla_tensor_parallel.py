@@ -22,7 +22,7 @@ from tests.e2e.mla import MlaBackend, backend
 from tests.e2e.test_mla_model import SHAPE, cached_baseline, hit_tokens, latent_page
 from tests.e2e.test_tensor_parallel import TP, thread_binding
 
-from kvoffload.integrations.vllm.model import ModelFamily, write_tiny_model
+from kvoffload.tools.vllm.model import ModelFamily, write_tiny_model
 
 pytestmark = pytest.mark.e2e
 __all__ = ["backend"]  # the fixture: each test runs once per MLA backend

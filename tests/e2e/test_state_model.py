@@ -38,7 +38,7 @@ from tests.e2e.conftest import (
     with_changed_tokens,
 )
 
-from kvoffload.integrations.vllm.model import ModelFamily, TinyShape, write_tiny_model
+from kvoffload.tools.vllm.model import ModelFamily, TinyShape, write_tiny_model
 
 pytestmark = pytest.mark.e2e
 

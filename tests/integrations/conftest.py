@@ -19,7 +19,7 @@ def vllm_configs(tmp_path: Path) -> tuple[Any, Any]:
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from kvoffload.integrations.vllm import compat
-    from kvoffload.integrations.vllm.model import ModelFamily, TinyShape, write_tiny_model
+    from kvoffload.tools.vllm.model import ModelFamily, TinyShape, write_tiny_model
 
     shape = TinyShape(num_layers=1)
     model = write_tiny_model(tmp_path / "model", ModelFamily.LLAMA, shape)

@@ -19,8 +19,8 @@ from vllm.v1.request import Request
 
 from kvoffload.config import OffloadConfig
 from kvoffload.integrations.vllm.adapters import VllmRequest, weights_identity
-from kvoffload.integrations.vllm.model import ModelFamily, TinyShape, write_tiny_model
 from kvoffload.keys import Namespace, hash_blocks
+from kvoffload.tools.vllm.model import ModelFamily, TinyShape, write_tiny_model
 
 LINEAR_ROPE = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
 

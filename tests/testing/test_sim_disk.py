@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.cli import main
 from kvoffload.config import OffloadConfig
 from kvoffload.testing import layouts
 from kvoffload.testing.sim import SimEngine, Status
+from kvoffload.tools.cli import main
 from kvoffload.transfer.disk import DiskHandler
 
 BLOCK = 4

@@ -1,5 +1,5 @@
 """The engine side of trace recording (the ``record_trace`` option): each finished request becomes one line of
-a trace that ``kvoffload replay`` and ``kvoffload plan`` read (replay/record.py writes the lines).
+a trace that ``kvoffload replay`` and ``kvoffload plan`` read (``kvoffload.trace_format`` writes the lines).
 
 A line holds the request's arrival time (ms since the scheduler half started), its prompt and output lengths,
 the offload block size in tokens and the keys of its prompt's full offload blocks, of the first KV-cache group
@@ -14,8 +14,7 @@ from pathlib import Path
 
 from kvoffload.config import ConfigError
 from kvoffload.connector.requests import RequestState
-from kvoffload.replay.record import TraceRecorder
-from kvoffload.replay.trace import TraceError
+from kvoffload.trace_format import TraceError, TraceRecorder
 
 
 class TraceTap:

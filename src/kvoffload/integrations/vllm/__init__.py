@@ -9,7 +9,8 @@ vLLM loads the connector with::
 or, once kvoffload is installed, by the name alone (the ``vllm.general_plugins`` entry point registers it).
 
 The connector is imported lazily (PEP 562 ``__getattr__``): importing a sibling module such as
-``kvoffload.integrations.vllm.model`` must not pay for importing vLLM.
+``kvoffload.integrations.vllm.compat`` (which the API checker, ``kvoffload.tools.vllm.api_check``, imports) must
+not pay for importing vLLM.
 """
 
 from __future__ import annotations

@@ -348,7 +348,7 @@ def step_schedule(out: SchedulerOutput) -> StepSchedule:
     engine may reject them. Resumed requests are ``resumed_req_ids`` and preempted ones ``preempted_req_ids``;
     a new request is neither, though it too brings its whole block table. Never vLLM's ``yield_req_data``: its
     flag meant "resumed" up to 0.32 and means "whole block table" (new requests too) from 0.33 on
-    (``api_surface.AVOIDED``).
+    (``AVOIDED`` in tools/vllm/api_surface.py).
     """
     new, cached = out.scheduled_new_reqs, out.scheduled_cached_reqs
     req_ids: list[str] = cached.req_ids

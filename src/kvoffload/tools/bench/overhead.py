@@ -1,0 +1,224 @@
+"""``kvoffload bench overhead``: microseconds the connector halves add to each engine step, on the miss path.
+
+The simulated engine (``kvoffload.testing.sim.SimEngine``) runs ``--requests`` requests with distinct prompts (no
+kvoffload hits), one worker. Every connector call the engine makes is timed around the real call:
+
+- scheduler half: ``get_num_new_matched_tokens``, ``update_state_after_alloc``, ``build_connector_meta``,
+  ``update_connector_output``, ``request_finished``;
+- worker half: ``handle_preemptions``, ``start_kv_transfers``, ``prepare_store_kv``, ``get_finished``,
+  ``get_block_ids_with_load_errors``, ``build_connector_worker_meta``.
+
+Steps are sorted by what the engine did in them: ``admission`` (requests were waiting: prompts looked up, allocated,
+their blocks stored), ``decode`` (every request running, each decoding one token; stores of blocks that became full
+included) and ``finish`` (requests finished). Each row gives the connector's microseconds per step (median and
+spread over steps) beside the whole step's, so the share is visible. The engine's own work (forward pass writing
+pages, block pool) is outside the connector figure. Background copies run on the handler's threads meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvoffload.tools.bench.common import (
+    Progress,
+    Report,
+    add_common_arguments,
+    bar_plot,
+    emit,
+    format_table,
+    positive_int,
+    summarize,
+)
+
+SCHEDULER_CALLS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+                   "update_connector_output", "request_finished")
+WORKER_CALLS = ("handle_preemptions", "start_kv_transfers", "prepare_store_kv", "get_finished",
+                "get_block_ids_with_load_errors", "build_connector_worker_meta")
+TARGET_US = 100.0
+ADMISSION_MARGIN = 6
+
+
+@dataclass
+class CallTimer:
+    """Accumulates perf_counter time around wrapped methods; a call made inside another timed call counts once."""
+
+    seconds: float = 0.0
+    by_call: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    _depth: int = 0
+
+    def wrap(self, obj: object, name: str) -> None:
+        """Replace ``obj.name`` by a timed version (an instance attribute shadowing the method)."""
+        fn: Callable[..., Any] = getattr(obj, name)
+        clock = time.perf_counter
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._depth:
+                return fn(*args, **kwargs)
+            self._depth = 1
+            start = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = clock() - start
+                self._depth = 0
+                self.seconds += elapsed
+                self.by_call[name] += elapsed
+
+        setattr(obj, name, timed)
+
+    def take(self) -> tuple[float, dict[str, float]]:
+        seconds, by_call = self.seconds, dict(self.by_call)
+        self.seconds, self.by_call = 0.0, defaultdict(float)
+        return seconds, by_call
+
+
+@dataclass(frozen=True)
+class StepSample:
+    kind: str
+    connector_s: float
+    step_s: float
+    by_call: dict[str, float]
+
+
+def build_engine(requests: int, prompt_tokens: int, block_size: int, decode_steps: int) -> tuple[Any, CallTimer]:
+    """A SimEngine sized for ``requests`` running at once, its connector calls wrapped by a ``CallTimer``."""
+    from kvoffload.config import OffloadConfig
+    from kvoffload.testing.layouts import attention_layout
+    from kvoffload.testing.sim import SimEngine
+
+    blocks_per_request = -(-(prompt_tokens + decode_steps + 2) // block_size)
+    num_blocks = requests * blocks_per_request + 16
+    layout, make_kv = attention_layout(2, num_blocks=num_blocks, block_size=block_size)
+    slot_bytes = layout.group_block_bytes(0)
+    config = OffloadConfig.from_dict({"host_bytes": 2 * num_blocks * slot_bytes, "copy_threads": 1})
+    # An admission step takes a quarter of the requests, so admission is spread over several steps.
+    engine = SimEngine(layout, make_kv, config, block_size=block_size,
+                       max_batch_tokens=max(prompt_tokens, requests * prompt_tokens // 4))
+    timer = CallTimer()
+    for name in SCHEDULER_CALLS:
+        timer.wrap(engine.scheduler, name)
+    for worker in engine.workers:
+        for name in WORKER_CALLS:
+            timer.wrap(worker, name)
+    return engine, timer
+
+
+def run_steps(requests: int, prompt_tokens: int, block_size: int, decode_steps: int, seed: int = 0,
+              progress: Progress | None = None) -> list[StepSample]:
+    """Admit ``requests`` distinct prompts, decode ``decode_steps`` tokens each, finish; one sample per step."""
+    engine, timer = build_engine(requests, prompt_tokens, block_size, decode_steps)
+    rng = random.Random(seed)
+    for i in range(requests):
+        engine.add_request(f"r{i}", [rng.randrange(1000) for _ in range(prompt_tokens)],
+                           max_new_tokens=decode_steps + 1)
+    samples = []
+    try:
+        while engine.has_work:
+            kind = "admission" if engine.waiting else "decode"
+            start = time.perf_counter()
+            report = engine.step()
+            step_s = time.perf_counter() - start
+            connector_s, by_call = timer.take()
+            samples.append(StepSample("finish" if report.finished else kind, connector_s, step_s, by_call))
+            if progress is not None:
+                progress.advance(kind)
+            if len(samples) > 10 * (requests + decode_steps):
+                raise RuntimeError("bench overhead: the simulated engine did not finish")
+        hits = sum(r.loaded_tokens for r in engine.requests.values())
+        if hits:
+            raise RuntimeError(f"bench overhead: {hits} tokens were loaded; the miss path must have no hits")
+    finally:
+        for worker in engine.workers:
+            worker.shutdown()
+    return samples
+
+
+def summarize_steps(samples: list[StepSample], warmup: int) -> list[dict[str, Any]]:
+    """One row per step kind: connector and whole-step microseconds; the first ``warmup`` decode steps left out."""
+    decode_seen = 0
+    kept: dict[str, list[StepSample]] = defaultdict(list)
+    for s in samples:
+        if s.kind == "decode":
+            decode_seen += 1
+            if decode_seen <= warmup:
+                continue
+        kept[s.kind].append(s)
+    rows = []
+    for kind in ("admission", "decode", "finish"):
+        steps = kept.get(kind, [])
+        if not steps:
+            continue
+        connector = summarize([s.connector_s * 1e6 for s in steps], "us/step")
+        step = summarize([s.step_s * 1e6 for s in steps], "us/step")
+        calls: dict[str, float] = defaultdict(float)
+        for s in steps:
+            for name, sec in s.by_call.items():
+                calls[name] += sec * 1e6 / len(steps)
+        rows.append({"step_kind": kind, "steps": len(steps), "connector": connector, "step": step,
+                     "share": connector.median / step.median if step.median else 0.0,
+                     "mean_us_by_call": dict(sorted(calls.items(), key=lambda kv: -kv[1]))})
+    return rows
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser, runs=64, warmup=4)
+    parser.add_argument("--requests", type=positive_int, default=256, help="requests running at once (256)")
+    parser.add_argument("--vs-vllm", action="store_true",
+                        help="instead: our scheduler half beside vLLM's OffloadingConnector, both on vLLM's own "
+                             "scheduler outputs, at 64 and --requests requests (tools/bench/overhead_vllm.py)")
+    parser.add_argument("--rounds", type=positive_int, default=5,
+                        help="--vs-vllm: rounds of admission, decode and finish per request count (default 5)")
+    parser.add_argument("--prompt-tokens", type=positive_int, default=128, help="prompt length (default 128)")
+    parser.add_argument("--block-size", type=positive_int, default=16, help="engine block size (default 16)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.vs_vllm:
+        from kvoffload.tools.bench import overhead_vllm
+
+        return overhead_vllm.run(args)
+    # --runs is the number of timed decode steps; --warmup the decode steps left out before them. Requests admitted
+    # early decode during the later admission steps, and finish early: ADMISSION_MARGIN keeps enough pure decode.
+    decode_steps = args.runs + args.warmup + ADMISSION_MARGIN
+    progress = Progress("bench overhead", _expected_steps(args, decode_steps), enabled=not args.quiet)
+    samples = run_steps(args.requests, args.prompt_tokens, args.block_size, decode_steps, progress=progress)
+    progress.close()
+    rows = summarize_steps(samples, args.warmup)
+    emit(report(rows, args), args, plot=lambda path: _plot(path, rows))
+    return 0
+
+
+def _expected_steps(args: argparse.Namespace, decode_steps: int) -> int:
+    return decode_steps + ADMISSION_MARGIN
+
+
+def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> Report:
+    table = format_table(
+        ("steps", "kind", "connector us/step", "min", "max", "whole step us", "share", "top calls (mean us)"),
+        [(r["steps"], r["step_kind"], r["connector"].median, r["connector"].min, r["connector"].max,
+          r["step"].median, f"{r['share']:.0%}", _top(r["mean_us_by_call"])) for r in rows])
+    decode = next((r for r in rows if r["step_kind"] == "decode"), None)
+    verdict = "" if decode is None else (
+        f"decode target < {TARGET_US:.0f} us/step: {'met' if decode['connector'].median < TARGET_US else 'missed'}"
+        f" ({decode['connector'].median:.0f} us)")
+    notes = (f"{args.requests} requests, {args.prompt_tokens}-token distinct prompts (no hits), block size "
+             f"{args.block_size}; medians over steps; {args.warmup} decode steps of warm-up left out", verdict)
+    settings = {k: getattr(args, k) for k in ("runs", "warmup", "requests", "prompt_tokens", "block_size")}
+    return Report("overhead", rows, table, notes, settings)
+
+
+def _top(calls: dict[str, float], n: int = 3) -> str:
+    return ", ".join(f"{name} {us:.0f}" for name, us in list(calls.items())[:n])
+
+
+def _plot(path: str, rows: list[dict[str, Any]]) -> None:
+    bar_plot(path, "connector time per engine step", [r["step_kind"] for r in rows],
+             {"connector": [r["connector"].median for r in rows], "whole step": [r["step"].median for r in rows]},
+             "us/step")
+

@@ -1,0 +1,16 @@
+"""Trace replay: real request traces through the real tier manager and policies, beside the bounds.
+
+``trace.py`` reads traces (the Mooncake JSONL, and kvoffload's own, which the core's ``kvoffload.trace_format``
+writes); ``loop.py`` feeds them through ``HostTierManager``; ``optimum.py`` is Belady's offline policy; ``models.py``
+turns capacities into bytes; ``sweep.py`` runs many points; ``replay_command.py`` and ``plan_command.py`` are
+``kvoffload replay`` and ``kvoffload plan``. Imports no torch and no engine.
+"""
+
+from kvoffload.tools.replay.loop import Bound, Strategy, replay
+from kvoffload.tools.replay.optimum import NextUse, OptimumPolicy, next_uses
+from kvoffload.tools.replay.result import ReplayResult
+from kvoffload.tools.replay.trace import Request, Trace, int_key, read_trace
+from kvoffload.trace_format import TraceError
+
+__all__ = ["Bound", "NextUse", "OptimumPolicy", "ReplayResult", "Request", "Strategy", "Trace", "TraceError",
+           "int_key", "next_uses", "read_trace", "replay"]

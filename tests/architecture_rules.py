@@ -1,0 +1,88 @@
+"""The dependency rules of docs/architecture.md as functions over a source tree, so that tests/test_architecture.py
+can check them on ``src/kvoffload`` and show each one failing on a small tree that breaks it.
+
+A module's imports are every ``import`` and ``from ... import`` in its file, at any depth (an import inside a
+function still runs, only later). ``from package import name`` depends on ``package.name`` when that is a module
+of the tree, else on ``package`` itself.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable
+from pathlib import Path
+
+Graph = dict[str, set[str]]
+
+
+def module_name(root: Path, path: Path) -> str:
+    """``root/a/b.py`` -> ``<root name>.a.b``; a package's ``__init__.py`` is the package."""
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_graph(root: Path) -> Graph:
+    """Each module of the package at ``root`` -> the modules of the same tree it imports (itself excluded)."""
+    files = {module_name(root, p): p for p in root.rglob("*.py")}
+    return {name: _imports(path, files) - {name} for name, path in files.items()}
+
+
+def _imports(path: Path, modules: Iterable[str]) -> set[str]:
+    known = set(modules)
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in known)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in known else node.module)
+    return found & known
+
+
+def cycles(graph: Graph) -> list[list[str]]:
+    """The import cycles of ``graph``: its strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def imports_into(graph: Graph, importers: Iterable[str], forbidden: Iterable[str]) -> list[tuple[str, str]]:
+    """Every ``(module, imported)`` where ``module`` is under one of ``importers`` and ``imported`` under one of
+    ``forbidden`` (dotted prefixes: ``a.b`` covers ``a.b`` and ``a.b.c``)."""
+    def under(name: str, prefixes: Iterable[str]) -> bool:
+        return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+    importers, forbidden = tuple(importers), tuple(forbidden)
+    return sorted((m, w) for m, deps in graph.items() if under(m, importers) for w in deps if under(w, forbidden))
+
+
+def oversized(root: Path, limit: int) -> dict[str, int]:
+    """Files of ``root`` (relative paths) longer than ``limit`` lines, with their lengths."""
+    lengths = {str(p.relative_to(root)): len(p.read_text().splitlines()) for p in root.rglob("*.py")}
+    return {path: n for path, n in sorted(lengths.items()) if n > limit}
