@@ -52,11 +52,21 @@ class Row:
 
     @property
     def sealed_write_ratio(self) -> float | None:
-        return None if self.sealed_write_gbps is None else self.sealed_write_gbps / self.write_gbps
+        return sealed_ratio(self.sealed_write_gbps, self.write_gbps)
 
     @property
     def sealed_read_ratio(self) -> float | None:
-        return None if self.sealed_read_gbps is None else self.sealed_read_gbps / self.read_gbps
+        return sealed_ratio(self.sealed_read_gbps, self.read_gbps)
+
+
+def sealed_ratio(sealed_gbps: float | None, plain_gbps: float) -> float | None:
+    """Sealed / plain, or None when the bench ran without ``--tier-secret``."""
+    return None if sealed_gbps is None else sealed_gbps / plain_gbps
+
+
+def add_tier_secret_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--tier-secret", action="store_true",
+                        help=f"also run a handler with a throwaway tier secret (sealed {what}) beside the plain one")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,8 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where to write (default: a fresh directory under the system temp directory)")
     parser.add_argument("--no-drop-caches", action="store_true",
                         help="do not try to drop the page cache before reads (reads may hit it)")
-    parser.add_argument("--tier-secret", action="store_true",
-                        help="also run a handler with a throwaway tier secret (sealed blocks) beside the plain one")
+    add_tier_secret_argument(parser, "blocks")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 

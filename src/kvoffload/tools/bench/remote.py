@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from kvoffload.tools.bench.disk import KIB, MIB, _size
+from kvoffload.tools.bench.disk import KIB, MIB, _size, add_tier_secret_argument, sealed_ratio
 
 
 @dataclass(frozen=True)
@@ -53,11 +53,11 @@ class Row:
 
     @property
     def sealed_store_ratio(self) -> float | None:
-        return None if self.sealed_store_gbps is None else self.sealed_store_gbps / self.store_gbps
+        return sealed_ratio(self.sealed_store_gbps, self.store_gbps)
 
     @property
     def sealed_load_ratio(self) -> float | None:
-        return None if self.sealed_load_gbps is None else self.sealed_load_gbps / self.load_gbps
+        return sealed_ratio(self.sealed_load_gbps, self.load_gbps)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,8 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=7, help="rounds per block size (median reported)")
     parser.add_argument("--url", default=None, help="a server to use (default: start a redis-server here); "
                                                     "it is FLUSHALLed between sides")
-    parser.add_argument("--tier-secret", action="store_true",
-                        help="also run a handler with a throwaway tier secret (sealed values) beside the plain one")
+    add_tier_secret_argument(parser, "values")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
