@@ -2,7 +2,7 @@
 
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.metadata import ConnectorMetadata, LoadJob
-from kvoffload.connector.worker import ConnectorWorker
+from kvoffload.connector.worker import ConnectorWorker, WorkerPoll
 from kvoffload.keys import Namespace
 from kvoffload.specs import NO_BLOCK, DeviceBlocks, HostBlocks, JobId, TransferJob
 from kvoffload.testing.layouts import attention_layout
@@ -36,23 +36,22 @@ def test_stores_wait_for_the_next_step_then_round_trip_the_bytes():
     # The scheduler half loads a block only once its store completed.
     worker.start_kv_transfers(ConnectorMetadata(load_jobs=(LoadJob("r", load(1, 0, 5)),)))
     worker.wait_all()
-    assert worker.get_finished() == {"r"}
-    assert worker.build_connector_worker_meta().completed == {0: 1, 1: 1}
+    poll = worker.poll()
+    assert poll.finished_loads == {"r"} and poll.failed_loads == set() and poll.load_errors == set()
+    assert poll.worker_meta.completed == {0: 1, 1: 1}
     for view in kv.views:
         assert view[5].equal(view[3])
-    stats = worker.get_kv_connector_stats()
-    assert stats is not None and set(stats.by_type) == {"device_to_host", "host_to_device"}
-    assert worker.get_kv_connector_stats() is None  # reset on read
+    assert poll.stats is not None and set(poll.stats.by_type) == {"device_to_host", "host_to_device"}
+    assert worker.poll() == WorkerPoll()  # reset on read
 
 
 def test_a_failed_load_reports_its_request_and_device_blocks():
     worker = make_worker(inject_load_failures=1)
     worker.start_kv_transfers(ConnectorMetadata(load_jobs=(LoadJob("r", load(0, 0, 6)),)))
     worker.wait_all()
-    assert worker.get_finished() == {"r"}
-    assert worker.get_block_ids_with_load_errors() == {6}
-    assert worker.get_failed_loads() == {"r"}
-    assert worker.build_connector_worker_meta().failed == {0: 1}
+    poll = worker.poll()
+    assert poll.finished_loads == {"r"} and poll.failed_loads == {"r"} and poll.load_errors == {6}
+    assert poll.worker_meta.failed == {0: 1} and poll.worker_meta.completed == {}
 
 
 def test_a_failed_load_never_reports_a_hole_as_a_bad_block():
@@ -60,12 +59,12 @@ def test_a_failed_load_never_reports_a_hole_as_a_bad_block():
     job = TransferJob(JobId(0), HostBlocks((0, 1), (2,)), DeviceBlocks((NO_BLOCK, 6), (2,)))
     worker.start_kv_transfers(ConnectorMetadata(load_jobs=(LoadJob("r", job),)))
     worker.wait_all()
-    assert worker.get_block_ids_with_load_errors() == {6}
-    assert worker.get_failed_loads() == {"r"}
+    poll = worker.poll()
+    assert poll.load_errors == {6} and poll.failed_loads == {"r"}
 
 
 def test_flushing_waits_for_the_deferred_stores_of_a_finished_request():
     worker = make_worker()
     worker.prepare_store_kv(ConnectorMetadata(store_jobs=(store(0, 2, 1),)))
     worker.handle_preemptions(ConnectorMetadata(jobs_to_flush=frozenset({JobId(0)})))
-    assert worker.build_connector_worker_meta().completed == {0: 1}
+    assert worker.poll().worker_meta.completed == {0: 1}

@@ -230,8 +230,7 @@ def test_sliding_window_loads_copy_only_real_blocks_and_never_write_the_null_blo
     assert loaded > 0 and engine.verified_blocks == loaded // BLOCK
     assert copied == real
     assert sum(real) < 2 * loaded // BLOCK  # the window did drop blocks from these loads
-    stats = engine.workers[0].get_kv_connector_stats()
-    assert stats is not None
+    stats = engine.transfer_stats[0]
     assert stats.by_type["host_to_device"].bytes == sum(real) * engine.kvs[0].group_block_bytes(0)
     assert_drained(engine)
 

@@ -1,7 +1,7 @@
 """The worker half in both of vLLM's hook orders (``HookOrder``): with speculative decoding vLLM hands a step's
-stores over (``wait_for_save``) only after it collected the step's reports (``get_finished``,
-``build_connector_worker_meta``). Either way every store goes out at the start of the next step, once on every
-worker, is reported once and only after it went out, and its blocks come back bit-exact."""
+stores over (``wait_for_save``) only after it collected the step's reports (the worker half's ``poll``). Either
+way every store goes out at the start of the next step, once on every worker, is reported once and only after it
+went out, and its blocks come back bit-exact."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from kvoffload.config import OffloadConfig
-from kvoffload.connector.metadata import ConnectorMetadata, WorkerMetadata
+from kvoffload.connector.metadata import ConnectorMetadata
+from kvoffload.connector.worker import WorkerPoll
 from kvoffload.specs import JobId, TransferJob
 from kvoffload.testing import layouts
 from kvoffload.testing.sim import HookOrder, SimEngine, Status
@@ -58,19 +59,19 @@ def record_jobs(engine: SimEngine) -> JobLog:
 
     engine.scheduler.build_connector_meta = build_meta  # type: ignore[method-assign]
     for rank, worker in enumerate(engine.workers):
-        submit, report = worker.transfers.submit, worker.build_connector_worker_meta
+        submit, poll = worker.transfers.submit, worker.poll
 
         def submitted(job: TransferJob, rank: int = rank, submit: Any = submit) -> bool:
             log.events.append(("submitted", engine.step_count, rank, job.job_id))
             return bool(submit(job))
 
-        def reported(rank: int = rank, report: Any = report) -> WorkerMetadata:
-            meta: WorkerMetadata = report()
-            log.events.extend(("reported", engine.step_count, rank, job) for job in meta.completed)
-            return meta
+        def reported(rank: int = rank, poll: Any = poll) -> WorkerPoll:
+            result: WorkerPoll = poll()
+            log.events.extend(("reported", engine.step_count, rank, job) for job in result.worker_meta.completed)
+            return result
 
         worker.transfers.submit = submitted  # type: ignore[method-assign]
-        worker.build_connector_worker_meta = reported  # type: ignore[method-assign]
+        worker.poll = reported  # type: ignore[method-assign]
     return log
 
 

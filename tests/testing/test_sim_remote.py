@@ -85,8 +85,7 @@ def test_prefix_evicted_from_host_comes_back_from_the_server_bit_exact(server: R
     assert b.loaded_tokens == 16 and b.device_hit_tokens == 0
     assert engine.corrupt_blocks == [] and engine.verified_blocks >= 4
     assert values(server.url) == 16 * workers  # every rank's value of the four prompts' blocks
-    stats = engine.workers[0].get_kv_connector_stats()
-    assert stats is not None and {"host_to_remote", "remote_to_host"} <= set(stats.by_type)
+    assert {"host_to_remote", "remote_to_host"} <= set(engine.transfer_stats[0].by_type)
     engine.scheduler.manager.check_integrity()
 
 
@@ -159,8 +158,7 @@ def test_two_engines_with_own_disks_over_one_server_hit_remote_then_local_bit_ex
     b = second.add_request("b", [*prompt, 7])
     run_checked(second)
     assert b.loaded_tokens == 16 and second.corrupt_blocks == []
-    stats = second.workers[0].get_kv_connector_stats()
-    assert stats is not None and {"remote_to_host", "host_to_disk"} <= set(stats.by_type)
+    assert {"remote_to_host", "host_to_disk"} <= set(second.transfer_stats[0].by_type)
     push_out_of_host(second)
     server.kill()
     c = second.add_request("c", [*prompt, 8])

@@ -22,6 +22,7 @@ import pytest
 
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.metadata import WorkerMetadata
+from kvoffload.connector.worker import WorkerPoll
 from kvoffload.disk_format import HEADER_BYTES, rank_directory
 from kvoffload.keys import Namespace
 from kvoffload.specs import Medium
@@ -165,17 +166,18 @@ class HeldReports:
     """Keeps one worker's reports from the scheduler half until released, as a slow rank would."""
 
     def __init__(self, engine: SimEngine, rank: int) -> None:
-        self._build = engine.workers[rank].build_connector_worker_meta
+        self._poll = engine.workers[rank].poll
         self._held = WorkerMetadata()
         self.releasing = False
-        engine.workers[rank].build_connector_worker_meta = self  # type: ignore[method-assign]
+        engine.workers[rank].poll = self  # type: ignore[method-assign]
 
-    def __call__(self) -> WorkerMetadata:
-        self._held = self._held.aggregate(self._build())
+    def __call__(self) -> WorkerPoll:
+        poll = self._poll()
+        self._held = self._held.aggregate(poll.worker_meta)
         if not self.releasing:
-            return WorkerMetadata()
+            return dataclasses.replace(poll, worker_meta=WorkerMetadata())
         report, self._held = self._held, WorkerMetadata()
-        return report
+        return dataclasses.replace(poll, worker_meta=report)
 
     @property
     def held_jobs(self) -> int:
@@ -277,7 +279,12 @@ def test_load_failing_on_one_rank_is_recomputed_on_both(ignore_rank1_errors: boo
     scrub_free_blocks(engine)
     fail_next_load(engine, rank=1)
     if ignore_rank1_errors:  # the mutant: an engine that takes only rank 0's failed blocks
-        engine.workers[1].get_block_ids_with_load_errors = set  # type: ignore[method-assign]
+        poll = engine.workers[1].poll
+
+        def no_errors() -> WorkerPoll:
+            return dataclasses.replace(poll(), load_errors=frozenset())
+
+        engine.workers[1].poll = no_errors  # type: ignore[method-assign]
     b = engine.add_request("b", [*prompt, 7], max_new_tokens=4)
 
     if ignore_rank1_errors:  # caught: rank 1 computes on blocks it never received

@@ -6,14 +6,15 @@ Semantics of vLLM's original ``OffloadingConnectorWorker``, plus failures end to
 - ``handle_preemptions`` submits the deferred stores and waits for ``jobs_to_flush`` before the engine reuses
   device blocks those jobs read or write;
 - ``start_kv_transfers`` submits deferred stores first, then background tier jobs, then this step's loads;
-- ``get_finished`` reports requests whose loads finished; a failed load's device blocks come out of
-  ``get_block_ids_with_load_errors`` so the engine recomputes them;
-- ``build_connector_worker_meta`` reports finished job ids to the scheduler half.
+- ``poll`` reports, in one ``WorkerPoll``, everything finished since the last poll: the requests whose loads
+  finished, a failed load's request and device blocks (the engine recomputes them), the finished job ids for the
+  scheduler half and the transfer stats. One poll, one look at the handlers' results: its parts agree (a request
+  reported finished has every failure of its load in the same poll), whatever order the engine reads them in.
 
-The step's reports (``get_finished``, ``get_block_ids_with_load_errors``, ``build_connector_worker_meta``) may come
-before or after ``prepare_store_kv``: vLLM calls ``wait_for_save`` after them when it runs a speculative drafter
-(testing/sim.HookOrder). Nothing here depends on which: ``prepare_store_kv`` only queues, the next step's
-``handle_preemptions`` submits, and a job is reported once, from the handler's result, after it was submitted.
+``poll`` may come before or after ``prepare_store_kv``: vLLM calls ``wait_for_save`` after the step's reports when
+it runs a speculative drafter (testing/sim.HookOrder). Nothing here depends on which: ``prepare_store_kv`` only
+queues, the next step's ``handle_preemptions`` submits, and a job is reported once, from the handler's result,
+after it was submitted.
 
 A replicated namespace (latent attention: every rank holds the same bytes) keeps one copy in the shared tiers:
 only rank 0 writes it, the other ranks report their writes done at once (``SkipWrites``, so the scheduler's
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -76,6 +78,22 @@ class SkipWrites(TransferHandler):
 
     def shutdown(self) -> None:
         self._inner.shutdown()
+
+
+@dataclass(frozen=True)
+class WorkerPoll:
+    """What one worker finished since its last ``poll``, all taken from one look at the handlers' results."""
+
+    finished_loads: frozenset[str] = frozenset()
+    """Requests whose loads finished, successfully or not."""
+    failed_loads: frozenset[str] = frozenset()
+    """Those of them whose load failed (for engines that recompute whole requests)."""
+    load_errors: frozenset[int] = frozenset()
+    """The failed loads' device blocks (for engines that recompute from the first bad block); never a hole."""
+    worker_meta: WorkerMetadata = field(default_factory=WorkerMetadata)
+    """Finished job ids (loads, stores, tier jobs), for the scheduler half."""
+    stats: TransferStats | None = None
+    """Bytes and seconds per transfer type of the jobs the handlers finished; None when they finished none."""
 
 
 class ConnectorWorker:
@@ -154,34 +172,19 @@ class ConnectorWorker:
     def prepare_store_kv(self, meta: ConnectorMetadata) -> None:
         self._deferred_stores.extend(meta.store_jobs)
 
-    def get_finished(self) -> set[str]:
-        self._poll()
-        done, self._finished_loads = self._finished_loads, set()
-        return done
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        self._poll()
-        errors, self._load_errors = self._load_errors, set()
-        return errors
-
-    def get_failed_loads(self) -> set[str]:
-        """Request ids whose loads failed since the last call (for engines that recompute whole requests)."""
-        self._poll()
-        failed, self._failed_loads = self._failed_loads, set()
-        return failed
-
-    def build_connector_worker_meta(self) -> WorkerMetadata:
-        self._poll()
-        meta = WorkerMetadata.of(self._completed, self._failed)
+    def poll(self) -> WorkerPoll:
+        """Everything finished since the last poll; each part is reset on read."""
+        for result in self.transfers.get_finished():
+            self._stats.record(result)
+            self._record(result.job_id, result.success)
+        poll = WorkerPoll(frozenset(self._finished_loads), frozenset(self._failed_loads),
+                          frozenset(self._load_errors), WorkerMetadata.of(self._completed, self._failed),
+                          None if self._stats.is_empty() else self._stats)
+        self._finished_loads, self._failed_loads, self._load_errors = set(), set(), set()
         self._completed, self._failed = [], []
-        return meta
-
-    def get_kv_connector_stats(self) -> TransferStats | None:
-        self._poll()
-        if self._stats.is_empty():
-            return None
-        stats, self._stats = self._stats, TransferStats()
-        return stats
+        if poll.stats is not None:
+            self._stats = TransferStats()
+        return poll
 
     def wait_all(self) -> None:
         """Submit deferred stores and wait for every job in flight (tests, shutdown)."""
@@ -199,11 +202,6 @@ class ConnectorWorker:
     def _submit(self, job: TransferJob) -> None:
         if not self.transfers.submit(job):
             self._record(job.job_id, success=False)
-
-    def _poll(self) -> None:
-        for result in self.transfers.get_finished():
-            self._stats.record(result)
-            self._record(result.job_id, result.success)
 
     def _record(self, job_id: JobId, success: bool) -> None:
         (self._completed if success else self._failed).append(job_id)

@@ -2,8 +2,8 @@
 
 Each step: schedule (decode running requests, admit waiting ones through the device prefix cache and then
 kvoffload, preempt the newest request when blocks run out) -> ``build_connector_meta`` -> on every worker:
-``handle_preemptions``, ``start_kv_transfers``, the forward pass, ``prepare_store_kv`` and the step's reports
-(``get_finished``, load errors, ``build_connector_worker_meta``) in either of vLLM's orders (``HookOrder``) ->
+``handle_preemptions``, ``start_kv_transfers``, the forward pass, ``prepare_store_kv`` and the step's ``poll``
+(finished loads, load errors, finished jobs, transfer stats) in either of vLLM's orders (``HookOrder``) ->
 ``update_connector_output`` -> finished loads, finished requests.
 
 The forward pass writes deterministic bytes: an engine block's page is a pseudo-random function of the tokens up
@@ -34,6 +34,7 @@ from kvoffload.config import OffloadConfig
 from kvoffload.connector.metadata import WorkerMetadata
 from kvoffload.connector.requests import ScheduledRequest, StepSchedule
 from kvoffload.connector.scheduler import ConnectorScheduler
+from kvoffload.connector.stats import TransferStats
 from kvoffload.connector.worker import ConnectorWorker
 from kvoffload.keys import BlockHash, Namespace, hash_block
 from kvoffload.layout import KVCacheLayout
@@ -127,6 +128,7 @@ class SimEngine:
         for worker in self.workers:
             worker.register_kv_caches(make_kv_caches())
         self.kvs: list[CanonicalKV] = [w.kv for w in self.workers if w.kv is not None]
+        self.transfer_stats = [TransferStats() for _ in self.workers]  # each worker's, summed over every poll
         for kv in self.kvs:
             for view in kv.views:
                 view[NULL_BLOCK].fill_(NULL_SENTINEL)
@@ -167,7 +169,7 @@ class SimEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._loading())
+        return bool(self.waiting or self.running) or any(r.status is Status.LOADING for r in self.requests.values())
 
     def run(self, max_steps: int = 10_000, on_step: Callable[[SimEngine], None] | None = None) -> None:
         """Step until every request finished, every job completed and the tiers asked for no more jobs.
@@ -202,7 +204,7 @@ class SimEngine:
             self._forward(self.kvs[rank], self.page_ranks[rank])
             if self.hook_order is HookOrder.SAVE_FIRST:
                 worker.prepare_store_kv(meta)
-            report = report.aggregate(self._collect(worker))
+            report = report.aggregate(self._collect(rank))
             if self.hook_order is HookOrder.REPORT_FIRST:
                 worker.prepare_store_kv(meta)
         self.scheduler.update_connector_output(report)
@@ -212,12 +214,14 @@ class SimEngine:
         tokens = sum(end - start for _, start, end in self._work)
         return StepReport(self.step_count, tokens, tuple(finished), meta.is_empty)
 
-    def _collect(self, worker: ConnectorWorker) -> WorkerMetadata:
-        """One worker's reports of the step: finished loads, failed load blocks, finished jobs."""
-        for req_id in worker.get_finished():
+    def _collect(self, rank: int) -> WorkerMetadata:
+        """One worker's poll of the step: finished loads, failed load blocks, stats; its finished jobs returned."""
+        poll = self.workers[rank].poll()
+        for req_id in poll.finished_loads:
             self._finished_loads[req_id] = self._finished_loads.get(req_id, 0) + 1
-        self._load_errors |= worker.get_block_ids_with_load_errors()
-        return worker.build_connector_worker_meta()
+        self._load_errors |= poll.load_errors
+        self.transfer_stats[rank] = self.transfer_stats[rank].aggregate(poll.stats or TransferStats())
+        return poll.worker_meta
 
     def _schedule(self) -> tuple[list[ScheduledRequest], list[str]]:
         scheduled: list[ScheduledRequest] = []
@@ -356,9 +360,7 @@ class SimEngine:
                     req.first_token_step = self.step_count
 
     def _complete_loads(self) -> None:
-        for req_id, count in list(self._finished_loads.items()):
-            if count < len(self.workers):
-                continue
+        for req_id in [r for r, count in self._finished_loads.items() if count >= len(self.workers)]:
             del self._finished_loads[req_id]
             req = self.requests.get(req_id)
             if req is None or req.status is not Status.LOADING:
@@ -401,9 +403,6 @@ class SimEngine:
             req.status = Status.FINISHED
             self.scheduler.request_finished(req.request_id)
         return [r.request_id for r in done]
-
-    def _loading(self) -> list[SimRequest]:
-        return [r for r in self.requests.values() if r.status is Status.LOADING]
 
     # ---- expected bytes ---------------------------------------------------------------------------------------
 

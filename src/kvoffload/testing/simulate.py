@@ -8,6 +8,7 @@ need, so earlier turns are evicted there and come back from kvoffload. Every dev
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import time
@@ -65,15 +66,12 @@ def simulate(args: argparse.Namespace) -> SimulateResult:
     engine = SimEngine(layout, make_kv, config, block_size=args.block_size)
     rng = random.Random(args.seed)
     history = [[rng.randrange(1000) for _ in range(args.user_tokens)] for _ in range(args.conversations)]
-    stats = TransferStats()
     prompt_tokens = device_hits = loaded = 0
     start = time.perf_counter()
     for turn in range(args.turns):
         for c in range(args.conversations):
             req = engine.add_request(f"c{c}-t{turn}", history[c], max_new_tokens=args.reply_tokens)
             engine.run()
-            for worker in engine.workers:
-                stats = stats.aggregate(worker.get_kv_connector_stats() or TransferStats())
             prompt_tokens += req.num_prompt_tokens
             device_hits += req.device_hit_tokens
             loaded += req.loaded_tokens
@@ -81,6 +79,7 @@ def simulate(args: argparse.Namespace) -> SimulateResult:
         if not args.json:
             print(f"turn {turn + 1}/{args.turns}: {loaded} tokens served by kvoffload so far", flush=True)
     wall = time.perf_counter() - start
+    stats = functools.reduce(TransferStats.aggregate, engine.transfer_stats, TransferStats())
     store = stats.by_type.get("device_to_host")
     load = stats.by_type.get("host_to_device")
     return SimulateResult(

@@ -10,6 +10,14 @@ metadata still bound); ``wait_for_save`` only queues the step's stores, so both 
 step's ``handle_preemptions`` and report each once (``CALL_ORDERS`` in tools/vllm/api_surface.py pins vLLM's
 orders).
 
+One poll per step: vLLM asks for the step's reports in four hooks, one after another and always in this order
+(``get_transfer_results``, ``get_block_ids_with_load_errors``, ``get_kv_connector_stats``,
+``build_connector_worker_meta``; ``CALL_ORDERS``). The first, ``transfer_results``, polls the worker half
+(``ConnectorWorker.poll``) and hands out the finished loads at once; the poll's other parts wait here, unclaimed,
+until their own hook takes them (``take_load_errors``, ``stats``, ``worker_meta``). A part taken twice is empty
+the second time; a hook vLLM skips leaves its part to be added to the next poll's, so nothing is lost or reported
+twice, and a failed block never reaches vLLM before its request's finish does (both come from the same poll).
+
 Failed loads: with one KV-cache group the failed device blocks go to vLLM (``invalid_block_ids``), which
 recomputes from the first bad block. With several groups block ids are not unique across groups and vLLM
 refuses block-level errors, so the requests whose loads failed go out as ``failed_recving`` and are recomputed
@@ -25,7 +33,8 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvoffload.config import OffloadConfig
-from kvoffload.connector.metadata import ConnectorMetadata
+from kvoffload.connector.metadata import ConnectorMetadata, WorkerMetadata
+from kvoffload.connector.stats import TransferStats
 from kvoffload.connector.worker import ConnectorWorker
 from kvoffload.integrations.vllm.messages import KVOffloadWorkerMetadata
 from kvoffload.integrations.vllm.metrics import KVOffloadStats
@@ -40,7 +49,10 @@ class WorkerSide:
                  namespace: Namespace) -> None:
         self.core = ConnectorWorker(config, layout, block_size, namespace)
         self.single_group = len(layout.groups) == 1
+        # The last polls' parts that their hooks have not taken yet.
         self._load_errors: set[int] = set()
+        self._stats: TransferStats | None = None
+        self._meta = WorkerMetadata()
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         self.core.register_kv_caches(kv_caches)
@@ -55,26 +67,28 @@ class WorkerSide:
         self.core.prepare_store_kv(meta)
 
     def transfer_results(self) -> KVConnectorTransferResults:
-        """Requests whose loads finished; failures as block ids (one group) or request ids (several)."""
-        finished = self.core.get_finished()
-        # Read after get_finished: every failure of a request reported finished here is in these sets.
-        errors = self.core.get_block_ids_with_load_errors()
-        failed = self.core.get_failed_loads()
+        """Poll: requests whose loads finished; failures as block ids (one group) or request ids (several)."""
+        poll = self.core.poll()
         if self.single_group:
-            self._load_errors |= errors
+            self._load_errors |= poll.load_errors
+        if poll.stats is not None:
+            self._stats = poll.stats if self._stats is None else self._stats.aggregate(poll.stats)
+        self._meta = poll.worker_meta if self._meta.is_empty else self._meta.aggregate(poll.worker_meta)
+        finished = set(poll.finished_loads)
+        if self.single_group:
             return KVConnectorTransferResults(finished_recving=finished)
-        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+        return KVConnectorTransferResults(finished_recving=finished, failed_recving=set(poll.failed_loads))
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def stats(self) -> KVOffloadStats | None:
-        transfers = self.core.get_kv_connector_stats()
+        transfers, self._stats = self._stats, None
         return None if transfers is None else KVOffloadStats.of(transfers=transfers)
 
     def worker_meta(self) -> KVOffloadWorkerMetadata | None:
-        report = self.core.build_connector_worker_meta()
+        report, self._meta = self._meta, WorkerMetadata()
         return None if report.is_empty else KVOffloadWorkerMetadata(report)
 
     def shutdown(self) -> None:
