@@ -56,10 +56,11 @@ def test_trace_replay_imports_no_torch_and_no_engine():
 GRAPH = module_graph(SRC)
 TOOLS_AND_HELPERS = ("kvoffload.tools", "kvoffload.testing")
 CORE = sorted(m for m in GRAPH if not any(m == p or m.startswith(p + ".") for p in TOOLS_AND_HELPERS))
-SCHEDULER_HALF = ("kvoffload.manager", "kvoffload.connector.scheduler")
+SCHEDULER_HALF = ("kvoffload.manager", "kvoffload.connector.scheduler", "kvoffload.connector.loads",
+                  "kvoffload.connector.stores", "kvoffload.connector.jobs")
 WORKER_HALF = ("kvoffload.transfer", "kvoffload.connector.worker")
 LINE_LIMIT = 400
-OVER_THE_LIMIT = {"connector/scheduler.py": 566, "testing/sim.py": 479}
+OVER_THE_LIMIT = {"testing/sim.py": 478}
 """Files still over the limit (issue 22 splits them); each may shrink, none may grow, no other may join them."""
 
 

@@ -1,6 +1,6 @@
 /* kvoffload._stepscan: which of a step's scheduled requests the scheduler half must look at in Python.
  *
- * Why C: every engine step, ConnectorScheduler._collect_stores (connector/scheduler.py) passes over every running
+ * Why C: every engine step, StoreScan.collect (connector/stores.py) passes over every running
  * request to find the few that got new device blocks or whose next offload block just filled. In Python those are
  * two C-level passes (compress over map) plus the column check, each finding its code and data cold after the
  * engine's own work: about 15-30 us at 256 requests, half of a decode step's connector time. Here it is one pass.

@@ -9,8 +9,8 @@ import random
 import pytest
 
 from kvoffload.config import OffloadConfig
-from kvoffload.connector.scheduler import ConnectorScheduler
 from kvoffload.connector.stats import SchedulerStats
+from kvoffload.connector.stores import StoreAdmitter
 from kvoffload.testing import layouts
 from kvoffload.testing.sim import SimEngine, SimRequest
 
@@ -78,10 +78,10 @@ def test_second_sighting_stores_a_prefix_the_second_time_and_the_third_request_l
 
 
 def test_the_check_fails_when_admission_is_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
-    def store_all(self: ConnectorScheduler, state: object, first: int, end: int) -> int:
+    def store_all(self: StoreAdmitter, state: object, first: int, end: int) -> int:
         return end
 
-    monkeypatch.setattr(ConnectorScheduler, "_admitted_end", store_all)
+    monkeypatch.setattr(StoreAdmitter, "admitted_end", store_all)
     with pytest.raises(AssertionError):
         check_second_sighting(three_requests(make_engine("second-sighting")))
 

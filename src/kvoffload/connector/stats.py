@@ -85,6 +85,15 @@ class SchedulerStats:
         return not (self.requests or self.query_tokens or self.hit_tokens or self.failed_load_tokens
                     or self.skipped_slow_tokens or self.admitted_blocks or self.declined_blocks)
 
+    def take(self) -> SchedulerStats:
+        """What was counted, moved into a new object (the caller owns it); this one starts again from zero and
+        stays the one that the scheduler half's parts count into."""
+        taken = SchedulerStats(self.requests, self.query_tokens, self.hit_tokens, self.failed_load_tokens,
+                               self.skipped_slow_tokens, self.admitted_blocks, self.declined_blocks)
+        self.requests = self.query_tokens = self.hit_tokens = self.failed_load_tokens = 0
+        self.skipped_slow_tokens = self.admitted_blocks = self.declined_blocks = 0
+        return taken
+
     def aggregate(self, other: SchedulerStats) -> SchedulerStats:
         return SchedulerStats(self.requests + other.requests, self.query_tokens + other.query_tokens,
                               self.hit_tokens + other.hit_tokens,

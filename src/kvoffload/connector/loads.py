@@ -1,0 +1,161 @@
+"""The scheduler half's load side: how many prefix tokens kvoffload can supply, and the load job for them.
+
+``ConnectorScheduler.get_num_new_matched_tokens`` asks ``LoadPlanner.lookup`` how many leading offload blocks of a
+new request are ready in every KV-cache group (the manager's lookups) and keeps the hit as the request's
+``PlannedLoad``; ``update_state_after_alloc`` asks ``LoadPlanner.start`` to pin those blocks and open a load job
+(in ``jobs.py``) for the device blocks the engine allocated. The step's ``ConnectorMetadata`` takes the new load
+jobs (``take_new_loads``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvoffload.connector.jobs import JobBook, JobKind, regroup
+from kvoffload.connector.metadata import LoadJob
+from kvoffload.connector.requests import EngineRequest, PlannedLoad, RequestState
+from kvoffload.connector.stats import SchedulerStats
+from kvoffload.connector.stores import StoreAdmitter
+from kvoffload.keys import OffloadKey
+from kvoffload.manager.base import ResidencyManager
+from kvoffload.specs import NO_BLOCK, BlockSpec, DeviceBlocks, HostBlocks, TransferJob
+
+
+class LoadPlanner:
+    """Finds each new request's hit and starts its load. Not thread-safe: the engine's scheduler calls it from one
+    thread."""
+
+    def __init__(self, manager: ResidencyManager, jobs: JobBook, admission: StoreAdmitter, stats: SchedulerStats,
+                 factor: int, engine_block_size: int, num_groups: int, state_groups: frozenset[int],
+                 null_block_id: int | None) -> None:
+        self._manager = manager
+        self._jobs = jobs
+        self._admission = admission
+        self._stats = stats
+        self._factor = factor
+        self._engine_block_size = engine_block_size
+        self._offload_tokens = factor * engine_block_size
+        self._num_groups = num_groups
+        self._state_groups = state_groups
+        self.null_block_id = null_block_id
+        """The engine's placeholder block: a load leaves a hole (``NO_BLOCK``) where it stands."""
+        self.new_loads: list[LoadJob] = []
+        """Load jobs started since the last ``take_new_loads``."""
+
+    def take_new_loads(self) -> list[LoadJob]:
+        """The load jobs started since the last call (the caller owns the list)."""
+        loads, self.new_loads = self.new_loads, []
+        return loads
+
+    def lookup(self, request: EngineRequest, state: RequestState, num_computed_tokens: int
+               ) -> tuple[int | None, bool]:
+        """Tokens kvoffload can load beyond the ``num_computed_tokens`` the engine already holds of ``request``
+        (whose state is ``state``); a hit is kept in ``state.planned_load``. Returns what
+        ``ConnectorScheduler.get_num_new_matched_tokens`` does."""
+        state.planned_load = None
+        self._admission.reused(request.request_id, num_computed_tokens // self._offload_tokens)
+        num_tokens = len(request.all_token_ids)
+        state.query_tokens = max(0, num_tokens - num_computed_tokens)
+        if state.ambiguous:
+            return 0, False
+        # The engine must compute at least the last prompt token itself, to sample from its logits.
+        end = (num_tokens - 1) // self._offload_tokens
+        first = num_computed_tokens // self._offload_tokens
+        if first >= end:
+            return 0, False
+        hits, pending = end - first, False
+        group_keys: dict[int, list[OffloadKey]] = {}
+        for group in range(self._num_groups):
+            if group in self._state_groups:
+                continue
+            keys = state.keys(first, first + hits, group)
+            group_keys[group] = keys
+            result = self._manager.lookup(keys)
+            if result.hits < hits:
+                # The group with the shortest run decides, and whether its next block is on its way.
+                hits, pending = result.hits, result.pending
+        if pending:
+            return None, False
+        if self._state_groups:
+            hits = self._state_hit(state, first, hits)
+        hit_tokens = (first + hits) * self._offload_tokens - num_computed_tokens
+        if hits == 0 or hit_tokens <= 0:
+            return 0, False
+        planned_keys = tuple(k for g in range(self._num_groups)
+                             for k in (state.keys(first + hits - 1, first + hits, g) if g in self._state_groups
+                                       else group_keys[g][:hits]))
+        state.planned_load = PlannedLoad(first, first + hits, planned_keys)
+        return hit_tokens, True
+
+    def _state_hit(self, state: RequestState, first: int, hits: int) -> int:
+        """The longest run, at most ``hits`` blocks from ``first``, whose last block every state group holds.
+
+        A state block is the state after its tokens, so a state group needs only the block where the loaded run
+        ends (as vLLM's own prefix cache does: it keeps states only where a prefill chunk ended).
+        """
+        while hits > 0:
+            keys = [state.keys(first + hits - 1, first + hits, g)[0] for g in sorted(self._state_groups)]
+            if self._manager.lookup(keys).hits == len(keys):
+                return hits
+            hits -= 1
+        return 0
+
+    def start(self, state: RequestState, block_ids: Sequence[Sequence[int]], num_external_tokens: int) -> None:
+        """The engine allocated ``block_ids`` (all of the request's blocks, per group): start the planned load.
+
+        Counts the last lookup in the stats once, even when the engine calls this again without a new lookup.
+        """
+        state.block_ids = [list(ids) for ids in block_ids]
+        plan, state.planned_load = state.planned_load, None
+        if state.query_tokens is not None:  # engines may call this again without a new lookup
+            self._stats.requests += 1
+            self._stats.query_tokens += state.query_tokens
+            state.query_tokens = None
+        if num_external_tokens == 0 or plan is None:
+            return
+        req_id = state.request.request_id
+        computed = plan.end * self._offload_tokens - num_external_tokens
+        skip = computed // self._engine_block_size - plan.first * self._factor
+        flat_keys = plan.keys
+        src = self._manager.prepare_load(flat_keys)
+        self._manager.touch(flat_keys)
+        n = plan.end - plan.first
+        dst = self._device_side(state, computed // self._engine_block_size, plan.end * self._factor)
+        job = self._jobs.new_job(JobKind.LOAD, (req_id,), flat_keys, blocks=n)
+        self._admission.reused(req_id, plan.end)
+        src = self._load_source(src, n, skip)
+        self.new_loads.append(LoadJob(req_id, TransferJob(job, src, dst)))
+        state.jobs.add(job)
+        self._stats.hit_tokens += num_external_tokens
+
+    def _device_side(self, state: RequestState, first_engine_block: int, last_engine_block: int) -> DeviceBlocks:
+        """The device blocks ``[first_engine_block, last_engine_block)`` of every group that a load writes, with
+        holes (``NO_BLOCK``) where nothing may be written."""
+        f = self._factor
+        per_group = last_engine_block - first_engine_block
+        device_ids = [b for ids in state.block_ids for b in ids[first_engine_block:last_engine_block]]
+        for g in self._state_groups:  # only the run's last block holds a state worth loading
+            start = g * per_group
+            device_ids[start:start + max(0, per_group - f)] = [NO_BLOCK] * max(0, per_group - f)
+        if self.null_block_id in device_ids:  # a window group dropped these blocks: nothing may write the null block
+            device_ids = [NO_BLOCK if b == self.null_block_id else b for b in device_ids]
+        return DeviceBlocks(tuple(device_ids), (per_group,) * self._num_groups)
+
+    def _load_source(self, src: BlockSpec, n: int, skip: int) -> BlockSpec:
+        """The host side of a load of ``n`` offload blocks per group, from ``prepare_load``'s one entry per key.
+
+        A state group has one key (its run's last block): it is repeated ``n`` times, so every group lists ``n``
+        entries; the device side leaves holes where those repeats stand, so only the last one is copied.
+        """
+        if not self._state_groups and not skip:
+            return regroup(src, (n,) * self._num_groups)
+        if not isinstance(src, HostBlocks):
+            raise TypeError(f"loads come from host slots, not {type(src).__name__}")
+        slots: list[int] = []
+        at = 0
+        for g in range(self._num_groups):
+            taken = 1 if g in self._state_groups else n
+            group_slots = src.slots[at:at + taken]
+            slots.extend(group_slots * n if g in self._state_groups else group_slots)
+            at += taken
+        return HostBlocks(tuple(slots), (n,) * self._num_groups, skip_sub_blocks=skip)
