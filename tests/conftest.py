@@ -4,15 +4,23 @@ A connector built in the test process (the in-process e2e engines) joins vLLM's 
 (``integrations/vllm/logs.py``): the ``kvoffload`` logger then writes through vLLM's handlers and stops
 propagating, so pytest's ``caplog`` (on the root logger) would no longer see kvoffload's records in later tests.
 Each test starts with the logger as a library's: no handler of ours, propagating.
+
+In-process engines also leave vLLM's settings in this process's environment (``LD_PRELOAD``, ``LOCAL_WORLD_SIZE``,
+``VLLM_DIST_IDENT``, ...). A test that starts a vLLM server or the demo as a subprocess, the way a user's shell
+would, takes ``startup_environ``: the environment as it was when pytest started.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
-import logging
-from collections.abc import Iterator
+import os
 
-import pytest
+_STARTUP_ENVIRON = dict(os.environ)  # first, before anything here can import an engine
+
+import importlib.metadata  # noqa: E402
+import logging  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+
+import pytest  # noqa: E402
 
 
 def pytest_report_header() -> list[str]:
@@ -38,3 +46,13 @@ def _kvoffload_logger_propagates() -> Iterator[None]:
         logger.removeHandler(handler)
     logger.propagate = True
     logger.setLevel(logging.NOTSET)
+
+
+@pytest.fixture
+def startup_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process's environment as it was when pytest started, for the rest of the test."""
+    for name in set(os.environ) - set(_STARTUP_ENVIRON):
+        monkeypatch.delenv(name)
+    for name, value in _STARTUP_ENVIRON.items():
+        if os.environ.get(name) != value:
+            monkeypatch.setenv(name, value)

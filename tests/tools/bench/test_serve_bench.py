@@ -122,6 +122,7 @@ def test_a_session_s_processes_and_the_segments_they_map_are_found() -> None:
 
 
 @pytest.mark.e2e
+@pytest.mark.usefixtures("startup_environ")  # servers start as from a user's shell, whatever ran before
 def test_a_small_run_serves_both_sides_with_hits_and_leaves_nothing_behind(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
