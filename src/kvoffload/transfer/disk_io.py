@@ -1,6 +1,6 @@
 """Writing and reading one block file, through a small file-operations seam.
 
-The ``DiskHandler`` calls ``write_block`` / ``read_block`` from its I/O threads. Every system call goes
+The ``DiskHandler`` calls ``write_block`` / ``read_for_slot`` from its I/O threads. Every system call goes
 through a ``FileOps`` object so tests can inject the operating system's failures (EIO, ENOSPC, slow or stuck
 reads) without mocking any kvoffload logic. Both functions raise ``OSError`` or ``CorruptBlockError``; the
 handler turns them into failed results.
@@ -177,10 +177,7 @@ def read_block(ops: FileOps, path: str, fingerprint: bytes, key: OffloadKey, out
             by this secret for this name.
     """
     if fmt.auth is not None:
-        scratch = _scratch(fmt.file_bytes(len(out)) + 1)  # a byte past the block proves the file is too long
-        got = ops.read_into(path, [scratch])
-        with _naming(path):
-            open_into(fmt, fingerprint, key, scratch[:got], out)
+        read_for_slot(ops, path, fingerprint, key, len(out), fmt)(out)
         return
     header = memoryview(bytearray(HEADER_BYTES))
     extra = memoryview(bytearray(1))
@@ -209,7 +206,7 @@ def read_for_slot(ops: FileOps, path: str, fingerprint: bytes, key: OffloadKey, 
         buffer = _scratch(payload_bytes)
         read_block(ops, path, fingerprint, key, buffer, fmt)
         return lambda out: _put(out, buffer)
-    scratch = _scratch(fmt.file_bytes(payload_bytes) + 1)
+    scratch = _scratch(fmt.file_bytes(payload_bytes) + 1)  # a byte past the block proves the file is too long
     block = scratch[:ops.read_into(path, [scratch])]
 
     def put(out: memoryview) -> None:
