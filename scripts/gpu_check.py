@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BUDGET_SECONDS = 480
 CUDA_TEST_FILES = (
     "tests/transfer/test_cuda_copy.py",
-    "tests/transfer/test_host.py",
+    "tests/transfer/test_host_copier.py",
     "tests/testing/test_conformance.py",
     "tests/test_layout.py",
     "tests/tools/bench/test_copy_bench.py",

@@ -8,6 +8,9 @@ Each test starts with the logger as a library's: no handler of ours, propagating
 In-process engines also leave vLLM's settings in this process's environment (``LD_PRELOAD``, ``LOCAL_WORLD_SIZE``,
 ``VLLM_DIST_IDENT``, ...). A test that starts a vLLM server or the demo as a subprocess, the way a user's shell
 would, takes ``startup_environ``: the environment as it was when pytest started.
+
+The remote tier's tests (its index, its handler, the simulated engine over it) share one real redis-server per
+session (``redis_server``), emptied before each test that takes ``redis_client``.
 """
 
 from __future__ import annotations
@@ -19,8 +22,11 @@ _STARTUP_ENVIRON = dict(os.environ)  # first, before anything here can import an
 import importlib.metadata  # noqa: E402
 import logging  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
+from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
+
+from kvoffload.testing.redis_server import RedisServer, RedisServerUnavailable  # noqa: E402
 
 
 def pytest_report_header() -> list[str]:
@@ -56,3 +62,25 @@ def startup_environ(monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in _STARTUP_ENVIRON.items():
         if os.environ.get(name) != value:
             monkeypatch.setenv(name, value)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    pytest.importorskip("redis")
+    try:
+        server = RedisServer()
+    except RedisServerUnavailable as e:
+        pytest.skip(str(e))
+    with server:
+        yield server
+
+
+@pytest.fixture
+def redis_client(redis_server: RedisServer) -> Iterator[Any]:
+    """A plain client of the session's server, which it empties first (a test plays the workers with it)."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    yield client
+    client.close()

@@ -12,9 +12,9 @@ import struct
 import zlib
 
 from kvoffload.auth import TAG_BYTES, TierSecret
-from kvoffload.block_codec import encode_value
-from kvoffload.disk_format import HEADER_BYTES, MAGIC, PLAIN, BlockFormat, checksum, encode_sealed_header
 from kvoffload.keys import OffloadKey
+from kvoffload.tiers.lower.block_codec import encode_value
+from kvoffload.tiers.lower.block_format import HEADER_BYTES, MAGIC, PLAIN, BlockFormat, checksum, encode_sealed_header
 
 FORGERIES = ("plain_block", "zero_tag", "other_secret", "flipped_ciphertext", "flipped_nonce", "other_key",
              "other_namespace", "old_mac_format")

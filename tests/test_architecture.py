@@ -38,8 +38,8 @@ def imports_torch(*modules: str) -> bool:
 
 
 def test_the_scheduler_side_index_imports_no_torch():
-    assert not imports_torch("kvoffload.manager.host", "kvoffload.manager.tiered", "kvoffload.manager.disk",
-                             "kvoffload.manager.remote")
+    assert not imports_torch("kvoffload.manager.slot_index", "kvoffload.manager.tiered", "kvoffload.tiers.disk.index",
+                             "kvoffload.tiers.remote.index")
     assert imports_torch("kvoffload.transfer.host_pool")  # the check sees a module that does
 
 

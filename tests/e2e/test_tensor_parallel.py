@@ -37,14 +37,14 @@ from tests.e2e.conftest import (
     prompts,
 )
 
-from kvoffload.disk_format import HEADER_BYTES
+from kvoffload.tiers.lower.block_format import HEADER_BYTES
 
 pytestmark = pytest.mark.e2e
 
 TP = 2
 SLOT_BYTES = 8192
 """One rank's bytes per block of the tiny model: 2 layers x 1 of its 2 KV heads x 32 tokens x K and V x 32 x bf16."""
-FINGERPRINT = slice(16, 32)  # the namespace fingerprint in a block file's header (disk_format.py)
+FINGERPRINT = slice(16, 32)  # the namespace fingerprint in a block file's header (tiers/lower/block_format.py)
 ROUNDS = {"first": (7, 8), "second": (9, 10, 11), "third": (12, 13)}
 """The same four prefixes with new tails each round: one engine stores them, loads them, then fails to on rank 1."""
 HOST_BLOCKS = 8

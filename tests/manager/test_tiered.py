@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 
 from kvoffload.config import DiskTierConfig, RemoteTierConfig, WritePolicy
-from kvoffload.disk_format import PLAIN, file_bytes
 from kvoffload.keys import Namespace, OffloadKey, offload_key
 from kvoffload.manager.base import EventKind, LookupResult, TierTransfer
-from kvoffload.manager.host import HostTierManager
+from kvoffload.manager.slot_index import SlotIndex
 from kvoffload.manager.tiered import Below, TieredManager
-from kvoffload.remote_client import value_name
 from kvoffload.specs import BlockSpec, DiskBlocks, HostBlocks, Medium, RemoteBlocks
+from kvoffload.tiers.lower.block_format import PLAIN, file_bytes
+from kvoffload.tiers.remote.client import value_name
 
 NS = Namespace(model="m", dtype="bf16", layout="pages=64")
 VALUE = file_bytes(2 * 256)
@@ -48,14 +48,14 @@ class Tier:
 
     def make(self, host_slots: int = 4, lower_blocks: int = 16,
              policy: WritePolicy = WritePolicy.WRITE_THROUGH) -> TieredManager:
-        host = HostTierManager(host_slots)
+        host = SlotIndex(host_slots)
         if self.medium is Medium.DISK:
             config = DiskTierConfig(path=self.tmp_path, capacity_bytes=lower_blocks * VALUE, write_policy=policy)
             return TieredManager.create(config, host, NS, Layout(), factor=2)
-        from kvoffload.manager.remote import RemoteTierManager
+        from kvoffload.tiers.remote.index import RemoteIndex
 
         remote = RemoteTierConfig(urls=(self.url,), capacity_bytes=lower_blocks * VALUE)
-        return TieredManager(host, [Below(RemoteTierManager.create(remote, NS, VALUE), policy)])
+        return TieredManager(host, [Below(RemoteIndex.create(remote, NS, VALUE), policy)])
 
     def blocks(self, ks: list[OffloadKey]) -> BlockSpec:
         return (DiskBlocks if self.medium is Medium.DISK else RemoteBlocks)(tuple(ks), (len(ks),))
@@ -199,7 +199,7 @@ def test_on_evict_writes_only_blocks_crowding_the_host_and_evicts_only_written_o
 
 def test_on_evict_refuses_a_low_water_mark_outside_the_host(tier: Tier) -> None:
     with pytest.raises(ValueError, match="low_water"):
-        TieredManager(HostTierManager(4), [Below(tier.make().lowers[0], WritePolicy.ON_EVICT)], low_water=4)
+        TieredManager(SlotIndex(4), [Below(tier.make().lowers[0], WritePolicy.ON_EVICT)], low_water=4)
 
 
 def test_reset_forgets_both_tiers(tier: Tier) -> None:

@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 
 from kvoffload.config import DiskTierConfig, OffloadConfig, RemoteTierConfig, WritePolicy
-from kvoffload.disk_format import PLAIN, file_bytes
 from kvoffload.keys import Namespace, OffloadKey, offload_key
 from kvoffload.manager.base import LookupResult, TierTransfer
-from kvoffload.manager.host import HostTierManager
+from kvoffload.manager.slot_index import SlotIndex
 from kvoffload.manager.tiered import Below, TieredManager
-from kvoffload.remote_client import value_name
 from kvoffload.specs import DiskBlocks, HostBlocks, Medium, RemoteBlocks
+from kvoffload.tiers.lower.block_format import PLAIN, file_bytes
+from kvoffload.tiers.remote.client import value_name
 
 NS = Namespace(model="m", dtype="bf16", layout="pages=64")
 VALUE = file_bytes(2 * 256)
@@ -41,12 +41,12 @@ def keys(n: int, salt: int = 0) -> list[OffloadKey]:
 def make(tmp_path: Path, redis_client: Any, redis_server: Any) -> Callable[..., TieredManager]:
     def make(host_slots: int = 4, disk_blocks: int = 16,
              disk_policy: WritePolicy = WritePolicy.WRITE_THROUGH) -> TieredManager:
-        from kvoffload.manager.remote import RemoteTierManager
+        from kvoffload.tiers.remote.index import RemoteIndex
 
         disk = DiskTierConfig(path=tmp_path, capacity_bytes=disk_blocks * VALUE, write_policy=disk_policy)
-        remote = RemoteTierManager.create(RemoteTierConfig(urls=(redis_server.url,), capacity_bytes=64 * VALUE),
+        remote = RemoteIndex.create(RemoteTierConfig(urls=(redis_server.url,), capacity_bytes=64 * VALUE),
                                           NS, VALUE)
-        return TieredManager.create(disk, HostTierManager(host_slots), NS, Layout(), 2, further=(Below(remote),))
+        return TieredManager.create(disk, SlotIndex(host_slots), NS, Layout(), 2, further=(Below(remote),))
     return make
 
 
@@ -203,7 +203,7 @@ def test_on_evict_disk_beside_write_through_remote(make: Any, redis_client: Any)
 def test_bad_stacks_are_refused(make: Any, below: Any) -> None:
     m = make()
     with pytest.raises(ValueError, match="TieredManager"):
-        TieredManager(HostTierManager(4), below(*m.lowers))
+        TieredManager(SlotIndex(4), below(*m.lowers))
 
 
 @pytest.mark.parametrize("disk_policy", list(WritePolicy))

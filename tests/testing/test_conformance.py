@@ -1,4 +1,4 @@
-"""DeviceHostHandler against the handler conformance suite, in both directions (CPU; CUDA when present)."""
+"""HostCopier against the handler conformance suite, in both directions (CPU; CUDA when present)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from kvoffload.layout import StateSpec
 from kvoffload.testing import layouts
 from kvoffload.testing.block_pool import NULL_BLOCK
 from kvoffload.testing.sim import SimEngine, Status
-from kvoffload.transfer import host
+from kvoffload.transfer import host_copier as host
 from kvoffload.transfer.copy_plan import LOAD, build_plan
 
 BLOCK = 4

@@ -15,8 +15,8 @@ import pytest
 from kvoffload.config import OffloadConfig
 from kvoffload.testing import layouts
 from kvoffload.testing.sim import SimEngine, Status
+from kvoffload.tiers.disk.handler import DiskHandler
 from kvoffload.tools.cli import main
-from kvoffload.transfer.disk import DiskHandler
 
 BLOCK = 4
 

@@ -26,8 +26,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvoffload.config import OffloadConfig
 from kvoffload.testing import layouts
 from kvoffload.testing.sim import SimEngine, Status
-from kvoffload.transfer.disk import DiskHandler
-from kvoffload.transfer.disk_io import FileOps
+from kvoffload.tiers.disk.file_io import FileOps
+from kvoffload.tiers.disk.handler import DiskHandler
 
 BLOCK = 4
 PREFIXES = [[random.Random(p).randrange(1000) for _ in range(16)] for p in range(3)]

@@ -12,8 +12,8 @@ from kvoffload.config import OffloadConfig
 from kvoffload.specs import Medium
 from kvoffload.testing import layouts
 from kvoffload.testing.sim import SimEngine, Status
-from kvoffload.transfer.disk import DiskHandler
-from kvoffload.transfer.disk_io import FileOps
+from kvoffload.tiers.disk.file_io import FileOps
+from kvoffload.tiers.disk.handler import DiskHandler
 
 BLOCK = 4
 PREFILL_TOKENS_PER_S = 1_000.0  # recomputing a 4-block (16-token) prefix costs 16 ms

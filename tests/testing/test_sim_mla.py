@@ -17,7 +17,7 @@ from kvoffload.connector.worker import SkipWrites
 from kvoffload.testing import layouts
 from kvoffload.testing.redis_server import RedisServer, RedisServerUnavailable
 from kvoffload.testing.sim import SimEngine, Status
-from kvoffload.transfer import disk as disk_handler
+from kvoffload.tiers.disk import handler as disk_handler
 
 BLOCK = 4
 PROMPT_BLOCKS = 4  # 16-token prompts

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from kvoffload.config import OffloadConfig
-from kvoffload.manager.remote import RemoteTierManager
 from kvoffload.manager.tiered import TieredManager
 from kvoffload.testing import layouts
 from kvoffload.testing.redis_server import RedisServer, RedisServerUnavailable
 from kvoffload.testing.sim import SimEngine, Status
+from kvoffload.tiers.remote.index import RemoteIndex
 
 redis = pytest.importorskip("redis")
 
@@ -39,9 +39,9 @@ def make_engine(url: str, host_blocks: int = 4, workers: int = 1, **config: obje
     return SimEngine(layout, make_kv, OffloadConfig.from_dict(raw), block_size=BLOCK, num_workers=workers)
 
 
-def remote_index(engine: SimEngine) -> RemoteTierManager:
+def remote_index(engine: SimEngine) -> RemoteIndex:
     manager = engine.scheduler.manager
-    assert isinstance(manager, TieredManager) and isinstance(manager.lowers[0], RemoteTierManager)
+    assert isinstance(manager, TieredManager) and isinstance(manager.lowers[0], RemoteIndex)
     return manager.lowers[0]
 
 
@@ -137,7 +137,7 @@ def test_values_gone_between_lookup_and_promotion_cost_a_recompute(server: Redis
 
 def test_the_worker_registers_the_remote_handler_both_ways(server: RedisServer) -> None:
     from kvoffload.specs import Medium
-    from kvoffload.transfer.remote import RemoteHandler
+    from kvoffload.tiers.remote.handler import RemoteHandler
 
     engine = make_engine(server.url)
     routes: dict[Any, Any] = engine.workers[0].transfers._routes

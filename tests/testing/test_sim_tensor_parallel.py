@@ -23,18 +23,18 @@ import pytest
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.metadata import WorkerMetadata
 from kvoffload.connector.worker import WorkerPoll
-from kvoffload.disk_format import HEADER_BYTES, rank_directory
 from kvoffload.keys import Namespace
 from kvoffload.specs import Medium
 from kvoffload.testing import layouts, sim
 from kvoffload.testing.sim import SimEngine, SimRequest, Status
+from kvoffload.tiers.lower.block_format import HEADER_BYTES, rank_directory
 from kvoffload.transfer.faults import FailFirstLoads
-from kvoffload.transfer.worker import TransferWorker
+from kvoffload.transfer.router import JobRouter
 
 BLOCK = 4
 PROMPT_TOKENS = 16  # 4 blocks
 RANKS = 2
-FINGERPRINT = slice(16, 32)  # the namespace fingerprint in a block file's header (disk_format.py)
+FINGERPRINT = slice(16, 32)  # the namespace fingerprint in a block file's header (tiers/lower/block_format.py)
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -153,7 +153,7 @@ def fail_next_load(engine: SimEngine, rank: int) -> None:
     worker = engine.workers[rank]
     (handler,) = worker.transfers.handlers
     faulty = FailFirstLoads(handler, 1)
-    transfers = TransferWorker()
+    transfers = JobRouter()
     transfers.register(Medium.DEVICE, Medium.HOST, faulty)
     transfers.register(Medium.HOST, Medium.DEVICE, faulty)
     worker.transfers = transfers

@@ -6,12 +6,12 @@ import os
 from typing import TYPE_CHECKING
 
 from kvoffload.config import ConfigError, OffloadConfig, RemoteTierConfig, WritePolicy
-from kvoffload.disk_format import BlockFormat, entry_bytes_of
 from kvoffload.keys import Namespace
 from kvoffload.layout import KVCacheLayout
 from kvoffload.manager.base import ResidencyManager
-from kvoffload.manager.host import HostTierManager
+from kvoffload.manager.slot_index import SlotIndex
 from kvoffload.specs import Medium
+from kvoffload.tiers.lower.block_format import BlockFormat, entry_bytes_of
 
 if TYPE_CHECKING:
     from kvoffload.manager.tiered import Below
@@ -80,7 +80,7 @@ def build_manager(config: OffloadConfig, layout: KVCacheLayout, factor: int,
         ConfigError: a tier cannot be sized or used (see ``host_num_slots`` and the lower tiers' ``create``), or
             ``remote_url`` is given without redis-py installed.
     """
-    host = HostTierManager(host_num_slots(config, layout, factor), config.host.policy)
+    host = SlotIndex(host_num_slots(config, layout, factor), config.host.policy)
     if config.disk is None and config.remote is None:
         return host
     from kvoffload.manager.tiered import TieredManager  # only when a lower tier is configured
@@ -93,14 +93,14 @@ def build_manager(config: OffloadConfig, layout: KVCacheLayout, factor: int,
 
 def _remote_tier(config: RemoteTierConfig, namespace: Namespace, layout: KVCacheLayout, factor: int) -> Below:
     try:
-        from kvoffload.manager.remote import RemoteTierManager
+        from kvoffload.tiers.remote.index import RemoteIndex
     except ImportError as e:
         raise ConfigError(f'remote_url needs redis-py: pip install "kvoffload[redis]" ({e})') from None
     from kvoffload.manager.tiered import Below
 
     value_bytes = BlockFormat.of(config.secret).file_bytes(max(entry_bytes_of(layout, factor)))
     # Write-through: a shared tier serves other engines only what is written to it, as soon as it is written.
-    return Below(RemoteTierManager.create(config, namespace, value_bytes), WritePolicy.WRITE_THROUGH)
+    return Below(RemoteIndex.create(config, namespace, value_bytes), WritePolicy.WRITE_THROUGH)
 
 
 def transfer_routes(config: OffloadConfig) -> tuple[tuple[Medium, Medium], ...]:

@@ -40,9 +40,9 @@ from kvoffload.layout import KVCacheLayout
 from kvoffload.specs import DeviceBlocks, JobId, Medium, TransferJob
 from kvoffload.transfer.base import TransferHandler, TransferResult
 from kvoffload.transfer.faults import CorruptFirstLoads, FailFirstLoads
-from kvoffload.transfer.host import DeviceHostHandler
+from kvoffload.transfer.host_copier import HostCopier
 from kvoffload.transfer.host_pool import HostPool
-from kvoffload.transfer.worker import TransferWorker
+from kvoffload.transfer.router import JobRouter
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class ConnectorWorker:
         self.layout = layout
         self.namespace = namespace
         self.factor = offload_factor(config, engine_block_size)
-        self.transfers = TransferWorker()
+        self.transfers = JobRouter()
         self.kv: CanonicalKV | None = None
         self.pool: HostPool | None = None
         self._deferred_stores: list[TransferJob] = []
@@ -122,7 +122,7 @@ class ConnectorWorker:
         on_cuda = self.kv.views[0].is_cuda
         self.pool = HostPool(host_num_slots(self.config, self.layout, self.factor),
                              host_slot_bytes(self.layout, self.factor), pin_memory=on_cuda)
-        handler: TransferHandler = DeviceHostHandler(self.kv, self.pool, self.factor,
+        handler: TransferHandler = HostCopier(self.kv, self.pool, self.factor,
                                                      threads=self.config.host.copy_threads)
         _warn_of_faults(self.config)
         if self.config.inject_load_failures:
@@ -132,14 +132,14 @@ class ConnectorWorker:
         self.transfers.register(Medium.DEVICE, Medium.HOST, handler)
         self.transfers.register(Medium.HOST, Medium.DEVICE, handler)
         if self.config.disk is not None:
-            from kvoffload.transfer.disk import DiskHandler  # only when a disk tier is configured
+            from kvoffload.tiers.disk.handler import DiskHandler  # only when a disk tier is configured
 
             disk = self._shared(DiskHandler.create(self.config.disk, self.pool, self.namespace, self.layout,
                                                    self.factor), Medium.DISK)
             self.transfers.register(Medium.HOST, Medium.DISK, disk)
             self.transfers.register(Medium.DISK, Medium.HOST, disk)
         if self.config.remote is not None:
-            from kvoffload.transfer.remote import RemoteHandler  # only when a remote tier is configured
+            from kvoffload.tiers.remote.handler import RemoteHandler  # only when a remote tier is configured
 
             remote = self._shared(RemoteHandler.create(self.config.remote, self.pool, self.namespace, self.layout,
                                                        self.factor), Medium.REMOTE)

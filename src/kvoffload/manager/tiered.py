@@ -1,6 +1,6 @@
 """The host tier over the tiers below it behind one ``ResidencyManager`` face: the scheduler half's index.
 
-Below host sit the disk tier (``DiskTierManager``), the remote tier (``RemoteTierManager``), or both, in that
+Below host sit the disk tier (``DiskIndex``), the remote tier (``RemoteIndex``), or both, in that
 order: anything with the ``LowerTier`` interface. Host RAM is the hub: every lower tier moves blocks only to and
 from the host pool, and the lower tiers sit *beside* each other under it, not in a chain (docs/remote.md says
 why: a remote write never waits on a disk read, and a remote hit never passes through the disk).
@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvoffload.config import DiskTierConfig, WritePolicy
-from kvoffload.disk_format import BlockFormat, GroupedLayout, entry_bytes_of
 from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.manager.base import (
     EventKind,
@@ -49,9 +48,10 @@ from kvoffload.manager.base import (
     TierTransfer,
     TierUsage,
 )
-from kvoffload.manager.disk import DiskTierManager
-from kvoffload.manager.host import HostTierManager
+from kvoffload.manager.slot_index import SlotIndex
 from kvoffload.specs import BlockSpec, HostBlocks, Medium
+from kvoffload.tiers.disk.index import DiskIndex
+from kvoffload.tiers.lower.block_format import BlockFormat, GroupedLayout, entry_bytes_of
 
 
 class _Kind(enum.Enum):
@@ -76,7 +76,7 @@ class _Run:
 
 
 class LowerTier(Protocol):
-    """The index of a tier under host, as ``TieredManager`` uses it (``DiskTierManager``, ``RemoteTierManager``).
+    """The index of a tier under host, as ``TieredManager`` uses it (``DiskIndex``, ``RemoteIndex``).
 
     The methods mean what they mean on ``ResidencyManager``, with the keys of one tier transfer at a time:
     ``lookup`` counts the leading keys a promotion can read now (its ``pending`` is not used); ``prepare_load``
@@ -129,7 +129,7 @@ class TieredManager(ResidencyManager):
             not in [1, host capacity).
     """
 
-    def __init__(self, host: HostTierManager, below: Sequence[Below], low_water: int | None = None) -> None:
+    def __init__(self, host: SlotIndex, below: Sequence[Below], low_water: int | None = None) -> None:
         media = [b.tier.medium for b in below]
         if not below or len(set(media)) != len(media):
             raise ValueError(f"TieredManager: needs lower tiers of distinct media, got {media}")
@@ -152,7 +152,7 @@ class TieredManager(ResidencyManager):
         self._advisor: LoadAdvisor | None = None
 
     @classmethod
-    def create(cls, config: DiskTierConfig, host: HostTierManager, namespace: Namespace,
+    def create(cls, config: DiskTierConfig, host: SlotIndex, namespace: Namespace,
                layout: GroupedLayout, factor: int, further: Sequence[Below] = ()) -> TieredManager:
         """The scheduler's index with a disk tier (and ``further`` tiers under it); the disk index is rebuilt
         from the files already there.
@@ -161,7 +161,7 @@ class TieredManager(ResidencyManager):
             ConfigError: ``disk_bytes`` is below one block file, or ``disk_path`` cannot be used.
         """
         size = BlockFormat.of(config.secret).file_bytes(max(entry_bytes_of(layout, factor)))
-        disk = DiskTierManager.create(config, namespace, size)
+        disk = DiskIndex.create(config, namespace, size)
         return TieredManager(host, (Below(disk, config.write_policy), *further))
 
     def lookup(self, keys: Sequence[OffloadKey]) -> LookupResult:

@@ -1,4 +1,4 @@
-"""The conformance harness of ``DeviceHostHandler``: checkable store or load jobs over a realistic KV cache.
+"""The conformance harness of ``HostCopier``: checkable store or load jobs over a realistic KV cache.
 
 The KV cache is the hybrid layout of ``testing.layouts.mamba_layout``: two groups of different block sizes
 sharing padded buffers, so jobs exercise multi-ref blocks, padding and per-group slot offsets. Block ids and slots
@@ -21,7 +21,7 @@ from kvoffload.specs import NO_BLOCK, DeviceBlocks, HostBlocks, JobId, TransferJ
 from kvoffload.testing.conformance import MAX_OUTSTANDING, HandlerHarness
 from kvoffload.testing.layouts import mamba_layout
 from kvoffload.transfer.base import TransferHandler
-from kvoffload.transfer.host import DeviceHostHandler
+from kvoffload.transfer.host_copier import HostCopier
 from kvoffload.transfer.host_pool import HostPool
 
 OFFLOAD_BLOCKS = (2, 1)
@@ -33,8 +33,8 @@ class InjectedFault(RuntimeError):
     """Raised inside a copy by ``FaultyDeviceHostHandler``."""
 
 
-class FaultyDeviceHostHandler(DeviceHostHandler):
-    """A ``DeviceHostHandler`` whose jobs listed in ``failing`` raise inside their copy."""
+class FaultyDeviceHostHandler(HostCopier):
+    """A ``HostCopier`` whose jobs listed in ``failing`` raise inside their copy."""
 
     def __init__(self, kv: CanonicalKV, pool: HostPool, factor: int, threads: int, failing: set[JobId]) -> None:
         super().__init__(kv, pool, factor, threads)
@@ -46,7 +46,7 @@ class FaultyDeviceHostHandler(DeviceHostHandler):
 
 
 class DeviceHostHarness(HandlerHarness):
-    """Store (``store=True``, device -> host) or load (host -> device) jobs for ``DeviceHostHandler``."""
+    """Store (``store=True``, device -> host) or load (host -> device) jobs for ``HostCopier``."""
 
     def __init__(
         self, store: bool, device: str = "cpu", factor: int = 2, threads: int = 2, seed: int = 0

@@ -1,6 +1,6 @@
 """Turn a device<->host job into a flat list of byte-range copies, the input of the CPU and CUDA copiers.
 
-``DeviceHostHandler`` (``transfer/host.py``) validates each job here, at ``submit``, then builds a
+``HostCopier`` (``transfer/host_copier.py``) validates each job here, at ``submit``, then builds a
 ``CopyPlan``: for every (engine block, layer ref) one copy between row ``block_id`` of a canonical KV view
 and its place in a host-pool slot. Offsets are relative to the start of each view (row 0) and of the pool
 buffer, so one plan serves raw pointer copies on CPU and tensor-slice copies on CUDA. Copies that continue

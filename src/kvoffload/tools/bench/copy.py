@@ -1,4 +1,4 @@
-"""``kvoffload bench copy``: device<->host copy GB/s of ``DeviceHostHandler`` beside memcpy of the same
+"""``kvoffload bench copy``: device<->host copy GB/s of ``HostCopier`` beside memcpy of the same
 bytes.
 
 For each page size and direction, one job of ``blocks_per_job`` blocks is run again and again through a real
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
     from kvoffload.canonical import CanonicalKV
     from kvoffload.specs import DeviceBlocks, HostBlocks, TransferJob
-    from kvoffload.transfer.host import DeviceHostHandler
+    from kvoffload.transfer.host_copier import HostCopier
     from kvoffload.transfer.host_pool import HostPool
 
 KIB = 1 << 10
@@ -161,7 +161,7 @@ def measure(page_bytes: int, blocks: int, store: bool, runs: int, threads: int, 
             layers: int = 1, batching: bool = True) -> Row:
     """One row: ``runs`` timed (handler, memcpy) pairs after warm-up, for one job shape."""
     from kvoffload.specs import JobId, TransferJob
-    from kvoffload.transfer.host import DeviceHostHandler
+    from kvoffload.transfer.host_copier import HostCopier
 
     # The handler moves every block (its ``layers`` pages) to a random slot of an equal-sized pool (and back);
     # the baseline copies the very same bytes, buffer to buffer, in one contiguous copy. Same source and
@@ -171,7 +171,7 @@ def measure(page_bytes: int, blocks: int, store: bool, runs: int, threads: int, 
     total = blocks * layers * page_bytes
     view_bytes, pool_bytes = buffer.view(-1), pool.buffer.view(-1)
     src, dst = (view_bytes, pool_bytes) if store else (pool_bytes, view_bytes)
-    handler = DeviceHostHandler(kv, pool, factor=1, threads=threads, cuda_batching=batching)
+    handler = HostCopier(kv, pool, factor=1, threads=threads, cuda_batching=batching)
     runs_s: list[_Run] = []
     try:
         for i in range(WARMUP_RUNS + runs):
@@ -230,7 +230,7 @@ class _Run(NamedTuple):
     copy: float
 
 
-def _time_job(handler: DeviceHostHandler, job: TransferJob) -> tuple[float, float, float]:
+def _time_job(handler: HostCopier, job: TransferJob) -> tuple[float, float, float]:
     """The job's seconds from submit to wait returning, the handler's planning and the copier's part of them."""
     planned = handler.plan_seconds
     start = time.perf_counter()

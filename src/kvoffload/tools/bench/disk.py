@@ -15,7 +15,7 @@ turns round by round) and the raw I/O; its rows are
 reported beside the plain ones with the ratio sealed / plain (target: at least 0.9).
 
 The rebuild figure: ``--rebuild-blocks`` empty block files are created in a fresh directory (the index reads
-names only), then ``DiskTierManager.create`` is timed (scan, crash-leftover removal, index insert).
+names only), then ``DiskIndex.create`` is timed (scan, crash-leftover removal, index insert).
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def _raw_read(path: Path, buf: memoryview, blocks: int) -> float:
 
 
 def _crc_gbps(block_bytes: int) -> float:
-    from kvoffload.disk_format import checksum
+    from kvoffload.tiers.lower.block_format import checksum
 
     data = os.urandom(block_bytes)
     n = max(1, (64 * MIB) // block_bytes)
@@ -142,9 +142,9 @@ def _crc_gbps(block_bytes: int) -> float:
 
 def _seal_gbps(block_bytes: int) -> float:
     from kvoffload.auth import TierSecret
-    from kvoffload.block_codec import seal_into
-    from kvoffload.disk_format import BlockFormat
     from kvoffload.keys import OffloadKey
+    from kvoffload.tiers.lower.block_codec import seal_into
+    from kvoffload.tiers.lower.block_format import BlockFormat
 
     fmt = BlockFormat.of(TierSecret("bench", os.urandom(32)))
     data, out = memoryview(os.urandom(block_bytes)), memoryview(bytearray(fmt.file_bytes(block_bytes)))
@@ -162,7 +162,7 @@ def bench_block_size(root: Path, block_bytes: int, args: argparse.Namespace, dro
     from kvoffload.config import DiskTierConfig
     from kvoffload.keys import Namespace, offload_key
     from kvoffload.specs import DiskBlocks, HostBlocks, JobId, TransferJob
-    from kvoffload.transfer.disk import DiskHandler
+    from kvoffload.tiers.disk.handler import DiskHandler
     from kvoffload.transfer.host_pool import HostPool
 
     blocks = max(1, args.total_mib * MIB // block_bytes)
@@ -208,7 +208,7 @@ def bench_block_size(root: Path, block_bytes: int, args: argparse.Namespace, dro
 
 def _run(handler: object, job: object) -> float:
     from kvoffload.specs import TransferJob
-    from kvoffload.transfer.disk import DiskHandler
+    from kvoffload.tiers.disk.handler import DiskHandler
 
     assert isinstance(handler, DiskHandler) and isinstance(job, TransferJob)
     start = time.perf_counter()
@@ -222,12 +222,12 @@ def _run(handler: object, job: object) -> float:
 
 
 def bench_rebuild(root: Path, blocks: int) -> float:
-    """Seconds for ``DiskTierManager.create`` over ``blocks`` block files."""
+    """Seconds for ``DiskIndex.create`` over ``blocks`` block files."""
     from kvoffload.config import DiskTierConfig
-    from kvoffload.disk_format import block_path, file_bytes, rank_directory
-    from kvoffload.disk_tree import Access, open_tree
     from kvoffload.keys import Namespace, offload_key
-    from kvoffload.manager.disk import DiskTierManager
+    from kvoffload.tiers.disk.index import DiskIndex
+    from kvoffload.tiers.disk.tree import Access, open_tree
+    from kvoffload.tiers.lower.block_format import block_path, file_bytes, rank_directory
 
     ns = Namespace(model="bench", dtype="int8", layout="rebuild")
     directory = rank_directory(root / "rebuild", ns)
@@ -237,7 +237,7 @@ def bench_rebuild(root: Path, blocks: int) -> float:
                          os.O_WRONLY | os.O_CREAT, 0o600))
     size = file_bytes(64 * KIB)
     start = time.perf_counter()
-    manager = DiskTierManager.create(DiskTierConfig(path=root / "rebuild", capacity_bytes=blocks * size), ns,
+    manager = DiskIndex.create(DiskTierConfig(path=root / "rebuild", capacity_bytes=blocks * size), ns,
                                      size)
     elapsed = time.perf_counter() - start
     if manager.usage()[0].used_blocks != blocks:

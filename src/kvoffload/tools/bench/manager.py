@@ -1,7 +1,7 @@
 """``kvoffload bench manager``: scheduler-side operations per second of our host tier index beside a baseline.
 
 For a policy vLLM has (LRU, ARC) the baseline is vLLM's own ``CPUOffloadingManager`` with it; for one it lacks
-(S3-FIFO, TinyLFU) it is our ``HostTierManager`` with ARC, the slowest of the policies vLLM has, so the ratio says
+(S3-FIFO, TinyLFU) it is our ``SlotIndex`` with ARC, the slowest of the policies vLLM has, so the ratio says
 whether the new policy costs more than ARC does. Both managers get the same capacity in blocks, the same keys (the
 same ``bytes`` objects) and the same operations, in the same process. Each run times one side and then the other
 (the order alternates run by run), so both see the same machine load.
@@ -96,12 +96,12 @@ def make_workload(prompt_tokens: int, block_tokens: int, capacity: int, store_ba
 
 
 class OurSide:
-    """Drives ``HostTierManager``; every method returns the seconds spent inside the manager's calls."""
+    """Drives ``SlotIndex``; every method returns the seconds spent inside the manager's calls."""
 
     def __init__(self, capacity: int, policy: EvictionPolicy) -> None:
-        from kvoffload.manager.host import HostTierManager
+        from kvoffload.manager.slot_index import SlotIndex
 
-        self.manager = HostTierManager(capacity, policy)
+        self.manager = SlotIndex(capacity, policy)
         self.name = f"kvoffload {policy.value}"
 
     def fill(self, keys: Sequence[OffloadKey]) -> None:

@@ -10,7 +10,7 @@ each value once), and receives them in one pipeline of ``GET``. The in-place sid
 packer the handler's client uses (``remote_client.in_place_connection``: values sent as they are): the best redis-py
 does with these bytes. Every side uses the hiredis parser when installed and one TCP connection to one server on
 127.0.0.1. Rows report medians over rounds and the ratios handler / raw and handler / in place. Then the lookup
-figure: the scheduler's ``RemoteTierManager`` looks up a 2,048-key prompt whose values are all on the server
+figure: the scheduler's ``RemoteIndex`` looks up a 2,048-key prompt whose values are all on the server
 (answers not cached: a fresh manager each round), median milliseconds. Without ``--url`` the bench starts its own
 ``redis-server`` (``testing.redis_server``).
 
@@ -78,9 +78,9 @@ def bench_block_size(url: str, block_bytes: int, args: argparse.Namespace) -> Ro
     from kvoffload.auth import TierSecret
     from kvoffload.config import RemoteTierConfig
     from kvoffload.keys import Namespace
-    from kvoffload.remote_client import in_place_connection
+    from kvoffload.tiers.remote.client import in_place_connection
+    from kvoffload.tiers.remote.handler import RemoteHandler
     from kvoffload.transfer.host_pool import HostPool
-    from kvoffload.transfer.remote import RemoteHandler
 
     blocks = max(1, args.total_mib * MIB // block_bytes)
     pool = HostPool(blocks, block_bytes)
@@ -191,12 +191,12 @@ LOOKUP_KEYS = 2048
 
 
 def bench_lookup(url: str, rounds: int) -> float:
-    """Median ms of one ``RemoteTierManager.lookup`` of a 2,048-key prompt, every value present."""
+    """Median ms of one ``RemoteIndex.lookup`` of a 2,048-key prompt, every value present."""
     from kvoffload.config import RemoteTierConfig
-    from kvoffload.disk_format import PLAIN
     from kvoffload.keys import Namespace, offload_key
-    from kvoffload.manager.remote import RemoteTierManager
-    from kvoffload.remote_client import connect, value_name
+    from kvoffload.tiers.lower.block_format import PLAIN
+    from kvoffload.tiers.remote.client import connect, value_name
+    from kvoffload.tiers.remote.index import RemoteIndex
 
     config = RemoteTierConfig(urls=(url,))
     ns = Namespace(model="bench", dtype="int8", layout="lookup")
@@ -209,7 +209,7 @@ def bench_lookup(url: str, rounds: int) -> float:
     pipe.execute()
     times = []
     for _ in range(rounds):
-        manager = RemoteTierManager.create(config, ns, 1 << 20)
+        manager = RemoteIndex.create(config, ns, 1 << 20)
         start = time.perf_counter()
         found = manager.lookup(keys)
         times.append((time.perf_counter() - start) * 1e3)

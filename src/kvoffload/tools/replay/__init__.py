@@ -1,7 +1,7 @@
 """Trace replay: real request traces through the real tier manager and policies, beside the bounds.
 
 ``trace.py`` reads traces (the Mooncake JSONL, and kvoffload's own, which the core's ``kvoffload.trace_format``
-writes); ``loop.py`` feeds them through ``HostTierManager``; ``optimum.py`` is Belady's offline policy; ``models.py``
+writes); ``loop.py`` feeds them through ``SlotIndex``; ``optimum.py`` is Belady's offline policy; ``models.py``
 turns capacities into bytes; ``sweep.py`` runs many points; ``replay_command.py`` and ``plan_command.py`` are
 ``kvoffload replay`` and ``kvoffload plan``. Imports no torch and no engine.
 """

@@ -26,7 +26,7 @@ from kvoffload.config import EvictionPolicy, StoreAdmission
 from kvoffload.keys import OffloadKey
 from kvoffload.manager.admission import make_admission
 from kvoffload.manager.base import EventKind
-from kvoffload.manager.host import HostTierManager
+from kvoffload.manager.slot_index import SlotIndex
 from kvoffload.tools.replay.optimum import NextUse, OptimumPolicy, next_uses
 from kvoffload.tools.replay.result import ReplayResult
 from kvoffload.tools.replay.trace import Request, Trace
@@ -73,9 +73,9 @@ def replay(trace: Trace, capacity_blocks: int, strategy: Strategy = EvictionPoli
     counts = _Counts()
     if strategy is Bound.OPTIMUM:
         future = future or next_uses(trace)
-        tier: HostTierManager = _replay_optimum(trace, capacity_blocks, optimum(future), future, counts)
+        tier: SlotIndex = _replay_optimum(trace, capacity_blocks, optimum(future), future, counts)
     else:
-        tier = HostTierManager(capacity_blocks, strategy if isinstance(strategy, EvictionPolicy)
+        tier = SlotIndex(capacity_blocks, strategy if isinstance(strategy, EvictionPolicy)
                                else EvictionPolicy.LRU)
         admit = make_admission(admission, capacity_blocks).admit
         for request in trace.requests:
@@ -85,8 +85,8 @@ def replay(trace: Trace, capacity_blocks: int, strategy: Strategy = EvictionPoli
 
 
 def _replay_optimum(trace: Trace, capacity_blocks: int, oracle: OptimumPolicy, future: NextUse,
-                    counts: _Counts) -> HostTierManager:
-    tier = HostTierManager(capacity_blocks, oracle)
+                    counts: _Counts) -> SlotIndex:
+    tier = SlotIndex(capacity_blocks, oracle)
 
     def admit(keys: Sequence[OffloadKey]) -> int:
         return oracle.bypass(keys, capacity_blocks - tier.usage()[0].used_blocks)
@@ -116,7 +116,7 @@ class _Counts:
             wasted_blocks=self.wasted, unread_blocks=len(self.unread), seconds=seconds)
 
 
-def _step(tier: HostTierManager, request: Request, block_tokens: int, admit: Admit, counts: _Counts) -> None:
+def _step(tier: SlotIndex, request: Request, block_tokens: int, admit: Admit, counts: _Counts) -> None:
     keys = request.keys
     hits = tier.lookup(keys).hits
     if hits:
@@ -142,7 +142,7 @@ def _step(tier: HostTierManager, request: Request, block_tokens: int, admit: Adm
             counts.wasted += before - len(unread)
 
 
-def _store(tier: HostTierManager, keys: Sequence[OffloadKey]) -> tuple[int, tuple[OffloadKey, ...]]:
+def _store(tier: SlotIndex, keys: Sequence[OffloadKey]) -> tuple[int, tuple[OffloadKey, ...]]:
     """Store ``keys``, or the largest leading part that fits. Returns how many leading keys were offered to the
     tier and the keys it stored (those it held already are left out)."""
     if not keys:

@@ -1,0 +1,397 @@
+"""Worker side of the remote tier: copies blocks between the host pool and values in a Redis-protocol store.
+
+The router sends this handler the jobs of (HOST, REMOTE) and (REMOTE, HOST). A store seals each block's host slot
+bytes into a value (``remote_stage.SealStage``: the disk tier's encoding, ``block_codec``, staged in buffers it
+keeps) and sends non-transactional pipelines of ``SET name value NX [EX ttl]``; a load sends pipelines of
+``GETRANGE`` that read no more than a value's size (``remote_reads``) and verifies every value before copying its
+payload into the host slot. A job is cut into pipelines of about ``BATCH_BYTES`` of values, and a helper thread
+per lane seals (or verifies and copies) one batch while the lane sends (or receives) the next: the copies and
+checksums hide behind the network. The workers' client sends a value from its staging buffer straight to the socket
+(``remote_client.connect(values_in_place=True)``). Values are named as ``remote_client.value_name`` says (this rank,
+this namespace, this secret), so an engine only ever reads values of its own namespace and rank (a replicated
+namespace's ranks share one name per key, written by rank 0 alone: ``connector.worker.SkipWrites``). ``SET`` writes
+a whole value at once, so a half-written value is never read; ``NX`` keeps the first writer's value (every writer of
+one name writes the same bytes: the name is the content's key), and a value already there is a successful store.
+
+Never on the engine step: ``submit`` only queues. Jobs run on two lanes, one daemon thread each (``IoThreads``):
+stores and loads, so a backlog of stores never delays a load (a request waits for its loads, never for stores).
+Each lane runs its jobs in submission order, which gives the ordering rule of ``TransferHandler``: only loads write
+host slots, only stores write values.
+
+Failures are outcomes (``remote_faults``): a missing value (evicted by the server, or its TTL passed), a damaged
+or unauthentic one (then deleted, so that the next ``SET NX`` can replace it), a dead, restarted, stalled or full
+server, a refused password, a failed TLS handshake: the job fails, the engine recomputes or skips the store, and
+each kind is logged once per outage. Server faults open ``breaker`` (jobs then fail at once, without I/O, for the
+cool-down); an out-of-memory server opens ``store_breaker`` only, since it still serves loads. A server that is
+down when the handler is made opens ``breaker`` at once. A job that has not finished ``connect_timeout_s + 2 *
+timeout_s`` after it started fails then (``get_finished``, ``wait`` and ``shutdown`` check), and no slot is
+read or written for a job after that (``_owning``); ``shutdown`` waits ``SHUTDOWN_GRACE_S`` at most.
+
+A store that failed after its ``SET`` reached the server (a timeout on the reply) may leave a value that is not
+indexed; the scheduler half never loads it, and the server's eviction or the TTL removes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvoffload.config import RemoteTierConfig
+from kvoffload.keys import Namespace, OffloadKey
+from kvoffload.specs import HostBlocks, JobId, Medium, RemoteBlocks, TransferJob
+from kvoffload.tiers.lower.block_codec import open_into
+from kvoffload.tiers.lower.block_format import BlockFormat, CorruptBlockError, GroupedLayout, entry_bytes_of
+from kvoffload.tiers.lower.breaker import CircuitBreaker
+from kvoffload.tiers.lower.io_threads import IoThreads
+from kvoffload.tiers.lower.job_waits import drain_jobs, wait_jobs
+from kvoffload.tiers.remote.client import rank_prefix
+from kvoffload.tiers.remote.faults import Fault, FaultLog, classify, delete_quietly, raise_first_error
+from kvoffload.tiers.remote.link import RemoteLink
+from kvoffload.tiers.remote.reads import read_bounded
+from kvoffload.tiers.remote.stage import BATCH_BYTES, SealStage, batches, overlapped
+from kvoffload.transfer.base import TransferHandler, TransferResult
+
+if TYPE_CHECKING:
+    from kvoffload.transfer.host_pool import HostPool
+
+HOST_TO_REMOTE = (Medium.HOST, Medium.REMOTE)
+REMOTE_TO_HOST = (Medium.REMOTE, Medium.HOST)
+SHUTDOWN_GRACE_S = 10.0
+"""How long ``shutdown`` waits for unfinished jobs (each also ends at its own deadline) before failing them."""
+QUEUED_POLL_S = 0.1
+"""How often ``wait`` looks at a job still queued behind another (whether its lane got stuck)."""
+
+
+@dataclass(frozen=True)
+class _Block:
+    slot: int
+    key: OffloadKey
+    name: str
+    nbytes: int
+
+
+@dataclass(eq=False)
+class _Job:
+    job: TransferJob
+    blocks: list[_Block]
+    is_store: bool
+    start: float | None = None
+    """The clock when its lane took it up (None while queued)."""
+    finished: bool = False
+    """Its result is out: a late reply changes nothing."""
+    copying: bool = False
+    """Its slots are being read or written right now (memory speed: never stuck)."""
+    copied: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class _Miss(Exception):
+    """A value of the job is not there: an ordinary outcome, not a fault."""
+
+
+class _Damaged(Exception):
+    """Value ``name`` failed its checks (``error``): the lane deletes it, then the job fails with ``error``."""
+
+    def __init__(self, name: str, error: CorruptBlockError) -> None:
+        super().__init__(name)
+        self.name, self.error = name, error
+
+
+class RemoteHandler(TransferHandler):
+    """Host pool <-> values of one rank in a Redis-protocol store. Register it for (HOST, REMOTE) and
+    (REMOTE, HOST).
+
+    Args:
+        config: the remote tier's settings (servers, timeouts, TTL, breaker settings, secret).
+        pool: this worker's host pool; entries are read from and written to the start of its slots.
+        namespace: this rank's namespace; its ``fingerprint()`` is written into and checked in every value.
+        entry_bytes: payload bytes of one offload block of each KV-cache group
+            (``factor * group_block_bytes(g)``).
+        client: a redis-py client to use instead of ``remote_client.connect(config)`` (kept as it is: its retry
+            policy and its closing are the caller's).
+        clock: monotonic seconds, for job deadlines and the breakers' cool-down.
+        batch_bytes: about this many value bytes per pipeline (``remote_stage.BATCH_BYTES``; at least one value).
+    Raises:
+        ValueError: an entry does not fit in a host slot, or ``entry_bytes`` is empty or not positive.
+        ConfigError: redis-py is not installed.
+    """
+
+    def __init__(self, config: RemoteTierConfig, pool: HostPool, namespace: Namespace,
+                 entry_bytes: tuple[int, ...], *, client: Any | None = None,
+                 clock: Callable[[], float] = time.monotonic, batch_bytes: int = BATCH_BYTES) -> None:
+        slots = pool.buffer.numpy()
+        if not entry_bytes or any(n <= 0 or n > slots.shape[1] for n in entry_bytes):
+            raise ValueError(f"RemoteHandler entry_bytes {entry_bytes} must be positive and fit a host slot of "
+                             f"{slots.shape[1]} bytes")
+        self._slots = slots
+        self._entry_bytes = entry_bytes
+        self._fingerprint = namespace.fingerprint()
+        self._fmt = BlockFormat.of(config.secret)
+        self._prefix = rank_prefix(namespace, self._fmt)  # once: it hashes the namespace (5 us a block otherwise)
+        self._ttl_s = config.ttl_s
+        self._budget_s = config.connect_timeout_s + 2 * config.timeout_s  # connect, send, answer
+        self._clock = clock
+        self.breaker = CircuitBreaker(config.breaker_errors, config.breaker_cooldown_s, clock, "remote tier")
+        self.store_breaker = CircuitBreaker(config.breaker_errors, config.breaker_cooldown_s, clock,
+                                            "remote tier's stores")
+        self.faults = FaultLog(", ".join(config.urls))
+        self._link = RemoteLink(config, client)
+        self._lanes = {True: IoThreads(1, "kvoffload-remote-store", clock),
+                       False: IoThreads(1, "kvoffload-remote-load", clock)}
+        # Each lane's helper seals or verifies one batch while the lane sends or receives the next.
+        self._helpers = {True: ThreadPoolExecutor(1, "kvoffload-remote-seal"),
+                         False: ThreadPoolExecutor(1, "kvoffload-remote-verify")}
+        value_bytes = self._fmt.file_bytes(max(entry_bytes))
+        self._per_batch = max(1, batch_bytes // value_bytes)
+        self._stage = SealStage(self._fmt, self._fingerprint, value_bytes, self._per_batch)
+        self._lock = threading.Lock()
+        self._copied = threading.Condition(self._lock)
+        self._jobs: dict[JobId, _Job] = {}
+        self._finished: list[TransferResult] = []
+        self._closed = False
+        self._start_up(config.breaker_cooldown_s)
+
+    @classmethod
+    def create(cls, config: RemoteTierConfig, pool: HostPool, namespace: Namespace, layout: GroupedLayout,
+               factor: int) -> RemoteHandler:
+        """The handler of one worker: entries of group ``g`` are ``factor * layout.group_block_bytes(g)``."""
+        return cls(config, pool, namespace, entry_bytes_of(layout, factor))
+
+    def submit(self, job: TransferJob) -> bool:
+        state = self._plan(job)
+        with self._lock:
+            if self._closed:
+                return False
+            self._jobs[job.job_id] = state
+        # Even a job that fails at once (tier off) goes through its lane, behind the jobs before it, so that
+        # results come in submission order.
+        self._lanes[state.is_store].submit(functools.partial(self._run, state))
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        self._expire()
+        with self._lock:
+            finished, self._finished = self._finished, []
+        return finished
+
+    def wait(self, job_ids: Collection[JobId]) -> None:
+        with self._lock:
+            states = [self._jobs[j] for j in job_ids if j in self._jobs]
+        wait_jobs(states, self._wait_slice, self._expire)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            states = list(self._jobs.values())
+        drain_jobs(states, self._wait_slice, self._expire, lambda state: self._end(state, ok=False), SHUTDOWN_GRACE_S)
+        for lane in self._lanes.values():
+            lane.stop()
+        for helper in self._helpers.values():
+            helper.shutdown(wait=False)
+        self._link.close()  # also breaks a lane out of a socket it is stuck on
+
+    def _start_up(self, cooldown_s: float) -> None:
+        """Probe the server once: one that is absent or refuses us switches the tier off for a cool-down."""
+        try:
+            self._link.probe()
+        except Exception as e:
+            self.breaker.trip()
+            self.faults.note(classify(e), e, f"the remote tier is off; every remote job fails at once until it "
+                                             f"is tried again in {cooldown_s:.0f} s")
+
+    def _plan(self, job: TransferJob) -> _Job:
+        """Validate a job and list its blocks (a malformed job is a scheduler bug: ValueError)."""
+        if job.transfer_type == HOST_TO_REMOTE:
+            host, remote = job.src, job.dst
+        elif job.transfer_type == REMOTE_TO_HOST:
+            host, remote = job.dst, job.src
+        else:
+            raise ValueError(f"job {job.job_id}: RemoteHandler does not move {job.transfer_type}")
+        assert isinstance(host, HostBlocks) and isinstance(remote, RemoteBlocks)
+        if host.group_sizes != remote.group_sizes or len(host.group_sizes) > len(self._entry_bytes):
+            raise ValueError(f"job {job.job_id}: group sizes {host.group_sizes} and {remote.group_sizes} "
+                             f"differ or exceed the {len(self._entry_bytes)} groups of this tier")
+        if host.skip_sub_blocks:
+            raise ValueError(f"job {job.job_id}: skip_sub_blocks is not supported between host and remote")
+        if any(not 0 <= s < self._slots.shape[0] for s in host.slots):
+            raise ValueError(f"job {job.job_id}: a slot of {host.slots} is outside the pool")
+        groups = [g for g, n in enumerate(host.group_sizes) for _ in range(n)]
+        blocks = [_Block(s, k, self._prefix + self._fmt.name(k), self._entry_bytes[g])  # = value_name()
+                  for s, k, g in zip(host.slots, remote.keys, groups, strict=True)]
+        return _Job(job, blocks, is_store=job.transfer_type == HOST_TO_REMOTE)
+
+    def _run(self, state: _Job) -> None:
+        """One job, on its lane's thread; every data-path problem ends as a failed result."""
+        with self._lock:
+            if state.finished:
+                return  # failed at its deadline while queued behind a stuck job
+            state.start = self._clock()
+        if not state.blocks:
+            self._end(state, ok=True)
+            return
+        if not self.breaker.allow() or (state.is_store and not self.store_breaker.allow()):
+            self._end(state, ok=False)
+            return
+        try:
+            self._store(state) if state.is_store else self._load(state)
+        except _Miss:
+            self._end(state, ok=False, then=self._note_answer)  # the server answered: a miss is no fault
+            return
+        except Exception as e:
+            self._end(state, ok=False, then=functools.partial(self._note, classify(e), e))
+            return
+        self._end(state, ok=True, then=functools.partial(self._note_answer, stored=state.is_store))
+
+    def _store(self, state: _Job) -> None:
+        """Seal and send the job's values, one pipeline of ``SET NX`` per batch.
+
+        With more than one batch, the store lane's helper thread seals batch k+1 (copy and CRC, which release the
+        GIL) while this thread sends batch k, so the copy hides behind the network.
+        """
+        client = self._link.client()
+        work = batches(state.blocks, self._per_batch)
+        if len(work) == 1:
+            self._send(client, work[0], self._seal(state, 0, work[0]))
+        else:
+            overlapped(self._helpers[True], work, functools.partial(self._seal, state),
+                       functools.partial(self._send, client), helper_produces=True)
+        state.copied = sum(b.nbytes for b in state.blocks)
+
+    def _seal(self, state: _Job, buffer: int, batch: Sequence[_Block]) -> list[memoryview]:
+        with self._owning(state):  # the slots are read only while the job still owns them
+            return self._stage.seal(buffer, [(b.key, self._slots[b.slot, :b.nbytes]) for b in batch])
+
+    def _send(self, client: Any, batch: Sequence[_Block], values: list[memoryview]) -> None:
+        pipe = client.pipeline(transaction=False)
+        for block, value in zip(batch, values, strict=True):
+            pipe.set(block.name, value, nx=True, ex=self._ttl_s)
+        # NX answers None when the value is already there: another engine's identical block, a success.
+        raise_first_error(pipe.execute(raise_on_error=False))
+
+    def _load(self, state: _Job) -> None:
+        """Read the job's values, one pipeline per batch; verify each and copy its payload into its slot.
+
+        With more than one batch, the load lane's helper thread verifies and copies batch k while this thread
+        receives batch k+1. Copies per block: redis-py's hiredis parser makes two (its read buffer into hiredis's,
+        that into the reply ``bytes``); the reply is then opened straight into the host slot (``open_into``: for a
+        sealed value the decryption is that copy), so the one copy here is the reply into the host slot. No parser
+        hands out a buffer it does not own, so that is the fewest redis-py allows (benchmarks/README.md has the
+        figures).
+        """
+        client = self._link.client()
+        work = batches(state.blocks, self._per_batch)
+        try:
+            if len(work) == 1:
+                self._copy_in(state, work[0], self._fetch(client, 0, work[0]))
+            else:
+                overlapped(self._helpers[False], work, functools.partial(self._fetch, client),
+                           functools.partial(self._copy_in, state), helper_produces=False)
+        except _Damaged as e:
+            # Unless it goes, no engine can ever store this block again (SET NX keeps what is there).
+            delete_quietly(client, e.name)
+            raise e.error from None
+        state.copied = sum(b.nbytes for b in state.blocks)
+
+    def _fetch(self, client: Any, _buffer: int, batch: Sequence[_Block]) -> list[bytes]:
+        """``batch``'s values, none read past its expected size (``remote_reads``: planted ones are deleted)."""
+        found = read_bounded(client, [(b.name, self._fmt.file_bytes(b.nbytes)) for b in batch])
+        if found.damage is not None:
+            raise found.damage  # a damaged value, not a server fault
+        if found.missing:
+            raise _Miss()
+        return found.values
+
+    def _copy_in(self, state: _Job, batch: Sequence[_Block], values: list[bytes]) -> None:
+        """Open every value of ``batch`` into its slot (``block_codec.open_into``: checked, and decrypted with a
+        secret) while the job owns the slots; a failed check fails the whole job, whose slots are then dropped."""
+        with self._owning(state):
+            for block, value in zip(batch, values, strict=True):
+                slot = self._slots[block.slot, :block.nbytes].data
+                try:
+                    open_into(self._fmt, self._fingerprint, block.key, value, slot)
+                except CorruptBlockError as e:
+                    raise _Damaged(block.name, e) from None
+
+    @contextlib.contextmanager
+    def _owning(self, state: _Job) -> Iterator[None]:
+        """Holds off ``_end`` while the body touches the job's slots; refuses once the job has ended or is late.
+
+        Raises:
+            TimeoutError: the job has its result already, or is past its budget: its slots may be reused now.
+        """
+        with self._lock:
+            if state.finished or self._overdue(state, self._clock()):
+                raise TimeoutError(f"job {state.job.job_id} answered after its {self._budget_s:.2f} s budget")
+            state.copying = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                state.copying = False
+                self._copied.notify_all()
+
+    def _note_answer(self, stored: bool = False) -> None:
+        self.breaker.record(True)
+        if stored:
+            self.store_breaker.record(True)
+        self.faults.recovered()
+
+    def _note(self, fault: Fault, error: BaseException | str) -> None:
+        if fault is Fault.FULL:
+            self.store_breaker.record(False)
+        elif fault.is_server_fault:
+            self.breaker.record(False)
+        self.faults.note(fault, error)
+
+    def _overdue(self, state: _Job, now: float, stuck: dict[bool, bool] | None = None) -> bool:
+        """Started longer than the budget ago, or queued behind a job that is (``stuck[lane]``)."""
+        if state.start is not None:
+            return now - state.start > self._budget_s
+        return stuck is not None and stuck[state.is_store]
+
+    def _wait_slice(self, state: _Job) -> float:
+        """How long to wait for ``state`` before checking the deadlines again."""
+        if state.start is None:
+            return min(self._budget_s, QUEUED_POLL_S)
+        return max(0.01, self._budget_s - (self._clock() - state.start))
+
+    def _expire(self) -> None:
+        """Fail the jobs past their deadline, even while their lane's thread is stuck in a socket."""
+        now = self._clock()
+        stuck = {is_store: lane.stuck(self._budget_s) > 0 for is_store, lane in self._lanes.items()}
+        with self._lock:
+            late = [s for s in self._jobs.values() if not s.finished and self._overdue(s, now, stuck)]
+        for state in late:
+            timeout = f"job {state.job.job_id} unanswered after {self._budget_s:.2f} s"
+            self._end(state, ok=False, then=functools.partial(self._note, Fault.TIMEOUT, timeout)
+                      if state.start is not None else None)
+
+    def _end(self, state: _Job, ok: bool, then: Callable[[], None] | None = None) -> None:
+        """Give ``state`` its result, once: the first call wins, a later one (a late reply) changes nothing.
+
+        A copy into its slots finishes first; ``then`` (what the outcome tells the breakers and the log) runs
+        before the result is out, so whoever sees the result also sees its fault counted.
+        """
+        with self._lock:
+            if state.finished:
+                return
+            state.finished = True
+            while state.copying:
+                self._copied.wait()
+            seconds = self._clock() - state.start if state.start is not None else 0.0
+        if then is not None:
+            then()
+        with self._lock:
+            self._finished.append(TransferResult(state.job.job_id, ok, state.copied if ok else 0, seconds,
+                                                 state.job.transfer_type))
+            del self._jobs[state.job.job_id]
+        state.done.set()
+

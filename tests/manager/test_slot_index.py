@@ -1,0 +1,421 @@
+"""The host tier index: lookups, pins, stores with eviction, failures, events, reset, integrity."""
+
+from __future__ import annotations
+
+import random
+import tracemalloc
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvoffload.config import EvictionPolicy
+from kvoffload.keys import OffloadKey
+from kvoffload.manager.base import EventKind, IntegrityError, LookupResult, OffloadEvent, TierUsage
+from kvoffload.manager.slot_index import SlotIndex
+from kvoffload.specs import DiskBlocks, HostBlocks, Medium
+
+
+def key(i: int) -> OffloadKey:
+    return OffloadKey(i.to_bytes(4, "big"))
+
+
+def keys(*ids: int) -> list[OffloadKey]:
+    return [key(i) for i in ids]
+
+
+def stored(manager: SlotIndex, *ids: int) -> SlotIndex:
+    """Store ``ids`` successfully and clear the events that produced."""
+    out = manager.prepare_store(keys(*ids))
+    assert out is not None
+    manager.complete_store(out.keys_to_store)
+    manager.take_events()
+    return manager
+
+
+def held(manager: SlotIndex) -> int:
+    return manager.usage()[0].used_blocks
+
+
+def test_rejects_a_capacity_that_is_not_a_positive_integer() -> None:
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="num_slots"):
+            SlotIndex(bad)  # type: ignore[arg-type]
+
+
+def test_lookup_counts_leading_ready_keys() -> None:
+    manager = stored(SlotIndex(8), 1, 2, 3)
+    assert manager.lookup(keys(1, 2, 3, 4)) == LookupResult(3)
+    assert manager.lookup(keys(1, 9, 3)) == LookupResult(1)
+    assert manager.lookup(keys(9)) == LookupResult(0)
+    assert manager.lookup([]) == LookupResult(0)
+
+
+def test_lookup_is_pending_when_the_first_miss_is_in_flight() -> None:
+    manager = stored(SlotIndex(8), 1)
+    manager.prepare_store(keys(2, 3))
+    assert manager.lookup(keys(1, 2, 3)) == LookupResult(1, pending=True)
+    assert manager.lookup(keys(1, 9, 2)) == LookupResult(1, pending=False)
+
+
+def test_prepare_load_returns_the_slots_in_key_order() -> None:
+    manager = stored(SlotIndex(8), 1, 2, 3)
+    spec = manager.prepare_load(keys(3, 1))
+    assert spec == HostBlocks(slots=(2, 0), group_sizes=(2,))
+
+
+def test_prepare_load_of_a_key_not_ready_raises_and_pins_nothing() -> None:
+    manager = stored(SlotIndex(2), 1)
+    manager.prepare_store(keys(2))
+    with pytest.raises(KeyError, match="not ready"):
+        manager.prepare_load(keys(1, 2))
+    manager.complete_store(keys(2))
+    assert manager.prepare_store(keys(3)) is not None  # key 1 was not left pinned: it could be evicted
+    manager.check_integrity()
+
+
+def test_store_skips_held_and_repeated_keys() -> None:
+    manager = stored(SlotIndex(8), 1)
+    manager.prepare_store(keys(2))
+    out = manager.prepare_store(keys(1, 2, 3, 3, 4))
+    assert out is not None
+    assert out.keys_to_store == tuple(keys(3, 4))
+    assert out.store_spec == HostBlocks(slots=(2, 3), group_sizes=(2,))
+    assert out.evicted_keys == ()
+
+
+def test_store_evicts_the_tail_of_the_least_recent_prefix_first() -> None:
+    manager = stored(SlotIndex(4), 1, 2)
+    stored(manager, 3, 4)
+    manager.touch(keys(1, 2))
+    out = manager.prepare_store(keys(5, 6, 7))
+    assert out is not None
+    assert out.evicted_keys == tuple(keys(4, 3, 2))
+    assert manager.lookup(keys(1)) == LookupResult(1)
+
+
+def test_pinned_keys_are_not_evicted() -> None:
+    manager = stored(SlotIndex(3), 1, 2, 3)
+    manager.prepare_load(keys(1, 2))
+    out = manager.prepare_store(keys(4))
+    assert out is not None and out.evicted_keys == tuple(keys(3))
+    assert manager.prepare_store(keys(5)) is None
+
+
+def test_keys_of_the_same_store_are_not_evicted_for_it() -> None:
+    manager = stored(SlotIndex(2), 1, 2)
+    assert manager.prepare_store(keys(1, 3, 4)) is None
+    out = manager.prepare_store(keys(1, 3))
+    assert out is not None and out.evicted_keys == tuple(keys(2))
+
+
+def test_store_returns_none_and_changes_nothing_when_full_of_pinned_and_in_flight_keys() -> None:
+    manager = stored(SlotIndex(3), 1, 2)
+    manager.prepare_load(keys(1, 2))
+    manager.prepare_store(keys(3))
+    assert manager.prepare_store(keys(4)) is None
+    assert manager.take_events() == []
+    assert manager.lookup(keys(1, 2, 3)) == LookupResult(2, pending=True)
+    assert held(manager) == 3
+    manager.check_integrity()
+
+
+def test_failed_store_frees_its_slot_and_emits_nothing() -> None:
+    manager = SlotIndex(2)
+    manager.prepare_store(keys(1, 2))
+    manager.complete_store(keys(1, 2), success=False)
+    assert manager.take_events() == []
+    assert held(manager) == 0
+    assert manager.lookup(keys(1)) == LookupResult(0)
+    manager.check_integrity()
+
+
+def test_completing_a_store_twice_or_for_unknown_keys_is_ignored() -> None:
+    manager = stored(SlotIndex(4), 1)
+    manager.complete_store(keys(1, 9))
+    manager.complete_store(keys(1), success=False)
+    assert manager.lookup(keys(1)) == LookupResult(1)
+    assert manager.take_events() == []
+    manager.check_integrity()
+
+
+def test_failed_load_drops_the_keys() -> None:
+    manager = stored(SlotIndex(4), 1, 2)
+    manager.prepare_load(keys(1, 2))
+    manager.complete_load(keys(1, 2), success=False)
+    assert manager.lookup(keys(1)) == LookupResult(0)
+    assert held(manager) == 0
+    assert manager.take_events() == [OffloadEvent(EventKind.REMOVED, tuple(keys(1, 2)), Medium.HOST)]
+    manager.check_integrity()
+
+
+def test_failed_load_drops_a_key_only_after_its_other_loads_complete() -> None:
+    manager = stored(SlotIndex(4), 1)
+    manager.prepare_load(keys(1))
+    manager.prepare_load(keys(1))
+    manager.complete_load(keys(1), success=False)
+    assert manager.lookup(keys(1)) == LookupResult(0)  # not loadable any more
+    assert held(manager) == 1  # but its slot is still read by the other load
+    assert manager.take_events() == []
+    manager.check_integrity()
+    manager.complete_load(keys(1), success=True)
+    assert held(manager) == 0
+    assert manager.take_events() == [OffloadEvent(EventKind.REMOVED, tuple(keys(1)), Medium.HOST)]
+    manager.check_integrity()
+
+
+def test_successful_load_unpins() -> None:
+    manager = stored(SlotIndex(1), 1)
+    manager.prepare_load(keys(1))
+    manager.complete_load(keys(1))
+    manager.complete_load(keys(1))  # a repeated completion is ignored
+    out = manager.prepare_store(keys(2))
+    assert out is not None and out.evicted_keys == tuple(keys(1))
+
+
+def test_events_are_one_per_operation_oldest_first_then_cleared() -> None:
+    manager = SlotIndex(2, medium=Medium.DISK)
+    manager.complete_store(manager.prepare_store(keys(1, 2)).keys_to_store)  # type: ignore[union-attr]
+    manager.complete_store(manager.prepare_store(keys(3)).keys_to_store)  # type: ignore[union-attr]
+    assert manager.take_events() == [
+        OffloadEvent(EventKind.STORED, tuple(keys(1, 2)), Medium.DISK),
+        OffloadEvent(EventKind.REMOVED, tuple(keys(2)), Medium.DISK),
+        OffloadEvent(EventKind.STORED, tuple(keys(3)), Medium.DISK),
+    ]
+    assert manager.take_events() == []
+
+
+def test_reset_drops_ready_unpinned_keys_only() -> None:
+    manager = stored(SlotIndex(4), 1, 2)
+    manager.prepare_load(keys(1))
+    manager.prepare_store(keys(3))
+    manager.reset()
+    assert manager.take_events() == [OffloadEvent(EventKind.REMOVED, tuple(keys(2)), Medium.HOST)]
+    assert manager.lookup(keys(1)) == LookupResult(1)
+    assert manager.lookup(keys(3)) == LookupResult(0, pending=True)
+    assert held(manager) == 2
+    manager.check_integrity()
+
+
+def test_usage_counts_every_held_slot() -> None:
+    manager = stored(SlotIndex(5), 1, 2)
+    manager.prepare_store(keys(3))
+    assert manager.usage() == [TierUsage(Medium.HOST, 3, 5)]
+
+
+@pytest.mark.parametrize("policy", [p for p in EvictionPolicy if p is not EvictionPolicy.LRU], ids=lambda p: p.value)
+def test_a_scan_resistant_manager_keeps_loaded_keys_through_a_scan(policy: EvictionPolicy) -> None:
+    for kind, kept in ((EvictionPolicy.LRU, 0), (policy, 2)):
+        manager = stored(SlotIndex(10, policy=kind), *range(1, 6))
+        manager.touch(keys(1, 2))
+        for i in range(100, 130):
+            stored(manager, i)
+        assert manager.lookup(keys(1, 2)) == LookupResult(kept)
+        manager.check_integrity()
+
+
+def test_spec_factory_builds_the_specs_of_another_medium() -> None:
+    def disk_blocks(ks, slots) -> DiskBlocks:  # type: ignore[no-untyped-def]
+        return DiskBlocks(keys=tuple(ks), group_sizes=(len(ks),))
+
+    manager = SlotIndex(4, medium=Medium.DISK, spec_factory=disk_blocks)
+    out = manager.prepare_store(keys(1, 2))
+    assert out is not None and out.store_spec == DiskBlocks(tuple(keys(1, 2)), (2,))
+    manager.complete_store(out.keys_to_store)
+    assert manager.prepare_load(keys(2)) == DiskBlocks(tuple(keys(2)), (1,))
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda m: m._free.append(0), "add up"),
+    (lambda m: m._ready.__setitem__(key(1), 1), "slots are repeated"),
+    (lambda m: m._pins.__setitem__(key(9), 1), "pin counts"),
+    (lambda m: m._pins.__setitem__(key(1), 0), "pin counts"),
+    (lambda m: m._policy.remove(key(1)), "policy tracks"),
+    (lambda m: m._in_flight.__setitem__(key(1), m._take(1)[0]), "two states"),
+])
+def test_check_integrity_raises_on_corrupted_bookkeeping(corrupt, message) -> None:  # type: ignore[no-untyped-def]
+    manager = stored(SlotIndex(4), 1, 2)
+    manager.check_integrity()
+    corrupt(manager)
+    with pytest.raises(IntegrityError, match=message):
+        manager.check_integrity()
+
+
+# --- Randomized operations against a reference model -------------------------------------------------------
+
+
+class Model:
+    """What the index should hold: a state per key (``flight``, ``ready`` or ``doomed``) and pin counts."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.state: dict[OffloadKey, str] = {}
+        self.pins: dict[OffloadKey, int] = {}
+        self.announced: set[OffloadKey] = set()  # loadable according to the events seen so far
+
+    def ready(self) -> set[OffloadKey]:
+        return {k for k, s in self.state.items() if s == "ready"}
+
+    def expected_new(self, ks: list[OffloadKey]) -> list[OffloadKey]:
+        return [k for k in dict.fromkeys(ks) if k not in self.state]
+
+    def evictable(self, ks: list[OffloadKey]) -> set[OffloadKey]:
+        return {k for k in self.ready() if k not in self.pins and k not in ks}
+
+    def unpin(self, k: OffloadKey, success: bool) -> None:
+        self.pins[k] -= 1
+        if not success:
+            self.state[k] = "doomed"
+        if self.pins[k] == 0:
+            del self.pins[k]
+            if self.state[k] == "doomed":
+                del self.state[k]
+
+
+class HostTierMachine(RuleBasedStateMachine):
+    policy = EvictionPolicy.LRU
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.manager = SlotIndex(5, policy=self.policy)
+        self.model = Model(5)
+        self.stores: list[list[OffloadKey]] = []
+        self.loads: list[list[OffloadKey]] = []
+
+    @rule(ids=st.lists(st.integers(0, 7), max_size=5))
+    def store(self, ids: list[int]) -> None:
+        ks, model = keys(*ids), self.model
+        new, evictable = model.expected_new(ks), model.evictable(ks)
+        free = model.capacity - len(model.state)
+        out = self.manager.prepare_store(ks)
+        if len(new) > free + len(evictable):
+            assert out is None
+            return
+        assert out is not None and list(out.keys_to_store) == new
+        assert set(out.evicted_keys) <= evictable and len(out.evicted_keys) == max(0, len(new) - free)
+        for k in out.evicted_keys:
+            del model.state[k]
+        model.state.update(dict.fromkeys(new, "flight"))
+        self.stores.append(new)
+
+    @precondition(lambda self: self.stores)
+    @rule(pick=st.integers(0), success=st.booleans())
+    def complete_store(self, pick: int, success: bool) -> None:
+        ks = self.stores.pop(pick % len(self.stores))
+        self.manager.complete_store(ks, success)
+        for k in ks:
+            if success:
+                self.model.state[k] = "ready"
+            else:
+                del self.model.state[k]
+
+    @rule(start=st.integers(0, 7), n=st.integers(0, 4), load=st.booleans())
+    def lookup(self, start: int, n: int, load: bool) -> None:
+        # Runs of consecutive keys, like the prefixes a scheduler looks up, so that lookups often hit.
+        ks, model = keys(*range(start, start + n)), self.model
+        hits = next((i for i, k in enumerate(ks) if model.state.get(k) != "ready"), len(ks))
+        pending = hits < len(ks) and model.state.get(ks[hits]) == "flight"
+        assert self.manager.lookup(ks) == LookupResult(hits, pending)
+        if load and hits:
+            self.manager.prepare_load(ks[:hits])
+            for k in ks[:hits]:
+                model.pins[k] = model.pins.get(k, 0) + 1
+            self.loads.append(ks[:hits])
+
+    @precondition(lambda self: self.loads)
+    @rule(pick=st.integers(0), success=st.booleans())
+    def complete_load(self, pick: int, success: bool) -> None:
+        ks = self.loads.pop(pick % len(self.loads))
+        self.manager.complete_load(ks, success)
+        for k in ks:
+            self.model.unpin(k, success)
+
+    @rule(ids=st.lists(st.integers(0, 9), max_size=5))
+    def touch(self, ids: list[int]) -> None:
+        self.manager.touch(keys(*ids))
+
+    @rule()
+    def reset(self) -> None:
+        self.manager.reset()
+        for k in self.model.ready() - self.model.pins.keys():
+            del self.model.state[k]
+
+    @invariant()
+    def agrees_with_the_model(self) -> None:
+        self.manager.check_integrity()
+        model = self.model
+        assert held(self.manager) == len(model.state)
+        assert {k for k in keys(*range(12)) if self.manager.lookup([k]).hits} == model.ready()
+        for event in self.manager.take_events():
+            assert event.keys and event.medium is Medium.HOST
+            if event.kind is EventKind.STORED:
+                model.announced.update(event.keys)
+            else:
+                model.announced.difference_update(event.keys)
+        # Doomed keys stay announced until their slot is freed.
+        assert model.announced == {k for k, s in model.state.items() if s != "flight"}
+
+    def teardown(self) -> None:
+        while self.loads:
+            self.complete_load(0, True)
+        while self.stores:
+            self.complete_store(0, True)
+        self.manager.reset()
+        self.manager.check_integrity()
+        assert held(self.manager) == 0
+
+
+MACHINES = {kind: type(f"{kind.name}HostTierMachine", (HostTierMachine,), {"policy": kind})
+            for kind in EvictionPolicy}
+"""The randomized model check, once per eviction policy."""
+
+
+def drive(machine: HostTierMachine, rng: random.Random, steps: int) -> None:
+    """Weighted random operations: Hypothesis picks rules uniformly and resets too often to build up pins."""
+    for _ in range(steps):
+        op = rng.choices(["store", "complete_store", "lookup", "complete_load", "touch", "reset"],
+                         weights=[3, 3, 4, 3, 1, 0.3])[0]
+        if op == "store":
+            machine.store([rng.randrange(8) for _ in range(rng.randrange(5))])
+        elif op == "complete_store" and machine.stores:
+            machine.complete_store(rng.randrange(len(machine.stores)), rng.random() < 0.8)
+        elif op == "lookup":
+            machine.lookup(rng.randrange(8), rng.randrange(5), rng.random() < 0.7)
+        elif op == "complete_load" and machine.loads:
+            machine.complete_load(rng.randrange(len(machine.loads)), rng.random() < 0.7)
+        elif op == "touch":
+            machine.touch([rng.randrange(8) for _ in range(3)])
+        elif op == "reset":
+            machine.reset()
+        machine.agrees_with_the_model()
+    machine.teardown()
+
+
+@pytest.mark.parametrize("policy", list(EvictionPolicy), ids=lambda p: p.value)
+@pytest.mark.parametrize("seed", range(20))
+def test_random_operations_keep_the_index_consistent(policy: EvictionPolicy, seed: int) -> None:
+    drive(MACHINES[policy](), random.Random(seed), steps=150)
+
+
+_SETTINGS = settings(max_examples=25, stateful_step_count=30, deadline=None)
+TestHostTierLRU = MACHINES[EvictionPolicy.LRU].TestCase
+TestHostTierARC = MACHINES[EvictionPolicy.ARC].TestCase
+TestHostTierS3FIFO = MACHINES[EvictionPolicy.S3FIFO].TestCase
+TestHostTierTinyLFU = MACHINES[EvictionPolicy.TINYLFU].TestCase
+for _case in (TestHostTierLRU, TestHostTierARC, TestHostTierS3FIFO, TestHostTierTinyLFU):
+    _case.settings = _SETTINGS
+
+
+@pytest.mark.parametrize("policy", list(EvictionPolicy), ids=lambda p: p.value)
+def test_a_hundred_million_slot_tier_allocates_little_until_its_slots_are_used(policy: EvictionPolicy) -> None:
+    tracemalloc.start()
+    try:
+        manager = SlotIndex(100_000_000, policy)
+        stored(manager, 1, 2, 3)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 1024
+    assert manager.usage() == [TierUsage(Medium.HOST, 3, 100_000_000)]
+    manager.check_integrity()
