@@ -26,6 +26,7 @@ from kvoffload.config_values import (
     IntRange,
     cluster_url_problem,
     enum_of,
+    extra_tiers,
     flag,
     gib_size,
     group,
@@ -35,7 +36,8 @@ from kvoffload.config_values import (
 )
 
 __all__ = ["FAULT_KEYS", "GIB", "KEYS", "REMOTE_SCHEMES", "ConfigError", "DiskTierConfig", "EvictionPolicy",
-           "HostTierConfig", "LoadPolicy", "OffloadConfig", "RemoteTierConfig", "StoreAdmission", "WritePolicy"]
+           "HostTierConfig", "LoadPolicy", "OffloadConfig", "PluginTierConfig", "RemoteTierConfig", "StoreAdmission",
+           "WritePolicy"]
 
 
 class ConfigError(ValueError):
@@ -126,6 +128,18 @@ class RemoteTierConfig:
 
 
 @dataclass(frozen=True)
+class PluginTierConfig:
+    """A tier from another package, under the built-in ones: its entry point's name in the ``kvoffload.tiers``
+    group, and its options as given (its spec parses them: ``kvoffload.tiers.registry``)."""
+
+    name: str
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def option_map(self) -> dict[str, Any]:
+        return dict(self.options)
+
+
+@dataclass(frozen=True)
 class OffloadConfig:
     """Everything kvoffload needs to know from its user."""
 
@@ -134,6 +148,8 @@ class OffloadConfig:
     host: HostTierConfig = field(default_factory=HostTierConfig)
     disk: DiskTierConfig | None = None
     remote: RemoteTierConfig | None = None
+    plugin_tiers: tuple[PluginTierConfig, ...] = ()
+    """Tiers from other packages, under disk and remote, asked in this order (key ``extra_tiers``)."""
     load_policy: LoadPolicy = LoadPolicy.AUTO
     store_admission: StoreAdmission = StoreAdmission.ALL
     prefill_tokens_per_s: float | None = None
@@ -217,6 +233,8 @@ KEYS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "remote_gib": (_GIB, "the same in GiB; alternative to remote_bytes"),
     "remote_breaker_errors": (_BREAKER_ERRORS, "consecutive remote errors that switch the remote tier off"),
     "remote_breaker_cooldown_s": (_COOLDOWN_S, "how long the remote tier stays off after tripping"),
+    "extra_tiers": (extra_tiers, 'tiers from other packages under disk and remote, by their kvoffload.tiers entry '
+                                 'point: {"name": {"option": value}}, asked in that order'),
     "tier_secret_file": (secret_file, "file (mode 0600) holding the secret that authenticates disk-tier blocks"),
     "tier_secret_env": (secret_env, "environment variable holding that secret; alternative to tier_secret_file"),
     "inject_load_failures": (_FAULT_COUNT, "testing: the first N load jobs fail, forcing recompute"),
@@ -348,6 +366,7 @@ class _Parser:
             host=host,
             disk=disk,
             remote=self._remote(host.policy),
+            plugin_tiers=tuple(PluginTierConfig(name, options) for name, options in v.get("extra_tiers", ())),
             load_policy=v.get("load_policy", LoadPolicy.AUTO),
             store_admission=v.get("store_admission", StoreAdmission.ALL),
             prefill_tokens_per_s=v.get("prefill_tokens_per_s"),

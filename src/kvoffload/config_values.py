@@ -13,7 +13,7 @@ import enum
 import grp
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -214,3 +214,28 @@ def cluster_url_problem(urls: tuple[str, ...]) -> str | None:
         if parts.path.strip("/") not in ("", "0") or parts.query not in ("", "db=0"):
             return "a Redis Cluster has database 0 only"
     return None
+
+
+TIER_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+"""A tier from another package is named like a Python identifier, in lower case (it also names its medium)."""
+_OPTION_VALUE = (str, int, float, bool, type(None))
+
+
+def extra_tiers(v: Any) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
+    """``{"name": {"option": value, ...}, ...}``: tiers from other packages, in the order given, each with options
+    of JSON scalars (the tier's spec checks them when the stack is built: kvoffload.tiers.registry)."""
+    if not isinstance(v, Mapping) or not v:
+        raise ValueError('must be a non-empty mapping of tier names to their options, e.g. {"mytier": {}}')
+    tiers = []
+    for name, options in v.items():
+        if not isinstance(name, str) or not TIER_NAME.fullmatch(name):
+            raise ValueError(f"tier name {name!r} must be lower-case letters, digits and '_', starting with a letter")
+        if name in ("device", "host", "disk", "remote"):
+            raise ValueError(f"tier name {name!r} is kvoffload's own tier; its keys configure it")
+        if not isinstance(options, Mapping):
+            raise ValueError(f"{name}: options must be a mapping of names to values")
+        for key, value in options.items():
+            if not isinstance(key, str) or not isinstance(value, _OPTION_VALUE):
+                raise ValueError(f"{name}: option {key!r} must be a string naming a string, number, bool or null")
+        tiers.append((name, tuple(options.items())))
+    return tuple(tiers)

@@ -17,9 +17,8 @@ host sub-blocks. Stores never have holes: an offload block with a dropped sub-bl
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
-from typing import NewType
+from typing import ClassVar, NewType
 
 from kvoffload.keys import OffloadKey
 
@@ -29,11 +28,30 @@ NO_BLOCK = -1
 """A hole in a load's ``DeviceBlocks``: this position is not copied."""
 
 
-class Medium(enum.Enum):
-    DEVICE = "device"
-    HOST = "host"
-    DISK = "disk"
-    REMOTE = "remote"
+@dataclass(frozen=True)
+class Medium:
+    """Where blocks are: the device, the host pool, or a tier under host, named by ``value``.
+
+    Open, not an enum: a tier from another package (``kvoffload.tiers`` entry points) brings its own medium. Media are
+    values: compare them with ``==``, never ``is`` (a medium that crossed a process boundary is another object).
+    """
+
+    value: str
+
+    DEVICE: ClassVar[Medium]
+    HOST: ClassVar[Medium]
+    DISK: ClassVar[Medium]
+    REMOTE: ClassVar[Medium]
+    BUILT_IN: ClassVar[tuple[Medium, ...]]
+    """kvoffload's own media, in the order the tiers are stacked."""
+
+    def __post_init__(self) -> None:
+        if not self.value or not self.value.replace("_", "").isalnum() or not self.value.isascii():
+            raise ValueError(f"medium {self.value!r}: a medium is named by ASCII letters, digits and underscores")
+
+
+Medium.DEVICE, Medium.HOST, Medium.DISK, Medium.REMOTE = (Medium(v) for v in ("device", "host", "disk", "remote"))
+Medium.BUILT_IN = (Medium.DEVICE, Medium.HOST, Medium.DISK, Medium.REMOTE)
 
 
 def _check_groups(name: str, entries: int, group_sizes: tuple[int, ...]) -> None:
@@ -101,7 +119,25 @@ class RemoteBlocks:
         _check_groups("RemoteBlocks", len(self.keys), self.group_sizes)
 
 
-BlockSpec = DeviceBlocks | HostBlocks | DiskBlocks | RemoteBlocks
+@dataclass(frozen=True)
+class TierBlocks:
+    """Entries of a tier from another package (``kvoffload.tiers``): its medium, each entry's key and the slot its
+    index gave it (a tier addressed by key ignores the slots, one addressed by slot ignores the keys)."""
+
+    medium: Medium
+    keys: tuple[OffloadKey, ...]
+    slots: tuple[int, ...]
+    group_sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        _check_groups("TierBlocks", len(self.keys), self.group_sizes)
+        if len(self.slots) != len(self.keys):
+            raise ValueError(f"TierBlocks: {len(self.slots)} slots for {len(self.keys)} keys")
+        if self.medium in Medium.BUILT_IN:
+            raise ValueError(f"TierBlocks: medium {self.medium.value!r} is kvoffload's own; its tier has its spec")
+
+
+BlockSpec = DeviceBlocks | HostBlocks | DiskBlocks | RemoteBlocks | TierBlocks
 
 
 @dataclass(frozen=True)

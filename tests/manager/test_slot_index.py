@@ -348,7 +348,7 @@ class HostTierMachine(RuleBasedStateMachine):
         assert held(self.manager) == len(model.state)
         assert {k for k in keys(*range(12)) if self.manager.lookup([k]).hits} == model.ready()
         for event in self.manager.take_events():
-            assert event.keys and event.medium is Medium.HOST
+            assert event.keys and event.medium == Medium.HOST
             if event.kind is EventKind.STORED:
                 model.announced.update(event.keys)
             else:

@@ -18,8 +18,10 @@ from kvoffload.manager.base import EventKind, LookupResult, TierTransfer
 from kvoffload.manager.slot_index import SlotIndex
 from kvoffload.manager.tiered import Below, TieredManager
 from kvoffload.specs import BlockSpec, DiskBlocks, HostBlocks, Medium, RemoteBlocks
+from kvoffload.tiers.disk.spec import DiskTierSpec
 from kvoffload.tiers.lower.block_format import PLAIN, file_bytes
 from kvoffload.tiers.remote.client import value_name
+from kvoffload.tiers.spec import TierContext
 
 NS = Namespace(model="m", dtype="bf16", layout="pages=64")
 VALUE = file_bytes(2 * 256)
@@ -49,16 +51,16 @@ class Tier:
     def make(self, host_slots: int = 4, lower_blocks: int = 16,
              policy: WritePolicy = WritePolicy.WRITE_THROUGH) -> TieredManager:
         host = SlotIndex(host_slots)
-        if self.medium is Medium.DISK:
+        if self.medium == Medium.DISK:
             config = DiskTierConfig(path=self.tmp_path, capacity_bytes=lower_blocks * VALUE, write_policy=policy)
-            return TieredManager.create(config, host, NS, Layout(), factor=2)
+            return TieredManager(host, [Below(DiskTierSpec(config).make_index(TierContext(NS, Layout(), 2)), policy)])
         from kvoffload.tiers.remote.index import RemoteIndex
 
         remote = RemoteTierConfig(urls=(self.url,), capacity_bytes=lower_blocks * VALUE)
         return TieredManager(host, [Below(RemoteIndex.create(remote, NS, VALUE), policy)])
 
     def blocks(self, ks: list[OffloadKey]) -> BlockSpec:
-        return (DiskBlocks if self.medium is Medium.DISK else RemoteBlocks)(tuple(ks), (len(ks),))
+        return (DiskBlocks if self.medium == Medium.DISK else RemoteBlocks)(tuple(ks), (len(ks),))
 
     def run(self, transfer: TierTransfer, success: bool) -> None:
         """A worker's part: a remote write that succeeds leaves a value (the disk index does not look at files)."""
@@ -69,7 +71,7 @@ class Tier:
 
 @pytest.fixture(params=[Medium.DISK, Medium.REMOTE], ids=["disk", "remote"])
 def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Tier:
-    if request.param is Medium.DISK:
+    if request.param == Medium.DISK:
         return Tier(Medium.DISK, tmp_path)
     client = request.getfixturevalue("redis_client")
     return Tier(Medium.REMOTE, tmp_path, client, request.getfixturevalue("redis_server").url)

@@ -19,8 +19,10 @@ from kvoffload.manager.base import LookupResult, TierTransfer
 from kvoffload.manager.slot_index import SlotIndex
 from kvoffload.manager.tiered import Below, TieredManager
 from kvoffload.specs import DiskBlocks, HostBlocks, Medium, RemoteBlocks
+from kvoffload.tiers.disk.spec import DiskTierSpec
 from kvoffload.tiers.lower.block_format import PLAIN, file_bytes
 from kvoffload.tiers.remote.client import value_name
+from kvoffload.tiers.spec import TierContext
 
 NS = Namespace(model="m", dtype="bf16", layout="pages=64")
 VALUE = file_bytes(2 * 256)
@@ -46,7 +48,8 @@ def make(tmp_path: Path, redis_client: Any, redis_server: Any) -> Callable[..., 
         disk = DiskTierConfig(path=tmp_path, capacity_bytes=disk_blocks * VALUE, write_policy=disk_policy)
         remote = RemoteIndex.create(RemoteTierConfig(urls=(redis_server.url,), capacity_bytes=64 * VALUE),
                                           NS, VALUE)
-        return TieredManager.create(disk, SlotIndex(host_slots), NS, Layout(), 2, further=(Below(remote),))
+        below = DiskTierSpec(disk).make_index(TierContext(NS, Layout(), 2))
+        return TieredManager(SlotIndex(host_slots), (Below(below, disk_policy), Below(remote)))
     return make
 
 
@@ -168,7 +171,7 @@ def test_a_failed_remote_promotion_keeps_the_disk_part_of_the_hit(make: Any, red
 
 class SlowRemote:
     def worth_loading(self, medium: Medium, blocks: int) -> bool:
-        return medium is not Medium.REMOTE
+        return medium != Medium.REMOTE
 
 
 def test_a_slow_remote_tier_ends_the_hit_where_the_disk_run_ends(make: Any, redis_client: Any) -> None:
@@ -240,12 +243,12 @@ def test_random_workload_keeps_all_three_tiers_consistent(make: Any, redis_clien
 
 
 def test_disk_and_remote_configured_together_build_host_over_both(tmp_path: Path, redis_server: Any) -> None:
-    from kvoffload.connector.tiers import build_manager
     from kvoffload.testing import layouts
+    from kvoffload.tiers.stack import build_index
 
     layout, _ = layouts.attention_layout(num_blocks=8, block_size=4)
     config = OffloadConfig.from_dict({"host_bytes": 1 << 20, "disk_path": str(tmp_path), "disk_bytes": 1 << 24,
                                       "remote_url": redis_server.url})
-    manager = build_manager(config, layout, 1, NS)
+    manager = build_index(config, TierContext(NS, layout, 1))
     assert isinstance(manager, TieredManager)
     assert [u.medium for u in manager.usage()] == [Medium.HOST, Medium.DISK, Medium.REMOTE]

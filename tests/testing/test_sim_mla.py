@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 
 from kvoffload.config import OffloadConfig
-from kvoffload.connector.worker import SkipWrites
 from kvoffload.testing import layouts
 from kvoffload.testing.redis_server import RedisServer, RedisServerUnavailable
 from kvoffload.testing.sim import SimEngine, Status
 from kvoffload.tiers.disk import handler as disk_handler
+from kvoffload.transfer.skip_writes import SkipWrites
 
 BLOCK = 4
 PROMPT_BLOCKS = 4  # 16-token prompts

@@ -83,7 +83,7 @@ class JobBook:
     def tier_job(self, transfer: TierTransfer) -> TransferJob:
         """The job for one of the manager's tier transfers; a promotion (into host) is timed for its tier."""
         job = self.new_job(JobKind.TIER, (), (), transfer.transfer_id)
-        if transfer.dst.medium is Medium.HOST:  # a promotion: timed for the tier's speed (load_cost)
+        if transfer.dst.medium == Medium.HOST:  # a promotion: timed for the tier's speed (load_cost)
             nbytes = sum(transfer.src.group_sizes) * self._load_cost.block_bytes
             self._promotions[job] = (transfer.src.medium, nbytes, self._clock())
         return TransferJob(job, transfer.src, transfer.dst)

@@ -26,12 +26,14 @@ from kvoffload.connector.recording import TraceTap
 from kvoffload.connector.requests import EngineRequest, RequestState, StepSchedule
 from kvoffload.connector.stats import SchedulerStats
 from kvoffload.connector.stores import StoreAdmitter, StoreScan
-from kvoffload.connector.tiers import build_manager, host_slot_bytes, offload_factor
 from kvoffload.keys import Namespace
 from kvoffload.layout import KVCacheLayout
 from kvoffload.manager.admission import make_admission
 from kvoffload.manager.base import OffloadEvent, ResidencyManager, TierUsage
 from kvoffload.specs import Medium
+from kvoffload.tiers.sizing import host_slot_bytes, offload_factor
+from kvoffload.tiers.spec import TierContext
+from kvoffload.tiers.stack import build_index
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +58,7 @@ class ConnectorScheduler:
         self.offload_tokens = self.factor * engine_block_size
         self.num_groups = len(layout.groups)
         self.state_groups = frozenset(layout.state_groups)
-        self.manager = manager or build_manager(config, layout, self.factor, namespace)
+        self.manager = manager or build_index(config, TierContext(namespace, layout, self.factor))
         self.flush_stores_next_step = flush_stores_next_step
         self.load_cost = LoadCost(config.load_policy, self.offload_tokens, host_slot_bytes(layout, self.factor),
                                   config.prefill_tokens_per_s)
@@ -74,7 +76,7 @@ class ConnectorScheduler:
         """A manager call that may change tier usage ran since ``take_usage_moved`` (stats skip it otherwise)."""
         self._trace = None if config.record_trace is None else TraceTap(config.record_trace, self.offload_tokens,
                                                                          clock)
-        host = next(u for u in self.manager.usage() if u.medium is Medium.HOST)
+        host = next(u for u in self.manager.usage() if u.medium == Medium.HOST)
         self.admission = make_admission(config.store_admission, host.capacity_blocks)
         self._jobs = JobBook(self.manager, self._requests, self._stats, self.load_cost, namespace.world_size,
                              self.offload_tokens, clock)

@@ -16,16 +16,15 @@ it runs a speculative drafter (testing/sim.HookOrder). Nothing here depends on w
 queues, the next step's ``handle_preemptions`` submits, and a job is reported once, from the handler's result,
 after it was submitted.
 
-A replicated namespace (latent attention: every rank holds the same bytes) keeps one copy in the shared tiers:
-only rank 0 writes it, the other ranks report their writes done at once (``SkipWrites``, so the scheduler's
-every-rank count still completes the job, and rank 0's failure still fails it), and every rank reads the one
-copy. The host tier stays per rank: each rank needs the bytes in its own process's memory.
+The tiers under host come from ``tiers.stack.build_handlers`` (a replicated namespace's ranks share one copy in
+the shared tiers: ``transfer.skip_writes``). The host tier stays per rank: each rank needs the bytes in its own
+process's memory.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -34,11 +33,13 @@ from kvoffload.canonical import CanonicalKV, canonicalize
 from kvoffload.config import KEYS, OffloadConfig
 from kvoffload.connector.metadata import ConnectorMetadata, WorkerMetadata
 from kvoffload.connector.stats import TransferStats
-from kvoffload.connector.tiers import host_num_slots, host_slot_bytes, offload_factor
 from kvoffload.keys import Namespace
 from kvoffload.layout import KVCacheLayout
 from kvoffload.specs import DeviceBlocks, JobId, Medium, TransferJob
-from kvoffload.transfer.base import TransferHandler, TransferResult
+from kvoffload.tiers.sizing import host_num_slots, host_slot_bytes, offload_factor
+from kvoffload.tiers.spec import TierContext
+from kvoffload.tiers.stack import build_handlers
+from kvoffload.transfer.base import TransferHandler
 from kvoffload.transfer.faults import CorruptFirstLoads, FailFirstLoads
 from kvoffload.transfer.host_copier import HostCopier
 from kvoffload.transfer.host_pool import HostPool
@@ -52,32 +53,6 @@ def _warn_of_faults(config: OffloadConfig) -> None:
     for key, count in config.injected_faults().items():
         logger.warning("kvoffload FAULT INJECTION is on in this worker: %s=%d (%s); a testing knob, never for "
                        "production", key, count, KEYS[key][1])
-
-
-class SkipWrites(TransferHandler):
-    """Jobs from the host to ``medium`` succeed at once, copying nothing (another rank writes the same bytes);
-    every other job goes to ``inner``."""
-
-    def __init__(self, inner: TransferHandler, medium: Medium) -> None:
-        self._inner = inner
-        self._skipped_type = (Medium.HOST, medium)
-        self._skipped: list[TransferResult] = []
-
-    def submit(self, job: TransferJob) -> bool:
-        if job.transfer_type != self._skipped_type:
-            return self._inner.submit(job)
-        self._skipped.append(TransferResult(job.job_id, True, 0, 0.0, job.transfer_type))
-        return True
-
-    def get_finished(self) -> list[TransferResult]:
-        skipped, self._skipped = self._skipped, []
-        return skipped + self._inner.get_finished()
-
-    def wait(self, job_ids: Collection[JobId]) -> None:
-        self._inner.wait(job_ids)
-
-    def shutdown(self) -> None:
-        self._inner.shutdown()
 
 
 @dataclass(frozen=True)
@@ -131,26 +106,12 @@ class ConnectorWorker:
             handler = CorruptFirstLoads(handler, self.pool, self.config.inject_load_corruption)
         self.transfers.register(Medium.DEVICE, Medium.HOST, handler)
         self.transfers.register(Medium.HOST, Medium.DEVICE, handler)
-        if self.config.disk is not None:
-            from kvoffload.tiers.disk.handler import DiskHandler  # only when a disk tier is configured
-
-            disk = self._shared(DiskHandler.create(self.config.disk, self.pool, self.namespace, self.layout,
-                                                   self.factor), Medium.DISK)
-            self.transfers.register(Medium.HOST, Medium.DISK, disk)
-            self.transfers.register(Medium.DISK, Medium.HOST, disk)
-        if self.config.remote is not None:
-            from kvoffload.tiers.remote.handler import RemoteHandler  # only when a remote tier is configured
-
-            remote = self._shared(RemoteHandler.create(self.config.remote, self.pool, self.namespace, self.layout,
-                                                       self.factor), Medium.REMOTE)
-            self.transfers.register(Medium.HOST, Medium.REMOTE, remote)
-            self.transfers.register(Medium.REMOTE, Medium.HOST, remote)
+        context = TierContext(self.namespace, self.layout, self.factor)
+        for routes, tier_handler in build_handlers(self.config, context, self.pool):
+            for src, dst in routes:
+                self.transfers.register(src, dst, tier_handler)
         logger.info("kvoffload worker rank %d: %d host slots of %d bytes (%.2f GiB)", self.namespace.rank,
                     self.pool.num_slots, self.pool.slot_bytes, self.pool.nbytes / 2**30)
-
-    def _shared(self, handler: TransferHandler, medium: Medium) -> TransferHandler:
-        """A shared tier's handler; a rank whose bytes another rank writes there only reads it."""
-        return handler if self.namespace.writes_copy else SkipWrites(handler, medium)
 
     def handle_preemptions(self, meta: ConnectorMetadata) -> None:
         """Make the device blocks of finished, preempted or aborted requests safe to reuse."""

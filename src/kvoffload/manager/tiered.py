@@ -35,8 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvoffload.config import DiskTierConfig, WritePolicy
-from kvoffload.keys import Namespace, OffloadKey
+from kvoffload.config import WritePolicy
+from kvoffload.keys import OffloadKey
 from kvoffload.manager.base import (
     EventKind,
     IntegrityError,
@@ -50,8 +50,6 @@ from kvoffload.manager.base import (
 )
 from kvoffload.manager.slot_index import SlotIndex
 from kvoffload.specs import BlockSpec, HostBlocks, Medium
-from kvoffload.tiers.disk.index import DiskIndex
-from kvoffload.tiers.lower.block_format import BlockFormat, GroupedLayout, entry_bytes_of
 
 
 class _Kind(enum.Enum):
@@ -150,19 +148,6 @@ class TieredManager(ResidencyManager):
         self._ids = itertools.count()
         self._events: list[OffloadEvent] = []
         self._advisor: LoadAdvisor | None = None
-
-    @classmethod
-    def create(cls, config: DiskTierConfig, host: SlotIndex, namespace: Namespace,
-               layout: GroupedLayout, factor: int, further: Sequence[Below] = ()) -> TieredManager:
-        """The scheduler's index with a disk tier (and ``further`` tiers under it); the disk index is rebuilt
-        from the files already there.
-
-        Raises:
-            ConfigError: ``disk_bytes`` is below one block file, or ``disk_path`` cannot be used.
-        """
-        size = BlockFormat.of(config.secret).file_bytes(max(entry_bytes_of(layout, factor)))
-        disk = DiskIndex.create(config, namespace, size)
-        return TieredManager(host, (Below(disk, config.write_policy), *further))
 
     def lookup(self, keys: Sequence[OffloadKey]) -> LookupResult:
         found = self.host.lookup(keys)

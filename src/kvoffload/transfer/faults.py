@@ -23,7 +23,7 @@ class FailFirstLoads(TransferHandler):
         self._failed: list[TransferResult] = []
 
     def submit(self, job: TransferJob) -> bool:
-        if self._left > 0 and job.dst.medium is Medium.DEVICE:
+        if self._left > 0 and job.dst.medium == Medium.DEVICE:
             self._left -= 1
             self._failed.append(TransferResult(job.job_id, False, 0, 0.0, job.transfer_type))
             return True
@@ -53,7 +53,7 @@ class CorruptFirstLoads(TransferHandler):
         self._left = count
 
     def submit(self, job: TransferJob) -> bool:
-        if self._left > 0 and job.dst.medium is Medium.DEVICE and isinstance(job.src, HostBlocks) and job.src.slots:
+        if self._left > 0 and job.dst.medium == Medium.DEVICE and isinstance(job.src, HostBlocks) and job.src.slots:
             self._left -= 1
             self._pool.slot(job.src.slots[0]).zero_()
         return self._inner.submit(job)

@@ -80,7 +80,7 @@ def test_stored_blocks_are_found_and_announced_on_disk(manager: DiskIndex) -> No
     manager.complete_store(ks)
     assert manager.lookup(ks).hits == 3
     (event,) = manager.take_events()
-    assert event.kind is EventKind.STORED and event.medium is Medium.DISK
+    assert event.kind is EventKind.STORED and event.medium == Medium.DISK
     manager.check_integrity()
 
 

@@ -23,6 +23,7 @@ from kvoffload.tiers.remote import index as remote
 from kvoffload.tiers.remote.client import value_name
 from kvoffload.tiers.remote.index import RemoteIndex
 from kvoffload.tiers.remote.probe import FIRST_WINDOW, ValueNames
+from kvoffload.tiers.spec import TierContext
 
 redis = pytest.importorskip("redis")
 
@@ -409,12 +410,13 @@ def test_remote_bytes_below_one_value_is_a_config_error_naming_it() -> None:
 
 
 def test_the_configured_remote_tier_builds_the_host_over_remote(url: str) -> None:
-    from kvoffload.connector.tiers import build_manager
     from kvoffload.manager.tiered import TieredManager
     from kvoffload.testing import layouts
+    from kvoffload.tiers.stack import build_index
 
     layout, _ = layouts.attention_layout(num_blocks=8, block_size=4)
-    manager = build_manager(OffloadConfig.from_dict({"remote_url": url, "host_bytes": 1 << 20}), layout, 1, NS)
+    config = OffloadConfig.from_dict({"remote_url": url, "host_bytes": 1 << 20})
+    manager = build_index(config, TierContext(NS, layout, 1))
     assert isinstance(manager, TieredManager) and isinstance(manager.lowers[0], RemoteIndex)
     assert [u.medium for u in manager.usage()] == [Medium.HOST, Medium.REMOTE]
 

@@ -391,7 +391,7 @@ def kv_events(events: Iterable[OffloadEvent], block_tokens: int) -> list[KVCache
     out: list[KVCacheEvent] = []
     for event in events:
         hashes: list[Any] = [bytes(k) for k in event.keys]
-        medium = _MEDIUM[event.medium]
+        medium = _MEDIUM.get(event.medium) or event.medium.value.upper()  # another package's tier: its own name
         if event.kind is EventKind.STORED:
             out.append(BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
                                    block_size=block_tokens, lora_id=None, medium=medium, lora_name=None))

@@ -31,12 +31,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvoffload.config import OffloadConfig
-from kvoffload.connector.tiers import offload_factor
 from kvoffload.integrations.vllm import adapters, compat, logs
 from kvoffload.integrations.vllm.messages import KVOffloadMetadata, KVOffloadWorkerMetadata
 from kvoffload.integrations.vllm.metrics import KVOffloadPromMetrics, KVOffloadStats
 from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
 from kvoffload.integrations.vllm.worker_side import WorkerSide
+from kvoffload.tiers.sizing import offload_factor
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

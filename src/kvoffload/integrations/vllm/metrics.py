@@ -37,8 +37,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.stats import SchedulerStats, TransferStats
-from kvoffload.connector.tiers import transfer_routes
 from kvoffload.specs import Medium, transfer_name
+from kvoffload.tiers.stack import transfer_routes
 
 TRANSFERS = "transfers"
 LOOKUPS = "lookups"

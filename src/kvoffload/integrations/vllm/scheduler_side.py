@@ -18,13 +18,13 @@ from vllm.v1.outputs import KVConnectorOutput
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.scheduler import NO_JOBS as CORE_NO_JOBS
 from kvoffload.connector.scheduler import ConnectorScheduler
-from kvoffload.connector.tiers import host_slot_bytes
 from kvoffload.integrations.vllm import adapters
 from kvoffload.integrations.vllm.messages import KVOffloadMetadata, KVOffloadWorkerMetadata
 from kvoffload.integrations.vllm.metrics import KVOffloadStats
 from kvoffload.keys import Namespace
 from kvoffload.layout import KVCacheLayout
 from kvoffload.specs import Medium
+from kvoffload.tiers.sizing import host_slot_bytes
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -93,7 +93,7 @@ class SchedulerSide:
     def host_used_bytes(self) -> int:
         """Host tier bytes in use on every rank together: each rank's pool holds the same slots (one shard each,
         or under a replicated layout the same bytes), and the gauge counts what the engine's host RAM holds."""
-        used = sum(u.used_blocks for u in self.core.usage() if u.medium is Medium.HOST)
+        used = sum(u.used_blocks for u in self.core.usage() if u.medium == Medium.HOST)
         return used * self.slot_bytes * self.core.world_size
 
     def stats(self) -> KVOffloadStats | None:

@@ -26,7 +26,7 @@ from kvoffload.tools.replay.result import ReplayResult
 from kvoffload.tools.replay.sweep import capacity_sweep, load, run_points, sweep_points
 
 DEFAULT_POINTS = 12
-MEDIA = [m.value for m in Medium if m is not Medium.DEVICE]
+MEDIA = [m.value for m in Medium.BUILT_IN if m != Medium.DEVICE]
 
 
 class Inputs(NamedTuple):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvoffload.config import ConfigError, OffloadConfig
-from kvoffload.connector.tiers import host_num_slots
 from kvoffload.testing import layouts
+from kvoffload.tiers.sizing import host_num_slots
 
 
 def test_a_host_tier_larger_than_the_available_memory_is_a_config_error_naming_host_bytes() -> None:

@@ -1,0 +1,83 @@
+"""``TierSpec``: what binds one tier under host, from its configuration section to both halves.
+
+vLLM binds the two halves of one medium in one ``OffloadingSpec``; this is ours. A spec is made from one
+configuration section (``DiskTierConfig``, ``RemoteTierConfig``, a ``PluginTierConfig``'s options) and makes:
+
+- ``make_index``, in the scheduler process: the tier's index (a ``manager.tiered.LowerTier``), which decides what the
+  tier holds;
+- ``make_handler``, in each worker process: the tier's ``TransferHandler``, which moves the bytes between the host
+  pool and the tier as the index's jobs say;
+- ``routes``: the copy directions its handler serves (host -> tier and tier -> host).
+
+A spec module imports its index and its handler only inside these methods, so neither half loads the other's code
+(the scheduler half never loads torch). ``tiers.stack`` assembles every configured tier, in one place, for both
+halves.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvoffload.config import WritePolicy
+from kvoffload.keys import Namespace
+from kvoffload.specs import Medium
+from kvoffload.tiers.lower.block_format import GroupedLayout, entry_bytes_of
+
+if TYPE_CHECKING:
+    from kvoffload.manager.tiered import LowerTier
+    from kvoffload.transfer.base import TransferHandler
+    from kvoffload.transfer.host_pool import HostPool
+
+
+@dataclass(frozen=True)
+class TierContext:
+    """What a tier is made for: one engine's KV layout, its offload block size and this rank's namespace."""
+
+    namespace: Namespace
+    layout: GroupedLayout
+    factor: int
+    """Engine blocks per offload block."""
+
+    @property
+    def entry_bytes(self) -> tuple[int, ...]:
+        """Payload bytes of one offload block of each KV-cache group (what one tier entry holds)."""
+        return entry_bytes_of(self.layout, self.factor)
+
+
+class TierSpec(ABC):
+    """One tier under host, bound: its medium, how blocks reach it, and both halves' parts.
+
+    Both halves make the same specs from the same configuration, so they agree on every tier's medium and size.
+    ``make_index`` and ``make_handler`` raise ``ConfigError`` for a tier that cannot be used as configured (a bad
+    path, a missing package); never for a data-path failure, which the index and handler turn into misses.
+    """
+
+    @property
+    @abstractmethod
+    def medium(self) -> Medium:
+        """The tier's medium: distinct for every tier of one stack."""
+
+    @property
+    def write_policy(self) -> WritePolicy:
+        """When blocks are written to the tier: write-through (default) or on evict from host."""
+        return WritePolicy.WRITE_THROUGH
+
+    @property
+    def shared_by_ranks(self) -> bool:
+        """Whether the ranks of a replicated namespace share one copy here (then only rank 0 writes it); False for a
+        tier each worker keeps in its own process."""
+        return False
+
+    @abstractmethod
+    def make_index(self, context: TierContext) -> LowerTier:
+        """The scheduler side: the tier's index (what it holds), rebuilt from what the tier already holds."""
+
+    @abstractmethod
+    def make_handler(self, context: TierContext, pool: HostPool) -> TransferHandler:
+        """The worker side: the handler moving bytes between ``pool``'s slots and the tier, for ``routes``."""
+
+    def routes(self) -> tuple[tuple[Medium, Medium], ...]:
+        """The copy directions ``make_handler``'s handler serves."""
+        return ((Medium.HOST, self.medium), (self.medium, Medium.HOST))
