@@ -86,3 +86,31 @@ def oversized(root: Path, limit: int) -> dict[str, int]:
     """Files of ``root`` (relative paths) longer than ``limit`` lines, with their lengths."""
     lengths = {str(p.relative_to(root)): len(p.read_text().splitlines()) for p in root.rglob("*.py")}
     return {path: n for path, n in sorted(lengths.items()) if n > limit}
+
+
+def reach(graph: Graph, start: str, within: str) -> set[str]:
+    """The modules under ``within`` that ``start`` imports, directly or through other modules under ``within``."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for dep in graph.get(todo.pop(), ()):
+            if dep not in seen and (dep == within or dep.startswith(within + ".")):
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def tier_crossings(graph: Graph, tiers: str) -> list[tuple[str, str]]:
+    """``(index or handler, the other)`` for each tier folder under the package ``tiers`` whose scheduler-side
+    index reaches its worker-side handler through the tier's own modules, or the reverse (the tier's spec, which
+    makes both, may import both)."""
+    depth = tiers.count(".") + 2  # tiers.<folder>.<module>
+    folders = sorted({m.rsplit(".", 1)[0] for m in graph if m.startswith(tiers + ".") and m.count(".") >= depth})
+    found: list[tuple[str, str]] = []
+    for folder in folders:
+        index, handler = f"{folder}.index", f"{folder}.handler"
+        if index in graph and handler in reach(graph, index, folder):
+            found.append((index, handler))
+        if handler in graph and index in reach(graph, handler, folder):
+            found.append((handler, index))
+    return found

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.architecture_rules import cycles, imports_into, module_graph, oversized
+from tests.architecture_rules import cycles, imports_into, module_graph, oversized, tier_crossings
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "kvoffload"
 
@@ -39,7 +39,8 @@ def imports_torch(*modules: str) -> bool:
 
 def test_the_scheduler_side_index_imports_no_torch():
     assert not imports_torch("kvoffload.manager.slot_index", "kvoffload.manager.tiered", "kvoffload.tiers.disk.index",
-                             "kvoffload.tiers.remote.index")
+                             "kvoffload.tiers.remote.index", "kvoffload.tiers.stack", "kvoffload.tiers.disk.spec",
+                             "kvoffload.tiers.remote.spec", "kvoffload.tiers.registry")
     assert imports_torch("kvoffload.transfer.host_pool")  # the check sees a module that does
 
 
@@ -57,8 +58,11 @@ GRAPH = module_graph(SRC)
 TOOLS_AND_HELPERS = ("kvoffload.tools", "kvoffload.testing")
 CORE = sorted(m for m in GRAPH if not any(m == p or m.startswith(p + ".") for p in TOOLS_AND_HELPERS))
 SCHEDULER_HALF = ("kvoffload.manager", "kvoffload.connector.scheduler", "kvoffload.connector.loads",
-                  "kvoffload.connector.stores", "kvoffload.connector.jobs")
-WORKER_HALF = ("kvoffload.transfer", "kvoffload.connector.worker")
+                  "kvoffload.connector.stores", "kvoffload.connector.jobs", "kvoffload.tiers.disk.index",
+                  "kvoffload.tiers.remote.index", "kvoffload.tiers.remote.probe")
+WORKER_HALF = ("kvoffload.transfer", "kvoffload.connector.worker", "kvoffload.tiers.lower.handler",
+               "kvoffload.tiers.disk.handler", "kvoffload.tiers.disk.file_io", "kvoffload.tiers.remote.handler",
+               "kvoffload.tiers.remote.link", "kvoffload.tiers.remote.reads", "kvoffload.tiers.remote.stage")
 LINE_LIMIT = 400
 OVER_THE_LIMIT = {"testing/sim.py": 478}
 """Files still over the limit (issue 22 splits them); each may shrink, none may grow, no other may join them."""
@@ -85,6 +89,12 @@ def test_the_two_halves_never_import_each_other():
     assert imports_into(GRAPH, WORKER_HALF, SCHEDULER_HALF) == []
 
 
+def test_no_tier_index_imports_its_handler_nor_the_reverse():
+    assert tier_crossings(GRAPH, "kvoffload.tiers") == []
+    assert {m.rsplit(".", 1)[0] for m in GRAPH if m.endswith((".index", ".handler"))} >= {
+        "kvoffload.tiers.disk", "kvoffload.tiers.remote"}  # the rule sees the tiers
+
+
 def test_no_file_in_src_is_over_the_line_limit():
     over = oversized(SRC, LINE_LIMIT)
     assert set(over) <= set(OVER_THE_LIMIT), f"new files over {LINE_LIMIT} lines: {set(over) - set(OVER_THE_LIMIT)}"
@@ -101,7 +111,7 @@ def write_tree(root: Path, files: dict[str, str]) -> Path:
 @pytest.fixture
 def broken(tmp_path: Path) -> Path:
     """A package that breaks every rule once: a cycle, the core importing a tool, a half importing the other,
-    a file over the limit."""
+    a file over the limit, a tier's index reaching its handler."""
     return write_tree(tmp_path / "pkg", {
         "__init__.py": "",
         "a.py": "from pkg import b\n",
@@ -115,6 +125,15 @@ def broken(tmp_path: Path) -> Path:
         "transfer/handler.py": "Handler = object\n",
         "big.py": "x = 1\n" * (LINE_LIMIT + 1),
         "uses_tests.py": "from tests.forgeries import forge\n",
+        "tiers/__init__.py": "",
+        "tiers/t/__init__.py": "",
+        "tiers/t/index.py": "from pkg.tiers.t import names\n",
+        "tiers/t/names.py": "def later():\n    import pkg.tiers.t.handler\n",  # through a module of the tier
+        "tiers/t/handler.py": "",
+        "tiers/t/spec.py": "from pkg.tiers.t import handler, index\n",  # the spec may import both
+        "tiers/u/__init__.py": "",
+        "tiers/u/index.py": "",
+        "tiers/u/handler.py": "from pkg.tiers.u.index import Index\n",
     })
 
 
@@ -126,3 +145,5 @@ def test_each_rule_fails_on_a_tree_that_breaks_it(broken: Path):
     assert imports_into(graph, ["pkg.manager"], ["pkg.transfer"]) == [("pkg.manager.index", "pkg.transfer.handler")]
     assert oversized(broken, LINE_LIMIT) == {"big.py": LINE_LIMIT + 1}
     assert suite_importers(broken) == ["uses_tests.py"]
+    assert tier_crossings(graph, "pkg.tiers") == [("pkg.tiers.t.index", "pkg.tiers.t.handler"),
+                                                   ("pkg.tiers.u.handler", "pkg.tiers.u.index")]
