@@ -140,6 +140,16 @@ def test_completing_a_store_twice_or_for_unknown_keys_is_ignored() -> None:
     manager.check_integrity()
 
 
+def test_complete_store_keys_answers_the_keys_that_became_ready_once() -> None:
+    manager = SlotIndex(4)
+    manager.prepare_store(keys(1, 2))
+    assert manager.complete_store_keys(keys(2, 9, 1, 2)) == keys(2, 1)  # unknown and repeated keys are not
+    assert manager.complete_store_keys(keys(1)) == []
+    manager.prepare_store(keys(3))
+    assert manager.complete_store_keys(keys(3), success=False) == []
+    manager.check_integrity()
+
+
 def test_failed_load_drops_the_keys() -> None:
     manager = stored(SlotIndex(4), 1, 2)
     manager.prepare_load(keys(1, 2))

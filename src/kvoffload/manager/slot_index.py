@@ -158,10 +158,14 @@ class SlotIndex(ResidencyManager):
         return PrepareStoreOutput(tuple(new), self._spec(new, slots), tuple(evicted))
 
     def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
+        self.complete_store_keys(keys, success)
+
+    def complete_store_keys(self, keys: Sequence[OffloadKey], success: bool = True) -> list[OffloadKey]:
+        """``complete_store``, answering the keys that became ready (those still in flight, once each)."""
         in_flight, ready = self._in_flight, self._ready
         if not success:
             self._fail_stores(keys)
-            return
+            return []
         stored: list[OffloadKey] = []
         for key in keys:
             slot = in_flight.pop(key, None)
@@ -170,6 +174,7 @@ class SlotIndex(ResidencyManager):
                 stored.append(key)
         if stored:
             self._emit(EventKind.STORED, stored)
+        return stored
 
     def _fail_stores(self, keys: Sequence[OffloadKey]) -> None:
         in_flight, free, policy = self._in_flight, self._free, self._policy

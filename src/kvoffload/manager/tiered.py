@@ -38,7 +38,6 @@ from typing import Protocol
 from kvoffload.config import WritePolicy
 from kvoffload.keys import OffloadKey
 from kvoffload.manager.base import (
-    EventKind,
     IntegrityError,
     LoadAdvisor,
     LookupResult,
@@ -146,7 +145,6 @@ class TieredManager(ResidencyManager):
         self._transfers: dict[int, _Transfer] = {}
         self._queued: list[TierTransfer] = []
         self._ids = itertools.count()
-        self._events: list[OffloadEvent] = []
         self._advisor: LoadAdvisor | None = None
 
     def lookup(self, keys: Sequence[OffloadKey]) -> LookupResult:
@@ -206,14 +204,7 @@ class TieredManager(ResidencyManager):
         return self.host.prepare_store(keys)
 
     def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
-        # Earlier host events first, so that only this store's STORED event says what to write.
-        self._events += self.host.take_events()
-        self.host.complete_store(keys, success)
-        stored: list[OffloadKey] = []
-        for event in self.host.take_events():
-            if event.kind is EventKind.STORED:
-                stored.extend(event.keys)
-            self._events.append(event)
+        stored = self.host.complete_store_keys(keys, success)
         if stored:
             self._write_below(stored, len(self.lowers))
 
@@ -236,10 +227,9 @@ class TieredManager(ResidencyManager):
             self.host.complete_load(transfer.keys)  # the host copy is intact either way
 
     def take_events(self) -> list[OffloadEvent]:
-        events = self._events + self.host.take_events()
+        events = self.host.take_events()
         for tier in self.lowers:
             events += tier.take_events()
-        self._events = []
         return events
 
     def reset(self) -> None:
