@@ -6,7 +6,7 @@ bytes of a host slot (for an entry of KV-cache group ``g``) in the format of ``d
 rank's directory, checked at start-up (``disk_tree.open_tree``), and carry this rank's namespace fingerprint, so
 a block is only loaded by the rank and namespace that wrote it. A replicated namespace (every rank holds the same
 bytes) has one directory and one fingerprint for all ranks: rank 0 writes it (the other ranks' handlers are wrapped
-in ``connector.worker.SkipWrites``) and every rank reads it.
+in ``transfer.skip_writes.SkipWrites``) and every rank reads it.
 
 Failures are outcomes: a missing, corrupt or foreign file, something other than a regular file, an I/O error,
 or a read slower than ``read_deadline_s`` fails the job (its other blocks are skipped). A failed write removes
@@ -25,19 +25,17 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvoffload.config import DiskTierConfig
 from kvoffload.keys import Namespace, OffloadKey
-from kvoffload.specs import DiskBlocks, HostBlocks, JobId, Medium, TransferJob
+from kvoffload.specs import DiskBlocks, Medium, TransferJob
 from kvoffload.tiers.disk.file_io import FileOps, read_for_slot, write_block
 from kvoffload.tiers.disk.tree import Access, open_tree, scan
 from kvoffload.tiers.lower.block_format import (
-    BlockFormat,
     CorruptBlockError,
     GroupedLayout,
     UnauthenticBlockError,
@@ -46,9 +44,8 @@ from kvoffload.tiers.lower.block_format import (
     rank_directory,
 )
 from kvoffload.tiers.lower.breaker import CircuitBreaker
+from kvoffload.tiers.lower.handler import SHUTDOWN_GRACE_S, LowerJob, LowerTierHandler
 from kvoffload.tiers.lower.io_threads import IoThreads
-from kvoffload.tiers.lower.job_waits import drain_jobs, wait_jobs
-from kvoffload.transfer.base import TransferHandler, TransferResult
 
 if TYPE_CHECKING:
     from kvoffload.transfer.host_pool import HostPool
@@ -57,8 +54,7 @@ logger = logging.getLogger(__name__)
 
 HOST_TO_DISK = (Medium.HOST, Medium.DISK)
 DISK_TO_HOST = (Medium.DISK, Medium.HOST)
-SHUTDOWN_GRACE_S = 10.0
-"""How long ``shutdown`` waits for unfinished writes before failing them (reads: until their deadline)."""
+__all__ = ["DISK_TO_HOST", "HOST_TO_DISK", "SHUTDOWN_GRACE_S", "DiskHandler"]
 
 
 @dataclass(frozen=True)
@@ -72,33 +68,19 @@ class _Block:
 
 
 @dataclass(eq=False)
-class _Job:
-    job: TransferJob
-    blocks: list[_Block]
-    remaining: int
+class _Job(LowerJob[_Block]):
+    remaining: int = 0
+    """Blocks not done yet (``_new_job`` sets it to all of them)."""
     blockers: int = 0
     """Earlier unfinished jobs with the same destinations; this job starts when they finish."""
     dependents: list[_Job] = field(default_factory=list)
-    start: float | None = None
-    """The clock when it was dispatched (None while it waits for its blockers)."""
-    failed: bool = False
-    finished: bool = False
-    """Its result is out (every block done, or its deadline passed): a late block changes nothing."""
-    copying: int = 0
-    """Blocks being copied from an I/O buffer into their slots right now (memory speed: never stuck)."""
-    copied: int = 0
     written: list[str] = field(default_factory=list)
-    done: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def is_write(self) -> bool:
-        return self.job.transfer_type == HOST_TO_DISK
 
     def destinations(self) -> list[object]:
-        return [b.path for b in self.blocks] if self.is_write else [b.slot for b in self.blocks]
+        return [b.path for b in self.blocks] if self.is_store else [b.slot for b in self.blocks]
 
 
-class DiskHandler(TransferHandler):
+class DiskHandler(LowerTierHandler[DiskBlocks, _Block, _Job]):
     """Host pool <-> block files of one rank. Register it for both (HOST, DISK) and (DISK, HOST).
 
     Args:
@@ -116,33 +98,24 @@ class DiskHandler(TransferHandler):
             scheduler's ``DiskIndex`` raises the same).
     """
 
+    store_type = HOST_TO_DISK
+    load_type = DISK_TO_HOST
+    spec_type = DiskBlocks
+
     def __init__(self, config: DiskTierConfig, pool: HostPool, namespace: Namespace,
                  entry_bytes: tuple[int, ...], *, file_ops: FileOps | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        slots = pool.buffer.numpy()
-        if not entry_bytes or any(n <= 0 or n > slots.shape[1] for n in entry_bytes):
-            raise ValueError(f"DiskHandler entry_bytes {entry_bytes} must be positive and fit a host slot of "
-                             f"{slots.shape[1]} bytes")
-        self._slots = slots
-        self._entry_bytes = entry_bytes
-        self._fingerprint = namespace.fingerprint()
+        super().__init__(pool, namespace, entry_bytes, config.secret, clock)
         access = Access(config.shared_group)
-        self._fmt = BlockFormat.of(config.secret)
         self._tree = open_tree(config.path, rank_directory(config.path, namespace, self._fmt), access, self._fmt)
         scan(self._tree)  # Removes temporary files a crashed writer left here.
         self._ops = file_ops or FileOps()
         if self._ops.file_mode != access.file_mode:
             self._ops.file_mode = access.file_mode
-        self._clock = clock
         self._deadline_s = config.read_deadline_s
         self.breaker = CircuitBreaker(config.breaker_errors, config.breaker_cooldown_s, clock)
         self._threads = IoThreads(config.io_threads, "kvoffload-disk", clock)
-        self._lock = threading.Lock()
-        self._copied = threading.Condition(self._lock)
-        self._jobs: dict[JobId, _Job] = {}
         self._last_writer: dict[object, _Job] = {}
-        self._finished: list[TransferResult] = []
-        self._closed = False
         self._down = False
         self._removal_failures = 0
         self.unauthentic_blocks = 0
@@ -158,67 +131,33 @@ class DiskHandler(TransferHandler):
     def directory(self) -> str:
         return str(self._tree.rank_dir)
 
-    def submit(self, job: TransferJob) -> bool:
-        state = self._plan(job)
-        with self._lock:
-            if self._closed:
-                return False
-            self._jobs[job.job_id] = state
-            for dst in state.destinations():
-                earlier = self._last_writer.get(dst)
-                if earlier is not None and earlier is not state and state not in earlier.dependents:
-                    earlier.dependents.append(state)
-                    state.blockers += 1
-                self._last_writer[dst] = state
-            ready = state.blockers == 0
-        if ready:
-            self._dispatch(state)
-        return True
-
-    def get_finished(self) -> list[TransferResult]:
-        self._expire_late_reads()
-        with self._lock:
-            finished, self._finished = self._finished, []
-        return finished
-
-    def wait(self, job_ids: Collection[JobId]) -> None:
-        with self._lock:
-            states = [self._jobs[j] for j in job_ids if j in self._jobs]
-        wait_jobs(states, self._wait_slice, self._expire_late_reads)
-
-    def shutdown(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            states = list(self._jobs.values())
-        drain_jobs(states, self._wait_slice, self._expire_late_reads, lambda state: self._end(state, failed=True),
-                   SHUTDOWN_GRACE_S)
-        self._threads.stop()
-
-    def _plan(self, job: TransferJob) -> _Job:
-        """Validate a job and list its blocks (a malformed job is a scheduler bug: ValueError)."""
-        if job.transfer_type == HOST_TO_DISK:
-            host, disk = job.src, job.dst
-        elif job.transfer_type == DISK_TO_HOST:
-            host, disk = job.dst, job.src
-        else:
-            raise ValueError(f"job {job.job_id}: DiskHandler does not move {job.transfer_type}")
-        assert isinstance(host, HostBlocks) and isinstance(disk, DiskBlocks)
-        if host.group_sizes != disk.group_sizes or len(host.group_sizes) > len(self._entry_bytes):
-            raise ValueError(f"job {job.job_id}: group sizes {host.group_sizes} and {disk.group_sizes} "
-                             f"differ or exceed the {len(self._entry_bytes)} groups of this tier")
-        if host.skip_sub_blocks:
-            raise ValueError(f"job {job.job_id}: skip_sub_blocks is not supported between host and disk")
-        if any(not 0 <= s < self._slots.shape[0] for s in host.slots):
-            raise ValueError(f"job {job.job_id}: a slot of {host.slots} is outside the pool")
-        groups = [g for g, n in enumerate(host.group_sizes) for _ in range(n)]
+    def _block(self, slot: int, key: OffloadKey, nbytes: int) -> _Block:
         tree = self._tree
-        blocks = [_Block(s, k, block_path(tree.rank_dir, k, tree.fmt), self._entry_bytes[g], tree.usable(k))
-                  for s, k, g in zip(host.slots, disk.keys, groups, strict=True)]
+        return _Block(slot, key, block_path(tree.rank_dir, key, tree.fmt), nbytes, tree.usable(key))
+
+    def _new_job(self, job: TransferJob, blocks: list[_Block]) -> _Job:
         return _Job(job, blocks, remaining=len(blocks))
 
-    def _dispatch(self, state: _Job) -> None:
+    def _admit(self, state: _Job) -> bool:
+        """Order ``state`` after the unfinished jobs with one of its destinations (``TransferHandler``'s rule)."""
+        for dst in state.destinations():
+            earlier = self._last_writer.get(dst)
+            if earlier is not None and earlier is not state and state not in earlier.dependents:
+                earlier.dependents.append(state)
+                state.blockers += 1
+            self._last_writer[dst] = state
+        return state.blockers == 0
+
+    def _release(self, state: _Job) -> list[_Job]:
+        for dst in state.destinations():
+            if self._last_writer.get(dst) is state:
+                del self._last_writer[dst]
+        return [d for d in state.dependents if _unblock(d)]
+
+    def _stop(self) -> None:
+        self._threads.stop()
+
+    def _launch(self, state: _Job) -> None:
         state.start = self._clock()
         if not state.blocks or not self.breaker.allow() or self._all_stuck():
             self._end(state, failed=bool(state.blocks))
@@ -237,7 +176,7 @@ class DiskHandler(TransferHandler):
                 return  # It failed at its deadline: its result is out.
             state.failed |= not ok
             state.copied += block.nbytes if ok else 0
-            if ok and state.is_write:
+            if ok and state.is_store:
                 state.written.append(block.path)
             state.remaining -= 1
             last = state.remaining == 0
@@ -249,7 +188,7 @@ class DiskHandler(TransferHandler):
         if state.failed or state.finished or not block.usable or not self.breaker.allow() or self._is_late(state):
             return False  # The job fails anyway (a block failed, tier off, deadline passed): skip the I/O.
         try:
-            if state.is_write:
+            if state.is_store:
                 write_block(self._ops, block.path, self._fingerprint, block.key,
                             self._slots[block.slot, :block.nbytes].data, self._fmt)
             elif not self._read(state, block):
@@ -275,31 +214,23 @@ class DiskHandler(TransferHandler):
     def _read(self, state: _Job, block: _Block) -> bool:
         """Read the block off the disk, then put it into its slot if the job is live and on time (False if not)."""
         put = read_for_slot(self._ops, block.path, self._fingerprint, block.key, block.nbytes, self._fmt)
-        with self._lock:
-            if state.finished or self._is_late(state):
-                return False
-            state.copying += 1
-        try:
-            put(self._slots[block.slot, :block.nbytes].data)
-        finally:
-            with self._lock:
-                state.copying -= 1
-                if not state.copying:
-                    self._copied.notify_all()
-        return True
+        with self._holding_slots(state) as held:
+            if held:
+                put(self._slots[block.slot, :block.nbytes].data)
+        return held
 
     def _is_late(self, state: _Job) -> bool:
         """A read job past its deadline is a miss: the engine recomputes rather than wait on a slow disk."""
-        return (not state.is_write and state.start is not None
+        return (not state.is_store and state.start is not None
                 and self._clock() - state.start > self._deadline_s)
 
     def _wait_slice(self, state: _Job) -> float:
         """How long to wait for ``state`` before checking the deadlines again."""
-        if state.is_write or state.start is None:
+        if state.is_store or state.start is None:
             return self._deadline_s
         return max(0.0, self._deadline_s - (self._clock() - state.start))
 
-    def _expire_late_reads(self) -> None:
+    def _expire(self) -> None:
         """Fail the read jobs past their deadline, even while their threads are stuck in a read."""
         with self._lock:
             late = [s for s in self._jobs.values() if not s.finished and self._is_late(s)]
@@ -354,37 +285,12 @@ class DiskHandler(TransferHandler):
         if not self.breaker.is_open:
             logger.debug("disk tier: job %d: %s", state.job.job_id, error)
 
-    def _end(self, state: _Job, failed: bool) -> bool:
-        """Give ``state`` its result, once; True if this call did. Copies into its slots finish first."""
-        with self._lock:
-            if state.finished:
-                return False
-            state.finished = True
-            state.failed |= failed
-            while state.copying:
-                self._copied.wait()
-        self._finish(state)
-        return True
-
-    def _finish(self, state: _Job) -> None:
+    def _settle(self, state: _Job) -> None:
         if state.failed:
             for path in state.written:  # A failed store is never indexed: leave none of its files behind.
                 self._unlink(path)
-        seconds = self._clock() - state.start if state.start is not None else 0.0
-        result = TransferResult(state.job.job_id, not state.failed, state.copied if not state.failed else 0,
-                                seconds, state.job.transfer_type)
-        with self._lock:
-            self._finished.append(result)
-            del self._jobs[state.job.job_id]
-            for dst in state.destinations():
-                if self._last_writer.get(dst) is state:
-                    del self._last_writer[dst]
-            released = [d for d in state.dependents if _release(d)]
-        state.done.set()
-        for dependent in released:
-            self._dispatch(dependent)
 
 
-def _release(dependent: _Job) -> bool:
+def _unblock(dependent: _Job) -> bool:
     dependent.blockers -= 1
     return dependent.blockers == 0

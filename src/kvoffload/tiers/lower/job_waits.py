@@ -1,6 +1,6 @@
-"""Waiting on a handler's background jobs that have deadlines: shared by the disk and remote handlers.
+"""Waiting on a handler's background jobs that have deadlines: the waits of ``handler.LowerTierHandler``.
 
-Both keep one state per job with a ``done`` event, fail overdue jobs in an ``expire`` pass, and must return from
+It keeps one state per job with a ``done`` event, fails overdue jobs in an ``expire`` pass, and must return from
 ``wait`` and ``shutdown`` even while an I/O thread is stuck. These two loops are that waiting, once.
 """
 

@@ -9,7 +9,7 @@ per lane seals (or verifies and copies) one batch while the lane sends (or recei
 checksums hide behind the network. The workers' client sends a value from its staging buffer straight to the socket
 (``remote_client.connect(values_in_place=True)``). Values are named as ``remote_client.value_name`` says (this rank,
 this namespace, this secret), so an engine only ever reads values of its own namespace and rank (a replicated
-namespace's ranks share one name per key, written by rank 0 alone: ``connector.worker.SkipWrites``). ``SET`` writes
+namespace's ranks share one name per key, written by rank 0 alone: ``transfer.skip_writes.SkipWrites``). ``SET`` writes
 a whole value at once, so a half-written value is never read; ``NX`` keeps the first writer's value (every writer of
 one name writes the same bytes: the name is the content's key), and a value already there is a successful store.
 
@@ -35,37 +35,34 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvoffload.config import RemoteTierConfig
 from kvoffload.keys import Namespace, OffloadKey
-from kvoffload.specs import HostBlocks, JobId, Medium, RemoteBlocks, TransferJob
+from kvoffload.specs import Medium, RemoteBlocks, TransferJob
 from kvoffload.tiers.lower.block_codec import open_into
-from kvoffload.tiers.lower.block_format import BlockFormat, CorruptBlockError, GroupedLayout, entry_bytes_of
+from kvoffload.tiers.lower.block_format import CorruptBlockError, GroupedLayout, entry_bytes_of
 from kvoffload.tiers.lower.breaker import CircuitBreaker
+from kvoffload.tiers.lower.handler import SHUTDOWN_GRACE_S, LowerJob, LowerTierHandler
 from kvoffload.tiers.lower.io_threads import IoThreads
-from kvoffload.tiers.lower.job_waits import drain_jobs, wait_jobs
 from kvoffload.tiers.remote.client import rank_prefix
 from kvoffload.tiers.remote.faults import Fault, FaultLog, classify, delete_quietly, raise_first_error
 from kvoffload.tiers.remote.link import RemoteLink
 from kvoffload.tiers.remote.reads import read_bounded
 from kvoffload.tiers.remote.stage import BATCH_BYTES, SealStage, batches, overlapped
-from kvoffload.transfer.base import TransferHandler, TransferResult
 
 if TYPE_CHECKING:
     from kvoffload.transfer.host_pool import HostPool
 
 HOST_TO_REMOTE = (Medium.HOST, Medium.REMOTE)
 REMOTE_TO_HOST = (Medium.REMOTE, Medium.HOST)
-SHUTDOWN_GRACE_S = 10.0
-"""How long ``shutdown`` waits for unfinished jobs (each also ends at its own deadline) before failing them."""
 QUEUED_POLL_S = 0.1
 """How often ``wait`` looks at a job still queued behind another (whether its lane got stuck)."""
+__all__ = ["HOST_TO_REMOTE", "QUEUED_POLL_S", "REMOTE_TO_HOST", "SHUTDOWN_GRACE_S", "RemoteHandler"]
 
 
 @dataclass(frozen=True)
@@ -76,19 +73,8 @@ class _Block:
     nbytes: int
 
 
-@dataclass(eq=False)
-class _Job:
-    job: TransferJob
-    blocks: list[_Block]
-    is_store: bool
-    start: float | None = None
-    """The clock when its lane took it up (None while queued)."""
-    finished: bool = False
-    """Its result is out: a late reply changes nothing."""
-    copying: bool = False
-    """Its slots are being read or written right now (memory speed: never stuck)."""
-    copied: int = 0
-    done: threading.Event = field(default_factory=threading.Event)
+_Job = LowerJob[_Block]
+"""A job's ``start`` is when its lane took it up (None while queued)."""
 
 
 class _Miss(Exception):
@@ -103,7 +89,7 @@ class _Damaged(Exception):
         self.name, self.error = name, error
 
 
-class RemoteHandler(TransferHandler):
+class RemoteHandler(LowerTierHandler[RemoteBlocks, _Block, _Job]):
     """Host pool <-> values of one rank in a Redis-protocol store. Register it for (HOST, REMOTE) and
     (REMOTE, HOST).
 
@@ -122,21 +108,17 @@ class RemoteHandler(TransferHandler):
         ConfigError: redis-py is not installed.
     """
 
+    store_type = HOST_TO_REMOTE
+    load_type = REMOTE_TO_HOST
+    spec_type = RemoteBlocks
+
     def __init__(self, config: RemoteTierConfig, pool: HostPool, namespace: Namespace,
                  entry_bytes: tuple[int, ...], *, client: Any | None = None,
                  clock: Callable[[], float] = time.monotonic, batch_bytes: int = BATCH_BYTES) -> None:
-        slots = pool.buffer.numpy()
-        if not entry_bytes or any(n <= 0 or n > slots.shape[1] for n in entry_bytes):
-            raise ValueError(f"RemoteHandler entry_bytes {entry_bytes} must be positive and fit a host slot of "
-                             f"{slots.shape[1]} bytes")
-        self._slots = slots
-        self._entry_bytes = entry_bytes
-        self._fingerprint = namespace.fingerprint()
-        self._fmt = BlockFormat.of(config.secret)
+        super().__init__(pool, namespace, entry_bytes, config.secret, clock)
         self._prefix = rank_prefix(namespace, self._fmt)  # once: it hashes the namespace (5 us a block otherwise)
         self._ttl_s = config.ttl_s
         self._budget_s = config.connect_timeout_s + 2 * config.timeout_s  # connect, send, answer
-        self._clock = clock
         self.breaker = CircuitBreaker(config.breaker_errors, config.breaker_cooldown_s, clock, "remote tier")
         self.store_breaker = CircuitBreaker(config.breaker_errors, config.breaker_cooldown_s, clock,
                                             "remote tier's stores")
@@ -150,11 +132,6 @@ class RemoteHandler(TransferHandler):
         value_bytes = self._fmt.file_bytes(max(entry_bytes))
         self._per_batch = max(1, batch_bytes // value_bytes)
         self._stage = SealStage(self._fmt, self._fingerprint, value_bytes, self._per_batch)
-        self._lock = threading.Lock()
-        self._copied = threading.Condition(self._lock)
-        self._jobs: dict[JobId, _Job] = {}
-        self._finished: list[TransferResult] = []
-        self._closed = False
         self._start_up(config.breaker_cooldown_s)
 
     @classmethod
@@ -162,41 +139,6 @@ class RemoteHandler(TransferHandler):
                factor: int) -> RemoteHandler:
         """The handler of one worker: entries of group ``g`` are ``factor * layout.group_block_bytes(g)``."""
         return cls(config, pool, namespace, entry_bytes_of(layout, factor))
-
-    def submit(self, job: TransferJob) -> bool:
-        state = self._plan(job)
-        with self._lock:
-            if self._closed:
-                return False
-            self._jobs[job.job_id] = state
-        # Even a job that fails at once (tier off) goes through its lane, behind the jobs before it, so that
-        # results come in submission order.
-        self._lanes[state.is_store].submit(functools.partial(self._run, state))
-        return True
-
-    def get_finished(self) -> list[TransferResult]:
-        self._expire()
-        with self._lock:
-            finished, self._finished = self._finished, []
-        return finished
-
-    def wait(self, job_ids: Collection[JobId]) -> None:
-        with self._lock:
-            states = [self._jobs[j] for j in job_ids if j in self._jobs]
-        wait_jobs(states, self._wait_slice, self._expire)
-
-    def shutdown(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            states = list(self._jobs.values())
-        drain_jobs(states, self._wait_slice, self._expire, lambda state: self._end(state, ok=False), SHUTDOWN_GRACE_S)
-        for lane in self._lanes.values():
-            lane.stop()
-        for helper in self._helpers.values():
-            helper.shutdown(wait=False)
-        self._link.close()  # also breaks a lane out of a socket it is stuck on
 
     def _start_up(self, cooldown_s: float) -> None:
         """Probe the server once: one that is absent or refuses us switches the tier off for a cool-down."""
@@ -207,26 +149,23 @@ class RemoteHandler(TransferHandler):
             self.faults.note(classify(e), e, f"the remote tier is off; every remote job fails at once until it "
                                              f"is tried again in {cooldown_s:.0f} s")
 
-    def _plan(self, job: TransferJob) -> _Job:
-        """Validate a job and list its blocks (a malformed job is a scheduler bug: ValueError)."""
-        if job.transfer_type == HOST_TO_REMOTE:
-            host, remote = job.src, job.dst
-        elif job.transfer_type == REMOTE_TO_HOST:
-            host, remote = job.dst, job.src
-        else:
-            raise ValueError(f"job {job.job_id}: RemoteHandler does not move {job.transfer_type}")
-        assert isinstance(host, HostBlocks) and isinstance(remote, RemoteBlocks)
-        if host.group_sizes != remote.group_sizes or len(host.group_sizes) > len(self._entry_bytes):
-            raise ValueError(f"job {job.job_id}: group sizes {host.group_sizes} and {remote.group_sizes} "
-                             f"differ or exceed the {len(self._entry_bytes)} groups of this tier")
-        if host.skip_sub_blocks:
-            raise ValueError(f"job {job.job_id}: skip_sub_blocks is not supported between host and remote")
-        if any(not 0 <= s < self._slots.shape[0] for s in host.slots):
-            raise ValueError(f"job {job.job_id}: a slot of {host.slots} is outside the pool")
-        groups = [g for g, n in enumerate(host.group_sizes) for _ in range(n)]
-        blocks = [_Block(s, k, self._prefix + self._fmt.name(k), self._entry_bytes[g])  # = value_name()
-                  for s, k, g in zip(host.slots, remote.keys, groups, strict=True)]
-        return _Job(job, blocks, is_store=job.transfer_type == HOST_TO_REMOTE)
+    def _block(self, slot: int, key: OffloadKey, nbytes: int) -> _Block:
+        return _Block(slot, key, self._prefix + self._fmt.name(key), nbytes)  # = value_name()
+
+    def _new_job(self, job: TransferJob, blocks: list[_Block]) -> _Job:
+        return _Job(job, blocks)
+
+    def _launch(self, state: _Job) -> None:
+        # Even a job that fails at once (tier off) goes through its lane, behind the jobs before it, so that
+        # results come in submission order.
+        self._lanes[state.is_store].submit(functools.partial(self._run, state))
+
+    def _stop(self) -> None:
+        for lane in self._lanes.values():
+            lane.stop()
+        for helper in self._helpers.values():
+            helper.shutdown(wait=False)
+        self._link.close()  # also breaks a lane out of a socket it is stuck on
 
     def _run(self, state: _Job) -> None:
         """One job, on its lane's thread; every data-path problem ends as a failed result."""
@@ -235,20 +174,20 @@ class RemoteHandler(TransferHandler):
                 return  # failed at its deadline while queued behind a stuck job
             state.start = self._clock()
         if not state.blocks:
-            self._end(state, ok=True)
+            self._end(state, failed=False)
             return
         if not self.breaker.allow() or (state.is_store and not self.store_breaker.allow()):
-            self._end(state, ok=False)
+            self._end(state, failed=True)
             return
         try:
             self._store(state) if state.is_store else self._load(state)
         except _Miss:
-            self._end(state, ok=False, then=self._note_answer)  # the server answered: a miss is no fault
+            self._end(state, failed=True, then=self._note_answer)  # the server answered: a miss is no fault
             return
         except Exception as e:
-            self._end(state, ok=False, then=functools.partial(self._note, classify(e), e))
+            self._end(state, failed=True, then=functools.partial(self._note, classify(e), e))
             return
-        self._end(state, ok=True, then=functools.partial(self._note_answer, stored=state.is_store))
+        self._end(state, failed=False, then=functools.partial(self._note_answer, stored=state.is_store))
 
     def _store(self, state: _Job) -> None:
         """Seal and send the job's values, one pipeline of ``SET NX`` per batch.
@@ -327,16 +266,10 @@ class RemoteHandler(TransferHandler):
         Raises:
             TimeoutError: the job has its result already, or is past its budget: its slots may be reused now.
         """
-        with self._lock:
-            if state.finished or self._overdue(state, self._clock()):
+        with self._holding_slots(state) as held:
+            if not held:
                 raise TimeoutError(f"job {state.job.job_id} answered after its {self._budget_s:.2f} s budget")
-            state.copying = True
-        try:
             yield
-        finally:
-            with self._lock:
-                state.copying = False
-                self._copied.notify_all()
 
     def _note_answer(self, stored: bool = False) -> None:
         self.breaker.record(True)
@@ -357,6 +290,9 @@ class RemoteHandler(TransferHandler):
             return now - state.start > self._budget_s
         return stuck is not None and stuck[state.is_store]
 
+    def _is_late(self, state: _Job) -> bool:
+        return self._overdue(state, self._clock())
+
     def _wait_slice(self, state: _Job) -> float:
         """How long to wait for ``state`` before checking the deadlines again."""
         if state.start is None:
@@ -371,27 +307,5 @@ class RemoteHandler(TransferHandler):
             late = [s for s in self._jobs.values() if not s.finished and self._overdue(s, now, stuck)]
         for state in late:
             timeout = f"job {state.job.job_id} unanswered after {self._budget_s:.2f} s"
-            self._end(state, ok=False, then=functools.partial(self._note, Fault.TIMEOUT, timeout)
+            self._end(state, failed=True, then=functools.partial(self._note, Fault.TIMEOUT, timeout)
                       if state.start is not None else None)
-
-    def _end(self, state: _Job, ok: bool, then: Callable[[], None] | None = None) -> None:
-        """Give ``state`` its result, once: the first call wins, a later one (a late reply) changes nothing.
-
-        A copy into its slots finishes first; ``then`` (what the outcome tells the breakers and the log) runs
-        before the result is out, so whoever sees the result also sees its fault counted.
-        """
-        with self._lock:
-            if state.finished:
-                return
-            state.finished = True
-            while state.copying:
-                self._copied.wait()
-            seconds = self._clock() - state.start if state.start is not None else 0.0
-        if then is not None:
-            then()
-        with self._lock:
-            self._finished.append(TransferResult(state.job.job_id, ok, state.copied if ok else 0, seconds,
-                                                 state.job.transfer_type))
-            del self._jobs[state.job.job_id]
-        state.done.set()
-
