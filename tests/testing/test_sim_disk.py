@@ -179,3 +179,21 @@ def test_a_corrupt_block_on_a_file_system_turned_read_only_is_recomputed_within_
     (disk,) = [h for h in engine.workers[0].transfers.handlers if isinstance(h, DiskHandler)]
     assert disk.breaker.errors >= 1  # the breaker heard of the failed removal
     assert files[0].exists()
+
+
+def test_a_larger_later_group_comes_back_from_disk_whole(tmp_path: Path) -> None:
+    # Group 0 is the smaller one here (512 bytes a block, group 1 640): tier jobs list the keys of both groups as
+    # one, so a handler sizing entries by group 0 truncated group 1's blocks (caught: 4 corrupt blocks).
+    made, _ = layouts.multi_group_layout(num_blocks=48, block_size=BLOCK)
+    layout, make_kv = layouts.reordered(made, (1, 0))
+    assert layout.group_block_bytes(0) < layout.group_block_bytes(1)
+    raw = {"offload_block_tokens": BLOCK, "host_bytes": 8 * layout.group_block_bytes(1), "disk_path": str(tmp_path),
+           "disk_bytes": 1 << 24}
+    engine = SimEngine(layout, make_kv, OffloadConfig.from_dict(raw), block_size=BLOCK)
+    prompt = tokens(16, seed=1)
+    engine.add_request("a", prompt)
+    run_checked(engine)
+    push_out_of_host(engine)
+    b = engine.add_request("b", [*prompt, 7])
+    run_checked(engine)
+    assert b.loaded_tokens == 16 and engine.corrupt_blocks == [] and engine.verified_blocks >= 4

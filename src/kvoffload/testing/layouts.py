@@ -18,6 +18,7 @@ any float dtype (float comparisons stay meaningful).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -146,6 +147,14 @@ def multi_group_layout(*, num_blocks: int = 8, block_size: int = 4, device: str 
     mixed = KVGroup(("a.0", "a.1"), specs)
     wide = KVGroup.uniform(["b.0"], _attention(block_size, torch.float32))
     return _made(KVCacheLayout(num_blocks, (mixed, wide)), device, seed)
+
+
+def reordered(layout: KVCacheLayout, order: tuple[int, ...], device: str | torch.device = "cpu",
+              seed: int = 0) -> Made:
+    """``layout`` with its groups in ``order`` (``order[i]`` is the old index of new group ``i``), its layers and
+    buffers as they were: e.g. a smaller group first."""
+    groups = tuple(layout.groups[i] for i in order)
+    return _made(dataclasses.replace(layout, groups=groups), device, seed)
 
 
 def mamba_layout(num_layers: int = 2, *, num_blocks: int = 8, block_size: int = 4,

@@ -146,7 +146,7 @@ def warnings_about(caplog: pytest.LogCaptureFixture, text: str) -> int:
 
 def test_store_then_load_round_trips_several_groups_bit_exact(handler: RemoteHandler) -> None:
     ks = keys(5)
-    sizes = (48, 48, 48, 32, 32)
+    sizes = (48,) * 5  # an entry of any group moves the largest group's bytes (tiers/lower/handler.py)
     expected = [row(handler, s, n) for s, n in zip(range(5), sizes, strict=True)]
     stored = run(handler, store((0, 1, 2, 3, 4), ks, (3, 2)))
     assert stored.success and stored.bytes == sum(sizes) and stored.transfer_type == (Medium.HOST, Medium.REMOTE)

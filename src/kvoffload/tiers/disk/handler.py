@@ -1,9 +1,10 @@
 """Worker side of the disk tier: copies blocks between the host pool and block files, both ways.
 
 The router sends this handler the jobs of (HOST, DISK) and (DISK, HOST). Each job is split into one task per
-block, run on ``io_threads`` daemon threads (``IoThreads``); a task writes or reads the first ``entry_bytes[g]``
-bytes of a host slot (for an entry of KV-cache group ``g``) in the format of ``disk_format``. Files live in this
-rank's directory, checked at start-up (``disk_tree.open_tree``), and carry this rank's namespace fingerprint, so
+block, run on ``io_threads`` daemon threads (``IoThreads``); a task writes or reads the first ``max(entry_bytes)``
+bytes of a host slot (an entry of any KV-cache group: ``tiers.lower.handler`` says why) in the format of
+``tiers.lower.block_format``. Files live in this
+rank's directory, checked at start-up (``tiers.disk.tree.open_tree``), and carry this rank's namespace fingerprint, so
 a block is only loaded by the rank and namespace that wrote it. A replicated namespace (every rank holds the same
 bytes) has one directory and one fingerprint for all ranks: rank 0 writes it (the other ranks' handlers are wrapped
 in ``transfer.skip_writes.SkipWrites``) and every rank reads it.

@@ -199,9 +199,11 @@ class LowerTierHandler(TransferHandler, Generic[SpecT, BlockT, JobT]):
                              f"{self.store_type[1].value}")
         if any(not 0 <= s < self._slots.shape[0] for s in host.slots):
             raise ValueError(f"job {job.job_id}: a slot of {host.slots} is outside the pool")
-        groups = [g for g, n in enumerate(host.group_sizes) for _ in range(n)]
-        blocks = [self._block(s, k, self._entry_bytes[g])
-                  for s, k, g in zip(host.slots, tier.keys, groups, strict=True)]
+        # Every entry moves the largest group's bytes, whatever its group: the scheduler's tier jobs list the keys
+        # of many groups as one (a key's group is folded into it, and the index does not keep it), so a group's
+        # own size could truncate a larger group's entry. The block files and values are sized for it too.
+        nbytes = max(self._entry_bytes)
+        blocks = [self._block(s, k, nbytes) for s, k in zip(host.slots, tier.keys, strict=True)]
         return self._new_job(job, blocks)
 
     def _sides(self, job: TransferJob) -> tuple[HostBlocks, SpecT]:
