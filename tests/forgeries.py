@@ -2,7 +2,7 @@
 
 Each forgery starts from what such a writer can see or make: a genuine sealed block of the tier (readable by anyone
 who can read the store), blocks of its own in any format, and seals made with another secret. Every one must fail to
-open in a sealed tier (``block_codec.open_into``) with ``UnauthenticBlockError``.
+open in a sealed tier (``tiers.lower.block_codec.open_into``) with ``UnauthenticBlockError``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """kvoffload under tensor parallelism: real vLLM at ``tensor_parallel_size=2`` on the CPU backend.
 
-Two worker processes (ranks 0 and 1, gloo between them) each hold half of the model's KV heads, so each rank's
-worker half stores its own shard: the disk tier keeps one directory per rank (``disk_format.rank_directory``),
-holding files of the same names (keys are the same on every rank) with different bytes and each rank's own
-namespace fingerprint in the header. The one scheduler half counts a job done only when both ranks reported it,
-and unions the ranks' failures: a block that fails to load on one rank is recomputed on both.
+Two worker processes (ranks 0 and 1, gloo between them) each hold half of the model's KV heads, so each rank's worker
+half stores its own shard: the disk tier keeps one directory per rank (``tiers.lower.block_format.rank_directory``),
+holding files of the same names (keys are the same on every rank) with different bytes and each rank's own namespace
+fingerprint in the header. The one scheduler half counts a job done only when both ranks reported it, and unions the
+ranks' failures: a block that fails to load on one rank is recomputed on both.
 
 Plain vLLM at TP=2 is the baseline, with its control (tests/e2e/conftest.py): one changed prompt token must move
 its outputs, so the comparisons below can fail.

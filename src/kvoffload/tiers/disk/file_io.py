@@ -138,7 +138,8 @@ def _write_rest(fd: int, buffers: list[memoryview | bytes], written: int) -> Non
 
 def write_block(ops: FileOps, path: str, fingerprint: bytes, key: OffloadKey, payload: memoryview,
                 fmt: BlockFormat = PLAIN) -> None:
-    """Write one block (``block_codec``'s bytes) to a temporary name, then rename into place (atomic on POSIX).
+    """Write one block (``tiers.lower.block_codec``'s bytes) to a temporary name, then rename into place (atomic on
+    POSIX).
 
     A plain block goes out as header and payload straight from the slot; a sealed one is encrypted into this
     thread's scratch buffer first.
@@ -164,7 +165,7 @@ def write_block(ops: FileOps, path: str, fingerprint: bytes, key: OffloadKey, pa
 
 def read_block(ops: FileOps, path: str, fingerprint: bytes, key: OffloadKey, out: memoryview,
                fmt: BlockFormat = PLAIN) -> None:
-    """Read one block's payload into ``out`` (exactly its length) and verify it (``block_codec``).
+    """Read one block's payload into ``out`` (exactly its length) and verify it (``tiers.lower.block_codec``).
 
     A plain block is read straight into ``out`` and checked there; a sealed one is read into this thread's
     scratch buffer and decrypted into ``out``. ``out`` may hold garbage afterwards when this raises.

@@ -4,7 +4,7 @@ The index is a ``SlotIndex`` over ``capacity_bytes // file size`` logical slots 
 that name files by key), so pins, in-flight stores, doomed keys and the eviction policy work exactly as on the
 host tier. This class adds what is particular to files:
 
-- start-up: the directory tree is created and checked (``disk_tree.open_tree``: a directory another user could
+- start-up: the directory tree is created and checked (``tiers.disk.tree.open_tree``: a directory another user could
   write is a ``ConfigError``), then the index is rebuilt from the file names in rank 0's directory (no payload
   is read; temporary files left by a crash are removed).
 - sharing: on an index miss, a regular file another engine wrote under the same namespace is adopted. A key
@@ -14,7 +14,7 @@ host tier. This class adds what is particular to files:
   every rank's directory right away. A removal that fails is counted (``removal_errors``) and logged once.
 - budget: an engine's index holds at most its own budget, and it deletes only the files it drops from its own
   index. Files beyond the budget at start-up are deleted only by an engine that starts alone on the directory
-  (``disk_tree.WorldLock``): while other engines run there, they may be theirs. docs/operations.md explains
+  (``tiers.disk.tree.WorldLock``): while other engines run there, they may be theirs. docs/operations.md explains
   the rule.
 
 Only rank 0's directory is indexed: a block whose file is missing on another rank is a failed load there, and

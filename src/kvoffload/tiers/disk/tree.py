@@ -44,7 +44,7 @@ SHARED_FILE_MODE = 0o660
 FAN_OUTS = tuple(f"{i:02x}" for i in range(256))
 _KEY_HEX = KEY_BYTES * 2
 _OUR_TMP = re.compile(rf"([0-9a-f]{{{_KEY_HEX}}})\.(\d+)-\d+{re.escape(TMP_SUFFIX)}")
-"""``<key hex>.<pid>-<n>.tmp``, the only temporary name ``disk_io.write_block`` makes."""
+"""``<key hex>.<pid>-<n>.tmp``, the only temporary name ``tiers.disk.file_io.write_block`` makes."""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """One block's bytes as a shared tier holds them: sealed from a payload, opened back into a host slot.
 
-Both shared tiers use this one codec: the disk tier's ``disk_io`` for block files and the remote tier's
+Both shared tiers use this one codec: the disk tier's ``tiers.disk.file_io`` for block files and the remote tier's
 ``RemoteHandler`` for values (a value is exactly a block file's bytes). Plain (no tier secret): the 64-byte header
 (namespace fingerprint, key, payload length, CRC32C) and the payload. Sealed (a tier secret): a clear header that
 names neither, the payload encrypted with AES-256-GCM, and its tag (``kvoffload.auth``). docs/disk-format.md

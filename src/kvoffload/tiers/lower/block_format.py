@@ -1,7 +1,7 @@
 """The disk tier's on-disk format: where a block's file lives, its fixed binary header, and the start-up scan.
 
 Shared by both halves: the worker's ``DiskHandler`` writes and reads files in this format, the scheduler's
-``DiskIndex`` rebuilds its index from file names (``disk_tree.scan``: no payload is read). This module
+``DiskIndex`` rebuilds its index from file names (``tiers.disk.tree.scan``: no payload is read). This module
 imports no torch and does no block I/O; docs/disk-format.md is its prose twin: change them together.
 
 A plain file (no tier secret: format version 1) is ``HEADER`` (64 bytes, little-endian) followed by the raw payload
@@ -36,7 +36,7 @@ and ``name`` the key, or, for an authenticated tier, both are keyed by the secre
 namespace (every rank holds the same bytes: ``Namespace.replicated``) has one directory, ``<world>/replicated``,
 that rank 0 writes and every rank reads. A file is
 written under a temporary name in the same directory (``<name hex>.<pid>-<n>.tmp``) and renamed into place, so a
-final name never points at a half-written block. ``disk_tree`` creates, checks and scans the directories.
+final name never points at a half-written block. ``tiers.disk.tree`` creates, checks and scans the directories.
 """
 
 from __future__ import annotations

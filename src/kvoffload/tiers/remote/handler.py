@@ -1,24 +1,25 @@
 """Worker side of the remote tier: copies blocks between the host pool and values in a Redis-protocol store.
 
-The router sends this handler the jobs of (HOST, REMOTE) and (REMOTE, HOST). A store seals each block's host slot
-bytes into a value (``remote_stage.SealStage``: the disk tier's encoding, ``block_codec``, staged in buffers it
-keeps) and sends non-transactional pipelines of ``SET name value NX [EX ttl]``; a load sends pipelines of
-``GETRANGE`` that read no more than a value's size (``remote_reads``) and verifies every value before copying its
-payload into the host slot. A job is cut into pipelines of about ``BATCH_BYTES`` of values, and a helper thread
-per lane seals (or verifies and copies) one batch while the lane sends (or receives) the next: the copies and
-checksums hide behind the network. The workers' client sends a value from its staging buffer straight to the socket
-(``remote_client.connect(values_in_place=True)``). Values are named as ``remote_client.value_name`` says (this rank,
-this namespace, this secret), so an engine only ever reads values of its own namespace and rank (a replicated
-namespace's ranks share one name per key, written by rank 0 alone: ``transfer.skip_writes.SkipWrites``). ``SET`` writes
-a whole value at once, so a half-written value is never read; ``NX`` keeps the first writer's value (every writer of
-one name writes the same bytes: the name is the content's key), and a value already there is a successful store.
+The router sends this handler the jobs of (HOST, REMOTE) and (REMOTE, HOST). A store seals each block's host slot bytes
+into a value (``tiers.remote.stage.SealStage``: the disk tier's encoding, ``tiers.lower.block_codec``, staged in buffers
+it keeps) and sends non-transactional pipelines of ``SET name value NX [EX ttl]``; a load sends pipelines of
+``GETRANGE`` that read no more than a value's size (``tiers.remote.reads``) and verifies every value before copying its
+payload into the host slot. A job is cut into pipelines of about ``BATCH_BYTES`` of values, and a helper thread per lane
+seals (or verifies and copies) one batch while the lane sends (or receives) the next: the copies and checksums hide
+behind the network. The workers' client sends a value from its staging buffer straight to the socket
+(``tiers.remote.client.connect(values_in_place=True)``). Values are named as ``tiers.remote.client.value_name`` says
+(this rank, this namespace, this secret), so an engine only ever reads values of its own namespace and rank (a
+replicated namespace's ranks share one name per key, written by rank 0 alone: ``transfer.skip_writes.SkipWrites``).
+``SET`` writes a whole value at once, so a half-written value is never read; ``NX`` keeps the first writer's value
+(every writer of one name writes the same bytes: the name is the content's key), and a value already there is a
+successful store.
 
 Never on the engine step: ``submit`` only queues. Jobs run on two lanes, one daemon thread each (``IoThreads``):
 stores and loads, so a backlog of stores never delays a load (a request waits for its loads, never for stores).
 Each lane runs its jobs in submission order, which gives the ordering rule of ``TransferHandler``: only loads write
 host slots, only stores write values.
 
-Failures are outcomes (``remote_faults``): a missing value (evicted by the server, or its TTL passed), a damaged
+Failures are outcomes (``tiers.remote.faults``): a missing value (evicted by the server, or its TTL passed), a damaged
 or unauthentic one (then deleted, so that the next ``SET NX`` can replace it), a dead, restarted, stalled or full
 server, a refused password, a failed TLS handshake: the job fails, the engine recomputes or skips the store, and
 each kind is logged once per outage. Server faults open ``breaker`` (jobs then fail at once, without I/O, for the
@@ -99,10 +100,10 @@ class RemoteHandler(LowerTierHandler[RemoteBlocks, _Block, _Job]):
         namespace: this rank's namespace; its ``fingerprint()`` is written into and checked in every value.
         entry_bytes: payload bytes of one offload block of each KV-cache group
             (``factor * group_block_bytes(g)``).
-        client: a redis-py client to use instead of ``remote_client.connect(config)`` (kept as it is: its retry
+        client: a redis-py client to use instead of ``tiers.remote.client.connect(config)`` (kept as it is: its retry
             policy and its closing are the caller's).
         clock: monotonic seconds, for job deadlines and the breakers' cool-down.
-        batch_bytes: about this many value bytes per pipeline (``remote_stage.BATCH_BYTES``; at least one value).
+        batch_bytes: about this many value bytes per pipeline (``tiers.remote.stage.BATCH_BYTES``; at least one value).
     Raises:
         ValueError: an entry does not fit in a host slot, or ``entry_bytes`` is empty or not positive.
         ConfigError: redis-py is not installed.
@@ -240,7 +241,7 @@ class RemoteHandler(LowerTierHandler[RemoteBlocks, _Block, _Job]):
         state.copied = sum(b.nbytes for b in state.blocks)
 
     def _fetch(self, client: Any, _buffer: int, batch: Sequence[_Block]) -> list[bytes]:
-        """``batch``'s values, none read past its expected size (``remote_reads``: planted ones are deleted)."""
+        """``batch``'s values, none read past its expected size (``tiers.remote.reads``: planted ones are deleted)."""
         found = read_bounded(client, [(b.name, self._fmt.file_bytes(b.nbytes)) for b in batch])
         if found.damage is not None:
             raise found.damage  # a damaged value, not a server fault
@@ -248,9 +249,11 @@ class RemoteHandler(LowerTierHandler[RemoteBlocks, _Block, _Job]):
             raise _Miss()
         return found.values
 
+
     def _copy_in(self, state: _Job, batch: Sequence[_Block], values: list[bytes]) -> None:
-        """Open every value of ``batch`` into its slot (``block_codec.open_into``: checked, and decrypted with a
-        secret) while the job owns the slots; a failed check fails the whole job, whose slots are then dropped."""
+        """Open every value of ``batch`` into its slot (``tiers.lower.block_codec.open_into``: checked, and decrypted
+        with a secret) while the job owns the slots; a failed check fails the whole job, whose slots are then
+        dropped."""
         with self._owning(state):
             for block, value in zip(batch, values, strict=True):
                 slot = self._slots[block.slot, :block.nbytes].data

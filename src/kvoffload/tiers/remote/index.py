@@ -90,7 +90,7 @@ class RemoteIndex(ResidencyManager):
 
         Args:
             value_bytes: size of one value (the disk tier's block encoding of the largest group's entry).
-            client: a redis-py client to use (tests); None: ``remote_client.connect(config)``.
+            client: a redis-py client to use (tests); None: ``tiers.remote.client.connect(config)``.
         Raises:
             ConfigError: ``remote_bytes`` is below one value.
         """

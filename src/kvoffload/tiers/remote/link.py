@@ -1,14 +1,14 @@
 """The worker's connection to the remote tier: one redis-py client, made again when making it failed.
 
 ``RemoteHandler`` asks ``RemoteLink.client()`` for the client in its lanes. For one server the client is lazy
-(``remote_client.connect`` never touches the network), but a Redis Cluster client asks a start-up node for the
+(``tiers.remote.client.connect`` never touches the network), but a Redis Cluster client asks a start-up node for the
 slot map in its constructor, which fails while the cluster is down: then there is no client yet, and the next job
 after the breaker's cool-down tries again. The start-up ``probe`` (a ``PING``) tells the handler whether the tier
 is up before the first job.
 
 Retries: redis-py 8 retries a failed command 10 times with backoff by default (seconds of sleeping per command
 against a dead server, and 11 timeouts against a stalled one). A failed job is cheap here (the engine recomputes,
-the store is skipped), a stalled engine step is not, so the client made here (``remote_client.connect``) never
+the store is skipped), a stalled engine step is not, so the client made here (``tiers.remote.client.connect``) never
 retries: every command is bounded by ``connect_timeout_s`` + ``timeout_s``. A client passed in by the caller keeps
 its own retry policy.
 """

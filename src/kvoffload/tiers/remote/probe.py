@@ -50,7 +50,7 @@ _AT_ONCE = (rex.TimeoutError, TimeoutError, rex.AuthenticationError, rex.Authent
 
 
 class ValueNames:
-    """Every rank's value name of a key (``remote_client.value_name`` for each rank; one name for a replicated
+    """Every rank's value name of a key (``tiers.remote.client.value_name`` for each rank; one name for a replicated
     namespace), remembered for recent keys."""
 
     def __init__(self, namespace: Namespace, fmt: BlockFormat) -> None:

@@ -7,8 +7,8 @@ promotion). ``RemoteHandler`` reads each value of a batch with ``GETRANGE name 0
 inclusive, so a reply is at most ``expected + 1`` bytes, and that byte more shows a value too long without the
 rest of it ever being sent. What a name holds is then one of:
 
-- a string: its reply goes on to the value checks (``block_codec.open_into``), which judge it as they judge any
-  value, its header first (so an older format's value is unauthentic, whatever its size) and then its length (a
+- a string: its reply goes on to the value checks (``tiers.lower.block_codec.open_into``), which judge it as they judge
+  any value, its header first (so an older format's value is unauthentic, whatever its size) and then its length (a
   reply one byte longer than expected fails there); a string that is too long is also deleted here at once;
 - another type (``WRONGTYPE``): damage, deleted here;
 - nothing: ``GETRANGE`` answers ``b""`` both for a missing name and for a planted empty string, and ``DEL`` tells

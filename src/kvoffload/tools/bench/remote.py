@@ -7,12 +7,12 @@ the values' one copy into staging, ``SET NX`` pipelines) and loads them back (``
 verified, its payload copied into the host pool). The raw side sends the same payload bytes, ready made as
 ``bytes``, in one redis-py pipeline of plain ``SET`` with redis-py's defaults (hiredis packs every command, copying
 each value once), and receives them in one pipeline of ``GET``. The in-place side is the raw ``SET`` again with the
-packer the handler's client uses (``remote_client.in_place_connection``: values sent as they are): the best redis-py
-does with these bytes. Every side uses the hiredis parser when installed and one TCP connection to one server on
-127.0.0.1. Rows report medians over rounds and the ratios handler / raw and handler / in place. Then the lookup
-figure: the scheduler's ``RemoteIndex`` looks up a 2,048-key prompt whose values are all on the server
-(answers not cached: a fresh manager each round), median milliseconds. Without ``--url`` the bench starts its own
-``redis-server`` (``testing.redis_server``).
+packer the handler's client uses (``tiers.remote.client.in_place_connection``: values sent as they are): the best
+redis-py does with these bytes. Every side uses the hiredis parser when installed and one TCP connection to one server
+on 127.0.0.1. Rows report medians over rounds and the ratios handler / raw and handler / in place. Then the lookup
+figure: the scheduler's ``RemoteIndex`` looks up a 2,048-key prompt whose values are all on the server (answers not
+cached: a fresh manager each round), median milliseconds. Without ``--url`` the bench starts its own ``redis-server``
+(``testing.redis_server``).
 
 ``--tier-secret``: a fourth side, a second handler given a throwaway secret, stores and loads the same blocks
 sealed (AES-256-GCM, ``kvoffload.auth``) in the same rounds; its rows are reported beside the plain handler's with
