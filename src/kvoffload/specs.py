@@ -28,15 +28,16 @@ NO_BLOCK = -1
 """A hole in a load's ``DeviceBlocks``: this position is not copied."""
 
 
-@dataclass(frozen=True)
 class Medium:
     """Where blocks are: the device, the host pool, or a tier under host, named by ``value``.
 
-    Open, not an enum: a tier from another package (``kvoffload.tiers`` entry points) brings its own medium. Media are
-    values: compare them with ``==``, never ``is`` (a medium that crossed a process boundary is another object).
+    Open, not an enum: a tier from another package (``kvoffload.tiers`` entry points) brings its own medium. Like an
+    enum member, each name has one instance (``Medium("disk") is Medium.DISK``, also after pickling), so comparing
+    and hashing media costs what it costs for enum members: media route every job and count every transfer.
     """
 
-    value: str
+    __slots__ = ("value",)
+    _instances: ClassVar[dict[str, Medium]] = {}
 
     DEVICE: ClassVar[Medium]
     HOST: ClassVar[Medium]
@@ -45,9 +46,26 @@ class Medium:
     BUILT_IN: ClassVar[tuple[Medium, ...]]
     """kvoffload's own media, in the order the tiers are stacked."""
 
-    def __post_init__(self) -> None:
-        if not self.value or not self.value.replace("_", "").isalnum() or not self.value.isascii():
-            raise ValueError(f"medium {self.value!r}: a medium is named by ASCII letters, digits and underscores")
+    value: str
+
+    def __new__(cls, value: str) -> Medium:
+        found = cls._instances.get(value)
+        if found is not None:
+            return found
+        if not isinstance(value, str) or not value.replace("_", "").isalnum() or not value.isascii():
+            raise ValueError(f"medium {value!r}: a medium is named by ASCII letters, digits and underscores")
+        medium = super().__new__(cls)
+        object.__setattr__(medium, "value", value)
+        return cls._instances.setdefault(value, medium)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("a Medium is immutable")
+
+    def __reduce__(self) -> tuple[type[Medium], tuple[str]]:
+        return (Medium, (self.value,))  # unpickled as the one instance of its name
+
+    def __repr__(self) -> str:
+        return f"Medium({self.value!r})"
 
 
 Medium.DEVICE, Medium.HOST, Medium.DISK, Medium.REMOTE = (Medium(v) for v in ("device", "host", "disk", "remote"))
