@@ -56,7 +56,8 @@ TAILS = {"first": (7, 8), "second": (9, 10)}
 FIRST_HEAD = 206  # + plant + gap + tail = 220 prompt tokens: the first draft takes positions 221-223, the last
 # of block 6, so the step that verifies it is the one that fills the block, rejected draft tokens included
 LOADED_TOKENS = 7 * BLOCK_SIZE  # the second round's prompts start with the first's prompt and answer up to here
-PLANT_TRIES = 12
+PLANT_TRIES = 64  # the plant keeps the continuation in about one try of a few; how often depends on the CPU
+# kernels vLLM picks (12 tries were too few for one prompt on an AMD EPYC without AMX)
 
 
 class SpecCounts(NamedTuple):
@@ -83,7 +84,7 @@ def speculating_prompt(llm: vllm.LLM, head: list[int], tail: tuple[int, ...], se
     """``head + plant + gap + tail`` whose greedy continuation starts with the plant's ``c1 c2``.
 
     The plant moves the continuation (every token does, in a random model), so fresh gaps are tried until the
-    continuation keeps its first two tokens; a handful of tries suffices.
+    continuation keeps its first two tokens (``PLANT_TRIES`` at most).
     """
     rng = random.Random(seed)
     for _ in range(PLANT_TRIES):
