@@ -33,7 +33,8 @@ setup-redis:
 		fi; }
 	@command -v redis-server >/dev/null
 
-$(STAMP): pyproject.toml requirements-dev.txt src/kvoffload/_blockcopy.c src/kvoffload/_blockplan.c src/kvoffload/_stepscan.c
+$(STAMP): pyproject.toml requirements-dev.txt src/kvoffload/_blockcopy.c src/kvoffload/_blockplan.c src/kvoffload/_stepscan.c \
+		src/kvoffload/_nodeindex.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -r requirements-dev.txt

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-EXTENSIONS = ("kvoffload._blockcopy", "kvoffload._blockplan", "kvoffload._stepscan")
+EXTENSIONS = ("kvoffload._blockcopy", "kvoffload._blockplan", "kvoffload._stepscan", "kvoffload._nodeindex")
 WIDE_REGISTER = re.compile(r"%[yz]mm\d+")
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64",
