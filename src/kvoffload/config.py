@@ -3,20 +3,21 @@
 Engines hand kvoffload a flat ``{key: value}`` dict (vLLM's ``kv_connector_extra_config``). ``OffloadConfig.from_dict``
 validates all of it at once and raises one ``ConfigError`` that names every bad or unknown key and lists the
 accepted ones; nothing else escapes it, whatever the keys and values. Every other module receives the typed values
-below. Each key's parser (config_values.py: ranges, paths, URLs; config_secrets.py: secrets and passwords) is in
-``KEYS``; docs/configuration.md lists every key with its accepted range.
+below (the choices among named values are in config_choices.py). Each key's parser (config_values.py: ranges,
+paths, URLs; config_secrets.py: secrets and passwords) is in ``KEYS``; docs/configuration.md lists every key with
+its accepted range.
 """
 
 from __future__ import annotations
 
 import difflib
-import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvoffload.auth import TierSecret
+from kvoffload.config_choices import EvictionPolicy, HostScope, LoadPolicy, StoreAdmission, WritePolicy
 from kvoffload.config_secrets import password_env, password_file, password_text, secret_env, secret_file
 from kvoffload.config_values import (
     GIB,
@@ -36,56 +37,37 @@ from kvoffload.config_values import (
 )
 
 __all__ = ["FAULT_KEYS", "GIB", "KEYS", "REMOTE_SCHEMES", "ConfigError", "DiskTierConfig", "EvictionPolicy",
-           "HostTierConfig", "LoadPolicy", "OffloadConfig", "PluginTierConfig", "RemoteTierConfig", "StoreAdmission",
-           "WritePolicy"]
+           "HostScope", "HostTierConfig", "LoadPolicy", "NodeTierConfig", "OffloadConfig", "PluginTierConfig",
+           "RemoteTierConfig", "StoreAdmission", "WritePolicy"]
 
 
 class ConfigError(ValueError):
     """Bad configuration: the message names every culprit."""
 
 
-class EvictionPolicy(enum.Enum):
-    """Which resident block a tier gives up first (manager/policies/; docs/configuration.md compares them)."""
-
-    LRU = "lru"
-    ARC = "arc"
-    S3FIFO = "s3fifo"
-    """S3-FIFO: blocks used once leave through a small FIFO; scan- and loop-resistant."""
-    TINYLFU = "tinylfu"
-    """W-TinyLFU: a block leaving a small LRU window enters the main LRU only if used more often than its victim."""
+DEFAULT_NODE_PATH = Path("/dev/shm")
 
 
-class StoreAdmission(enum.Enum):
-    """Which full blocks the connector stores (manager/admission.py)."""
+@dataclass(frozen=True)
+class NodeTierConfig:
+    """Where the node pool lives and who may share it (``host_scope`` node)."""
 
-    ALL = "all"
-    """Every full block."""
-    SECOND_SIGHTING = "second-sighting"
-    """A block the second time its key is offered for storing, within a bounded memory of recent keys."""
-
-
-class LoadPolicy(enum.Enum):
-    """When blocks that only a tier below host holds are loaded (connector/load_cost.py)."""
-
-    AUTO = "auto"
-    """When the tier's recent speed says loading beats recomputing their tokens."""
-    ALWAYS = "always"
-    NEVER = "never"
-    """Lower tiers are written, never read back (e.g. to warm a shared tier for other engines)."""
-
-
-class WritePolicy(enum.Enum):
-    WRITE_THROUGH = "write_through"
-    """Every block stored to host is also written to disk."""
-    ON_EVICT = "on_evict"
-    """Only blocks evicted from host are written to disk."""
+    path: Path = DEFAULT_NODE_PATH
+    """A directory on a tmpfs; the pool's files go in ``kvoffload-node-<owner>/<namespace>/`` under it."""
+    shared_group: int | None = None
+    """gid of the group whose members' engines share the pool; None: this user's engines only."""
 
 
 @dataclass(frozen=True)
 class HostTierConfig:
     capacity_bytes: int = 4 * GIB
+    """Private scope: per rank of this engine. Node scope: the whole node pool, per rank (every engine sharing it
+    must give the same size)."""
     policy: EvictionPolicy = EvictionPolicy.LRU
     copy_threads: int = 2
+    scope: HostScope = HostScope.PRIVATE
+    node: NodeTierConfig | None = None
+    """Set exactly when ``scope`` is node."""
 
 
 @dataclass(frozen=True)
@@ -203,6 +185,11 @@ KEYS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "record_trace": (path, "append each finished request's arrival, lengths and offload keys (never tokens) "
                            "to this JSONL file, for kvoffload replay and plan"),
     "copy_threads": (_THREADS, "CPU threads copying device<->host when the KV cache is on the CPU"),
+    "host_scope": (enum_of(HostScope), "private (each engine its own host pool) or node (one shared-memory pool for "
+                                       "every engine of this model on the machine; host_bytes is then its size)"),
+    "node_path": (path, "tmpfs directory of the node pool (default /dev/shm); needs host_scope node"),
+    "node_shared_group": (group, "group (name or gid) whose members' engines share the node pool; default: this "
+                                 "user's engines only; needs host_scope node"),
     "disk_path": (path, "directory of the disk tier; no disk tier when absent"),
     "disk_bytes": (_BYTES, "disk tier capacity in bytes (default 64 GiB)"),
     "disk_gib": (_GIB, "disk tier capacity in GiB; alternative to disk_bytes"),
@@ -311,6 +298,13 @@ class _Parser:
             dependent = sorted(k for k in keys if k.startswith(prefix) and k != owner)
             if dependent and owner not in keys:
                 self.errors.append(f"{', '.join(dependent)} given without {owner}")
+        node_keys = sorted(k for k in keys if k.startswith("node_"))
+        node = self.values.get("host_scope") is HostScope.NODE
+        if node_keys and not node:
+            self.errors.append(f"{', '.join(node_keys)} given without host_scope node")
+        if node and self.values.get("disk_write_policy") is WritePolicy.ON_EVICT:
+            # On evict, blocks wait unwritten in host slots, which other engines may evict from a shared pool.
+            self.errors.append("disk_write_policy on_evict cannot be used with host_scope node (use write_through)")
         secret_keys = sorted(k for k in keys if k.startswith("tier_secret_"))
         if secret_keys and "disk_path" not in keys and "remote_url" not in keys:
             self.errors.append(f"{', '.join(secret_keys)} given without a shared tier (disk_path or remote_url)")
@@ -341,10 +335,16 @@ class _Parser:
 
     def _build(self) -> OffloadConfig:
         v = self.values
+        scope = v.get("host_scope", HostScope.PRIVATE)
+        node = None
+        if scope is HostScope.NODE:
+            node = NodeTierConfig(v.get("node_path", DEFAULT_NODE_PATH), v.get("node_shared_group"))
         host = HostTierConfig(
             capacity_bytes=v.get("host_bytes", v.get("host_gib", HostTierConfig.capacity_bytes)),
             policy=v.get("eviction_policy", EvictionPolicy.LRU),
             copy_threads=v.get("copy_threads", HostTierConfig.copy_threads),
+            scope=scope,
+            node=node,
         )
         disk = None
         if "disk_path" in v:
