@@ -10,7 +10,8 @@ In-process engines also leave vLLM's settings in this process's environment (``L
 would, takes ``startup_environ``: the environment as it was when pytest started.
 
 The remote tier's tests (its index, its handler, the simulated engine over it) share one real redis-server per
-session (``redis_server``), emptied before each test that takes ``redis_client``.
+session (``redis_server``), emptied before each test that takes ``redis_client``. The node tier's tests take
+``node_path``: a private directory on /dev/shm (the node pool refuses anything but a tmpfs).
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ _STARTUP_ENVIRON = dict(os.environ)  # first, before anything here can import an
 
 import importlib.metadata  # noqa: E402
 import logging  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
@@ -84,3 +88,14 @@ def redis_client(redis_server: RedisServer) -> Iterator[Any]:
     client.flushall()
     yield client
     client.close()
+
+
+@pytest.fixture
+def node_path() -> Iterator[Path]:
+    """A fresh directory on /dev/shm, this user's alone; removed after the test."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm on this machine")
+    path = Path(tempfile.mkdtemp(prefix="kvoffload-test-", dir=shm))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -102,6 +102,9 @@ class HostBlocks:
     slots: tuple[int, ...]
     group_sizes: tuple[int, ...]
     skip_sub_blocks: int = 0
+    epochs: tuple[int, ...] = ()
+    """Node pool only: each slot's epoch when the scheduler pinned or reserved it (a load fails when its slot's
+    epoch changed, or was 0: gone before it was pinned); empty for a private pool."""
 
     medium = Medium.HOST
 
@@ -109,6 +112,8 @@ class HostBlocks:
         _check_groups("HostBlocks", len(self.slots), self.group_sizes)
         if self.skip_sub_blocks < 0:
             raise ValueError(f"HostBlocks: skip_sub_blocks {self.skip_sub_blocks} is negative")
+        if self.epochs and len(self.epochs) != len(self.slots):
+            raise ValueError(f"HostBlocks: {len(self.epochs)} epochs for {len(self.slots)} slots")
 
 
 @dataclass(frozen=True)

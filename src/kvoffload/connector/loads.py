@@ -152,10 +152,12 @@ class LoadPlanner:
         if not isinstance(src, HostBlocks):
             raise TypeError(f"loads come from host slots, not {type(src).__name__}")
         slots: list[int] = []
+        epochs: list[int] = []  # a node pool's: they follow their slots
         at = 0
         for g in range(self._num_groups):
             taken = 1 if g in self._state_groups else n
-            group_slots = src.slots[at:at + taken]
-            slots.extend(group_slots * n if g in self._state_groups else group_slots)
+            repeat = n if g in self._state_groups else 1
+            slots.extend(src.slots[at:at + taken] * repeat)
+            epochs.extend(src.epochs[at:at + taken] * repeat)
             at += taken
-        return HostBlocks(tuple(slots), (n,) * self._num_groups, skip_sub_blocks=skip)
+        return HostBlocks(tuple(slots), (n,) * self._num_groups, skip_sub_blocks=skip, epochs=tuple(epochs))

@@ -16,9 +16,9 @@ it runs a speculative drafter (testing/sim.HookOrder). Nothing here depends on w
 queues, the next step's ``handle_preemptions`` submits, and a job is reported once, from the handler's result,
 after it was submitted.
 
-The tiers under host come from ``tiers.stack.build_handlers`` (a replicated namespace's ranks share one copy in
-the shared tiers: ``transfer.skip_writes``). The host tier stays per rank: each rank needs the bytes in its own
-process's memory.
+The host pool and the tiers under host come from ``tiers.stack`` (a replicated namespace's ranks share one copy in
+the shared tiers: ``transfer.skip_writes``). The host pool is per rank: each rank's own memory, or its rank's
+slots of the node pool that every engine on the machine maps (``host_scope`` node, ``tiers/node/``).
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from kvoffload.connector.stats import TransferStats
 from kvoffload.keys import Namespace
 from kvoffload.layout import KVCacheLayout
 from kvoffload.specs import DeviceBlocks, JobId, Medium, TransferJob
-from kvoffload.tiers.sizing import host_num_slots, host_slot_bytes, offload_factor
+from kvoffload.tiers.sizing import offload_factor
 from kvoffload.tiers.spec import TierContext
-from kvoffload.tiers.stack import build_handlers
+from kvoffload.tiers.stack import build_handlers, build_pool, check_reads
 from kvoffload.transfer.base import TransferHandler
 from kvoffload.transfer.faults import CorruptFirstLoads, FailFirstLoads
 from kvoffload.transfer.host_copier import HostCopier
@@ -94,9 +94,8 @@ class ConnectorWorker:
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Canonicalize the engine's KV tensors, allocate the host pool and start the handlers."""
         self.kv = canonicalize(self.layout, kv_caches)
-        on_cuda = self.kv.views[0].is_cuda
-        self.pool = HostPool(host_num_slots(self.config, self.layout, self.factor),
-                             host_slot_bytes(self.layout, self.factor), pin_memory=on_cuda)
+        context = TierContext(self.namespace, self.layout, self.factor)
+        self.pool = build_pool(self.config, context, pin_memory=self.kv.views[0].is_cuda)
         handler: TransferHandler = HostCopier(self.kv, self.pool, self.factor,
                                                      threads=self.config.host.copy_threads)
         _warn_of_faults(self.config)
@@ -104,9 +103,9 @@ class ConnectorWorker:
             handler = FailFirstLoads(handler, self.config.inject_load_failures)
         if self.config.inject_load_corruption:
             handler = CorruptFirstLoads(handler, self.pool, self.config.inject_load_corruption)
+        handler = check_reads(self.pool, handler)
         self.transfers.register(Medium.DEVICE, Medium.HOST, handler)
         self.transfers.register(Medium.HOST, Medium.DEVICE, handler)
-        context = TierContext(self.namespace, self.layout, self.factor)
         for routes, tier_handler in build_handlers(self.config, context, self.pool):
             for src, dst in routes:
                 self.transfers.register(src, dst, tier_handler)

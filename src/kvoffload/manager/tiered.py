@@ -47,7 +47,6 @@ from kvoffload.manager.base import (
     TierTransfer,
     TierUsage,
 )
-from kvoffload.manager.slot_index import SlotIndex
 from kvoffload.specs import BlockSpec, HostBlocks, Medium
 
 
@@ -106,6 +105,15 @@ class LowerTier(Protocol):
     def usage(self) -> list[TierUsage]: ...
 
 
+class HostTier(LowerTier, Protocol):
+    """The host tier's index as ``TieredManager`` uses it: ``SlotIndex``, or the node tier's ``NodeIndex``."""
+
+    @property
+    def capacity(self) -> int: ...
+
+    def complete_store_keys(self, keys: Sequence[OffloadKey], success: bool = True) -> list[OffloadKey]: ...
+
+
 @dataclass(frozen=True)
 class Below:
     """A tier under host, and when blocks are written to it."""
@@ -118,7 +126,7 @@ class TieredManager(ResidencyManager):
     """The host tier with the tiers below it.
 
     Args:
-        host: the host tier's index (its capacity is the host pool's slot count).
+        host: the host tier's index (its capacity is the host pool's slot count): a ``SlotIndex`` or a ``NodeIndex``.
         below: the lower tiers, fastest first (lookups ask them in this order), each with its write policy.
         low_water: on-evict only: host slots kept evictable (default: an eighth of the host, at least 1).
     Raises:
@@ -126,7 +134,7 @@ class TieredManager(ResidencyManager):
             not in [1, host capacity).
     """
 
-    def __init__(self, host: SlotIndex, below: Sequence[Below], low_water: int | None = None) -> None:
+    def __init__(self, host: HostTier, below: Sequence[Below], low_water: int | None = None) -> None:
         media = [b.tier.medium for b in below]
         if not below or len(set(media)) != len(media):
             raise ValueError(f"TieredManager: needs lower tiers of distinct media, got {media}")

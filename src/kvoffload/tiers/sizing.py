@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from kvoffload.config import ConfigError, OffloadConfig
+from kvoffload.config import ConfigError, HostScope, OffloadConfig
 from kvoffload.tiers.lower.block_format import GroupedLayout, entry_bytes_of
 
 
@@ -35,6 +35,8 @@ def host_num_slots(config: OffloadConfig, layout: GroupedLayout, factor: int) ->
         raise ConfigError(
             f"host tier capacity {config.host.capacity_bytes} bytes is below one offload block ({slot} bytes)"
         )
+    if config.host.scope is HostScope.NODE:
+        return slots  # a shared pool may already be in memory; making it checks the tmpfs has room (node/segment)
     available = available_memory_bytes()
     if available is not None and slots * slot > available:
         # Pinned memory is committed at once: such a pool fails, or swaps the machine, long after start-up.

@@ -30,13 +30,16 @@ class HostPool:
         num_slots: how many offload blocks the tier holds.
         slot_bytes: bytes of one slot (``factor * max_block_bytes``).
         pin_memory: page-lock the buffer so CUDA copies run asynchronously; ignored when CUDA is unavailable.
+        buffer: use this ``(num_slots, slot_bytes)`` int8 tensor instead of allocating one (``pinned`` then says
+            whether its owner page-locked it).
 
     Raises:
         ValueError: ``num_slots`` or ``slot_bytes`` is not positive.
         HostPoolAllocationError: the buffer could not be allocated.
     """
 
-    def __init__(self, num_slots: int, slot_bytes: int, pin_memory: bool = False) -> None:
+    def __init__(self, num_slots: int, slot_bytes: int, pin_memory: bool = False,
+                 buffer: torch.Tensor | None = None) -> None:
         if num_slots <= 0:
             raise ValueError(f"HostPool: num_slots must be positive, got {num_slots}")
         if slot_bytes <= 0:
@@ -44,6 +47,12 @@ class HostPool:
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self.pinned = pin_memory and torch.cuda.is_available()
+        if buffer is not None:  # memory someone else owns (the node pool's shared mapping): used as it is
+            if buffer.dtype != torch.int8 or tuple(buffer.shape) != (num_slots, slot_bytes):
+                raise ValueError(f"HostPool: buffer must be int8 of shape ({num_slots}, {slot_bytes}), got "
+                                 f"{buffer.dtype} {tuple(buffer.shape)}")
+            self.buffer = buffer
+            return
         try:
             self.buffer = torch.empty((num_slots, slot_bytes), dtype=torch.int8, pin_memory=self.pinned)
         except (RuntimeError, MemoryError) as e:

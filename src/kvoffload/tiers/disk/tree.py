@@ -82,7 +82,7 @@ def open_tree(disk_path: Path, rank_dir: Path, access: Access, fmt: BlockFormat 
     Raises:
         ConfigError: a directory from ``disk_path`` down is owned by another user, writable by others or by a
             group other than the shared one, a symbolic link below ``disk_path``, or cannot be created; or,
-            without a tier secret, a directory above it is not safe (``_ancestor_problems``).
+            without a tier secret, a directory above it is not safe (``ancestor_problems``).
     """
     chain = [disk_path]
     for part in rank_dir.relative_to(disk_path).parts:
@@ -154,7 +154,7 @@ _MAX_LINKS = 40
 
 def _check_ancestors(disk_path: Path, access: Access, fmt: BlockFormat) -> None:
     """Refuse (or, with a tier secret, warn about) the directories above ``disk_path`` that are not safe."""
-    problems = _ancestor_problems(disk_path, access)
+    problems = ancestor_problems(disk_path, access)
     if not problems:
         return
     found = "; ".join(problems)
@@ -166,7 +166,7 @@ def _check_ancestors(disk_path: Path, access: Access, fmt: BlockFormat) -> None:
                    "fail authentication (tier secret set)", str(disk_path), found)
 
 
-def _ancestor_problems(disk_path: Path, access: Access) -> list[str]:
+def ancestor_problems(disk_path: Path, access: Access) -> list[str]:
     """Why the directories that resolving ``disk_path`` goes through could let someone swap what it names.
 
     As OpenSSH's ``StrictModes``: each such directory (symbolic links followed, ``/`` included) must be owned by

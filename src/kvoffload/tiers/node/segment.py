@@ -1,0 +1,278 @@
+"""The node tier's files: where they live, who may use them, and opening them safely from any engine's process.
+
+Under ``node_path`` (a tmpfs, ``/dev/shm`` by default) each user (or shared group) has a directory, and in it
+each namespace (model, layout, world size: the keys' chain root) has one::
+
+    <node_path>/kvoffload-node-<uid | g<gid>>/<namespace fingerprint hex>/index      the shared index
+                                                                         pool.<rank> each rank's slots
+
+The first engine's process to open a file creates it at its full size (``posix_fallocate``: a full tmpfs is an
+error now, never a SIGBUS in the middle of serving) and formats it, holding an exclusive ``flock`` on it; every
+other one takes the same lock and checks what it finds: the index's version, namespace and geometry must be this
+engine's, a pool file's size its pool's. A file left half made by a process killed while making it (no magic yet)
+is made again. Directories and files follow the disk tier's trust rules (``tiers.disk.tree``): owned by this
+user (or the shared group), writable by no one else, no symbolic links; anything else is refused with a
+``ConfigError`` naming ``node_path``. No torch here: both halves open these files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import mmap
+import os
+import stat
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvoffload import _nodeindex
+from kvoffload.config import ConfigError, NodeTierConfig
+from kvoffload.keys import Namespace
+from kvoffload.tiers.disk.tree import Access, ancestor_problems, untrusted
+
+INDEX_NAME = "index"
+MAGIC = 0x313065646F6E766B
+_HEADER = struct.Struct("<QII16sQQQQ")
+"""magic, version, header bytes, namespace fingerprint, slots, slot bytes, table entries, total bytes."""
+TMPFS = frozenset({"tmpfs"})
+MISSING_EPOCH = 0
+"""The epoch of a key that was no longer ready when pinned (every real one is positive): its load fails."""
+
+
+@dataclass(frozen=True)
+class NodeGeometry:
+    """What every engine sharing one node pool must agree on."""
+
+    num_slots: int
+    slot_bytes: int
+    fingerprint: bytes
+    """The namespace's chain root (16 bytes): engines of another model or layout never share slots."""
+
+    @property
+    def table_size(self) -> int:
+        """Hash table entries: a power of two at least twice the slots, so probes stay short."""
+        return 1 << max(1, (2 * self.num_slots - 1).bit_length())
+
+    @property
+    def index_bytes(self) -> int:
+        return int(_nodeindex.size(self.num_slots, self.table_size))
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+
+def access_of(node: NodeTierConfig) -> Access:
+    return Access(node.shared_group)
+
+
+def namespace_directory(node: NodeTierConfig, namespace: Namespace) -> Path:
+    """The directory of ``namespace``'s pool under ``node_path`` (not created here)."""
+    owner = f"g{node.shared_group}" if node.shared_group is not None else str(os.geteuid())
+    return node.path / f"kvoffload-node-{owner}" / namespace.chain_root().hex()
+
+
+def open_directory(node: NodeTierConfig, namespace: Namespace) -> Path:
+    """Create (or check) the namespace's directory.
+
+    Raises:
+        ConfigError: ``node_path`` is missing, not on a tmpfs, or it or a directory on the way could be written
+            by another user.
+    """
+    root = node.path
+    if not root.is_dir():
+        raise ConfigError(f"node_path={str(root)!r} is not a directory")
+    fs = filesystem_type(root)
+    if fs not in TMPFS:
+        raise ConfigError(f"node_path={str(root)!r} is on a {fs or 'unknown'} file system, not a tmpfs: the node "
+                          f"pool must live in memory (use /dev/shm or another tmpfs mount)")
+    access = access_of(node)
+    directory = namespace_directory(node, namespace)
+    try:
+        _make_directory(directory.parent, access)
+        # node_path itself included (a sticky /dev/shm passes: the entry in it is this user's, checked just above)
+        problems = ancestor_problems(directory.parent, access)
+        if problems:
+            raise ConfigError(f"node_path={str(root)!r}: {'; '.join(problems)}: another user could replace the "
+                              f"node pool's files after start-up")
+        _make_directory(directory, access)
+    except OSError as e:
+        raise ConfigError(f"node_path={str(root)!r} cannot hold the node pool: {e}") from e
+    return directory
+
+
+def _make_directory(directory: Path, access: Access) -> None:
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(directory, access.dir_mode)
+        if access.gid is not None:
+            os.chown(directory, -1, access.gid)
+        os.chmod(directory, access.dir_mode)  # mkdir's mode went through the umask
+    info = os.lstat(directory)
+    problem = "a symbolic link" if stat.S_ISLNK(info.st_mode) else None
+    problem = problem or ("not a directory" if not stat.S_ISDIR(info.st_mode) else untrusted(info, access))
+    if problem:
+        raise ConfigError(f"node_path: {directory} is {_for_node(problem)}")
+
+
+def _for_node(problem: str) -> str:
+    """The disk tree's trust verdicts name its keys; the node tier's have their own."""
+    return problem.replace("disk_shared_group", "node_shared_group").replace("disk_path", "node_path")
+
+
+def filesystem_type(path: Path) -> str | None:
+    """The type of the file system ``path`` is on (from /proc/self/mountinfo); None where it cannot be told."""
+    target = os.path.realpath(path)
+    best, fs = "", None
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if " - " not in line or len(fields) < 5:
+                    continue
+                point = _unescape(fields[4])
+                after = line.split(" - ", 1)[1].split()
+                inside = target == point or target.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best) and after:
+                    best, fs = point, after[0]
+    except OSError:
+        return None
+    return fs
+
+
+def _unescape(field: str) -> str:
+    """mountinfo writes space, tab, newline and backslash as octal escapes."""
+    for code in ("040", "011", "012", "134"):
+        field = field.replace("\\" + code, chr(int(code, 8)))
+    return field
+
+
+@contextlib.contextmanager
+def _locked_file(path: Path, access: Access, setting: str) -> Iterator[int]:
+    """``path`` opened (created if missing) and checked, under an exclusive ``flock`` for as long as the block."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, access.file_mode)
+    except OSError as e:
+        raise ConfigError(f"{setting}: cannot open {path}: {e}") from e
+    try:
+        info = os.fstat(fd)
+        problem = untrusted(info, access) if stat.S_ISREG(info.st_mode) else "not a regular file"
+        if problem:
+            raise ConfigError(f"{setting}: {path} is {_for_node(problem)}")
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            yield fd
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)  # explicitly: an mmap of the file holds a dup of fd, and with it the lock
+    finally:
+        os.close(fd)
+
+
+def _map(fd: int, size: int, path: Path, setting: str, fresh: bool, populate: bool = False) -> mmap.mmap:
+    if fresh:
+        try:
+            os.ftruncate(fd, 0)
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            os.ftruncate(fd, 0)
+            room = " (the tmpfs is full: lower host_bytes or grow the mount)" if e.errno == errno.ENOSPC else ""
+            raise ConfigError(f"{setting}: cannot make {path} {size} bytes{room}: {e}") from e
+    # A pool is mapped in full now (MAP_POPULATE): a fault per page would otherwise land in the first copies.
+    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+    return mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def open_index(directory: Path, geometry: NodeGeometry, access: Access) -> mmap.mmap:
+    """Map the namespace's index, formatting it when this process is the first.
+
+    Raises:
+        ConfigError: the index holds another version, namespace or geometry (the message says which and what to
+            change), or cannot be made.
+    """
+    path = directory / INDEX_NAME
+    with _locked_file(path, access, "node_path") as fd:
+        size = os.fstat(fd).st_size
+        header = os.pread(fd, _HEADER.size, 0) if size >= _HEADER.size else b""
+        if not header or _HEADER.unpack(header)[0] != MAGIC:  # new, or left half made by a killed process
+            segment = _map(fd, geometry.index_bytes, path, "node_path", fresh=True)
+            _nodeindex.init(segment, geometry.num_slots, geometry.slot_bytes, geometry.table_size,
+                            geometry.fingerprint)
+            return segment
+        _check_header(path, _HEADER.unpack(header), size, geometry)
+        return _map(fd, size, path, "node_path", fresh=False)
+
+
+def _check_header(path: Path, header: tuple[int, ...], size: int, geometry: NodeGeometry) -> None:
+    _, version, _, fingerprint, slots, slot_bytes, table, total = header
+    if version != _nodeindex.VERSION:
+        raise ConfigError(f"node_path: {path} is a node index of version {version}; this kvoffload uses version "
+                          f"{_nodeindex.VERSION}. Stop the engines using it and remove {path.parent}")
+    if fingerprint != geometry.fingerprint:
+        raise ConfigError(f"node_path: {path} belongs to another namespace than its directory's name says; "
+                          f"remove {path.parent}")
+    if (slots, slot_bytes) != (geometry.num_slots, geometry.slot_bytes):
+        raise ConfigError(
+            f"host_bytes/host_gib: the node pool at {path.parent} holds {slots} slots of {slot_bytes} bytes, this "
+            f"engine asks for {geometry.num_slots} of {geometry.slot_bytes}: every engine sharing a node pool must "
+            f"give the same host_bytes and offload_block_tokens")
+    if table != geometry.table_size or total != size or size != geometry.index_bytes:
+        raise ConfigError(f"node_path: {path} is {size} bytes, not the {geometry.index_bytes} of its header; "
+                          f"remove {path.parent}")
+
+
+def open_pool_file(directory: Path, rank: int, geometry: NodeGeometry, access: Access) -> mmap.mmap:
+    """Map rank ``rank``'s slots, making the file at its full size when this process is the first.
+
+    Raises:
+        ConfigError: the file has another size (another engine's host_bytes), or cannot be made.
+    """
+    path = directory / f"pool.{rank}"
+    with _locked_file(path, access, "node_path") as fd:
+        size = os.fstat(fd).st_size
+        if size not in (0, geometry.pool_bytes):
+            raise ConfigError(
+                f"host_bytes/host_gib: {path} is {size} bytes, this engine's node pool {geometry.pool_bytes} "
+                f"({geometry.num_slots} slots of {geometry.slot_bytes} bytes): engines sharing it must agree")
+        return _map(fd, geometry.pool_bytes, path, "node_path", fresh=size == 0, populate=True)
+
+
+ProcessIdentity = tuple[int, int]
+"""(start time in clock ticks since boot, pid namespace inode): who a pid is, beyond its number."""
+
+
+def process_identity(pid: int) -> ProcessIdentity | None:
+    """``pid``'s start time and pid namespace, None when no such process runs (or it is a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        if fields[0] in (b"Z", b"X"):
+            return None
+        start = int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+    try:
+        pidns = os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        pidns = 0
+    return start, pidns
+
+
+def own_identity() -> ProcessIdentity:
+    identity = process_identity(os.getpid())
+    if identity is None:  # /proc is not mounted: no engine could tell this one is dead; still serve
+        return 0, 0
+    return identity
+
+
+Alive = Callable[[int, int, int], bool]
+
+
+def is_alive(pid: int, start: int, pidns: int) -> bool:
+    """Whether the process that attached as (pid, start, pidns) still runs. One of another pid namespace (another
+    container sharing the tmpfs) cannot be seen from here, so it counts as alive."""
+    own = own_identity()
+    if pidns != own[1] or start == 0:
+        return True
+    return process_identity(pid) == (start, pidns)

@@ -1,0 +1,69 @@
+"""Two simulated engines (their own schedulers and workers) on one node pool: a prefix one engine computed is a
+bit-exact load for the other, with or without a disk tier below, and the other engine's own cache is not used."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from kvoffload.config import OffloadConfig
+from kvoffload.testing import layouts
+from kvoffload.testing.sim import SimEngine, Status
+
+BLOCK = 4
+
+
+def make_engine(node_path: Path, host_blocks: int = 16, **config: object) -> SimEngine:
+    layout, make_kv = layouts.attention_layout(num_blocks=48, block_size=BLOCK)
+    slot = max(layout.group_block_bytes(g) for g in range(len(layout.groups)))
+    raw = {"offload_block_tokens": BLOCK, "host_bytes": host_blocks * slot, "host_scope": "node",
+           "node_path": str(node_path), **config}
+    return SimEngine(layout, make_kv, OffloadConfig.from_dict(raw), block_size=BLOCK)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+def run_checked(engine: SimEngine) -> None:
+    engine.run(on_step=lambda e: e.check_all())
+
+
+def test_a_prefix_engine_a_computed_loads_bit_exact_in_engine_b(node_path: Path) -> None:
+    a, b = make_engine(node_path), make_engine(node_path)
+    prompt = tokens(16, seed=1)
+    a.add_request("a", prompt)
+    run_checked(a)
+    second = b.add_request("b", [*prompt, 7])
+    run_checked(b)
+    assert second.status is Status.FINISHED
+    assert second.loaded_tokens == 16 and second.device_hit_tokens == 0
+    assert b.corrupt_blocks == [] and b.verified_blocks >= 4
+    assert b.scheduler.manager.pool_stats()["cross_hits"] == 4  # type: ignore[attr-defined]
+
+
+def test_the_check_is_shown_to_catch_a_corrupt_pool(node_path: Path) -> None:
+    """The bit-exact comparison above fails when the shared bytes are wrong (here, overwritten behind its back)."""
+    a, b = make_engine(node_path), make_engine(node_path)
+    prompt = tokens(16, seed=2)
+    a.add_request("a", prompt)
+    run_checked(a)
+    a.workers[0].pool.buffer.fill_(3)  # B maps the same pages
+    b.add_request("b", [*prompt, 7])
+    b.run()
+    assert len(b.corrupt_blocks) == 4
+
+
+def test_with_a_disk_tier_below_a_block_evicted_from_the_pool_comes_back(node_path: Path, tmp_path: Path) -> None:
+    a = make_engine(node_path, host_blocks=4, disk_path=str(tmp_path), disk_bytes=1 << 24)
+    b = make_engine(node_path, host_blocks=4, disk_path=str(tmp_path), disk_bytes=1 << 24)
+    prompt = tokens(16, seed=5)
+    a.add_request("a", prompt)
+    run_checked(a)
+    for i in range(3):  # other prompts push the prefix out of the 4-slot pool
+        a.add_request(f"filler{i}", tokens(16, seed=10 + i))
+        run_checked(a)
+    second = b.add_request("b", [*prompt, 7])
+    run_checked(b)
+    assert second.loaded_tokens == 16 and b.corrupt_blocks == []

@@ -1,0 +1,38 @@
+"""Node pools for the node tier's tests: an index segment of a namespace, fresh keys, a finished store."""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+from pathlib import Path
+
+from kvoffload.config import NodeTierConfig
+from kvoffload.keys import BlockHash, Namespace, OffloadKey, offload_key
+from kvoffload.specs import HostBlocks
+from kvoffload.tiers.node.index import NodeIndex
+from kvoffload.tiers.node.segment import NodeGeometry, access_of, open_directory, open_index
+
+SLOT_BYTES = 64
+_ids = itertools.count()
+
+
+def keys(n: int) -> list[OffloadKey]:
+    """``n`` keys no test used before."""
+    return [offload_key(BlockHash(next(_ids).to_bytes(8, "little")), 0) for _ in range(n)]
+
+
+def segment_in(node_path: Path, slots: int, layout: str = "node-index") -> mmap.mmap:
+    """The index of the namespace of ``layout`` under ``node_path``, made if it is the first."""
+    namespace = Namespace(model="m", dtype="bf16", layout=layout)
+    node = NodeTierConfig(node_path)
+    geometry = NodeGeometry(slots, SLOT_BYTES, namespace.chain_root())
+    return open_index(open_directory(node, namespace), geometry, access_of(node))
+
+
+def store(index: NodeIndex, stored: list[OffloadKey]) -> HostBlocks:
+    """Store ``stored`` (all new) and complete it; the slots it went to."""
+    out = index.prepare_store(stored)
+    assert out is not None and list(out.keys_to_store) == stored
+    index.complete_store(stored)
+    assert isinstance(out.store_spec, HostBlocks)
+    return out.store_spec

@@ -1,0 +1,105 @@
+"""``NodeCheck``: a job reading node pool slots runs only if they still hold the blocks the scheduler pinned, and
+fails if they changed before it is reported; it keeps every rule of a transfer handler (the conformance suite
+over a real ``HostCopier``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from tests.tiers.node.pools import keys, segment_in
+
+from kvoffload.specs import HostBlocks, JobId, TransferJob
+from kvoffload.testing.conformance import ALL_CHECKS, Check, HandlerHarness
+from kvoffload.testing.device_host_harness import DeviceHostHarness
+from kvoffload.tiers.node.handler import NodeCheck
+from kvoffload.tiers.node.index import NodeIndex
+from kvoffload.transfer.base import TransferHandler, TransferResult
+
+
+class NodeLoadHarness(HandlerHarness):
+    """``DeviceHostHarness`` loads whose every pool slot holds a ready block of a node index, at its epoch."""
+
+    def __init__(self, node_path: Path) -> None:
+        self.inner = DeviceHostHarness(store=False)
+        slots = self.inner.pool.num_slots
+        self.segment = segment_in(node_path, slots, layout="node-handler")
+        self.index = NodeIndex(self.segment)
+        out = self.index.prepare_store(keys(slots))
+        assert out is not None and isinstance(out.store_spec, HostBlocks)
+        self.index.complete_store(out.keys_to_store)
+        self.epoch = dict(zip(out.store_spec.slots, out.store_spec.epochs, strict=True))
+
+    def pinned(self, job: TransferJob) -> TransferJob:
+        src = job.src
+        assert isinstance(src, HostBlocks)
+        return dataclasses.replace(job, src=dataclasses.replace(src, epochs=tuple(self.epoch[s] for s in src.slots)))
+
+    def new_handler(self) -> TransferHandler:
+        return NodeCheck(self.inner.new_handler(), self.segment)
+
+    def make_job(self, job_id: JobId) -> TransferJob:
+        return self.pinned(self.inner.make_job(job_id))
+
+    def make_same_destination_jobs(self, first: JobId, second: JobId) -> tuple[TransferJob, TransferJob]:
+        a, b = self.inner.make_same_destination_jobs(first, second)
+        return self.pinned(a), self.pinned(b)
+
+    def make_failing_job(self, job_id: JobId) -> TransferJob:
+        return self.pinned(self.inner.make_failing_job(job_id))
+
+    def verify(self, job: TransferJob) -> bool:
+        return self.inner.verify(job)
+
+    def job_bytes(self, job: TransferJob) -> int:
+        return self.inner.job_bytes(job)
+
+
+def run(handler: TransferHandler, job: TransferJob) -> TransferResult:
+    assert handler.submit(job)
+    handler.wait([job.job_id])
+    (result,) = handler.get_finished()
+    return result
+
+
+@pytest.mark.parametrize("check", ALL_CHECKS, ids=lambda c: c.__name__)
+def test_node_check_keeps_every_rule_of_a_handler(check: Check, node_path: Path) -> None:
+    check(NodeLoadHarness(node_path))
+
+
+def test_a_load_of_intact_slots_copies(node_path: Path) -> None:
+    harness = NodeLoadHarness(node_path)
+    handler = harness.new_handler()
+    job = harness.make_job(JobId(1))
+    assert run(handler, job).success and harness.verify(job)
+
+
+def test_a_load_of_a_block_gone_before_it_ran_is_refused_without_copying(node_path: Path) -> None:
+    harness = NodeLoadHarness(node_path)
+    handler = harness.new_handler()
+    job = harness.make_job(JobId(1))
+    assert isinstance(job.src, HostBlocks)
+    stale = dataclasses.replace(job, src=dataclasses.replace(job.src, epochs=(0, *job.src.epochs[1:])))
+    result = run(handler, stale)
+    assert not result.success and not harness.verify(job)  # the device blocks were not written
+    assert isinstance(handler, NodeCheck) and handler.refused == 1
+
+
+def test_a_load_whose_slots_changed_before_it_was_reported_fails(node_path: Path) -> None:
+    harness = NodeLoadHarness(node_path)
+    handler = harness.new_handler()
+    job = harness.make_job(JobId(1))
+    assert handler.submit(job)
+    handler.wait([job.job_id])
+    harness.index.reset()  # the blocks go (as if another engine evicted them while they were copied)
+    (result,) = handler.get_finished()
+    assert not result.success and isinstance(handler, NodeCheck) and handler.refused == 1
+
+
+def test_a_job_without_epochs_is_not_checked(node_path: Path) -> None:
+    harness = NodeLoadHarness(node_path)
+    handler = harness.new_handler()
+    job = harness.inner.make_job(JobId(1))  # a private pool's load: nothing to check it against
+    harness.index.reset()
+    assert run(handler, job).success and harness.verify(job)
