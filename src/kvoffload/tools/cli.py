@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 BENCHES: dict[str, tuple[str, str]] = {
     "copy": ("kvoffload.tools.bench.copy", "device<->host copy GB/s beside memcpy of the same bytes"),
     "disk": ("kvoffload.tools.bench.disk", "host<->disk GB/s beside raw sequential I/O, index rebuild time"),
+    "node": ("kvoffload.tools.bench.node", "loads from the node pool engines share beside a private host pool"),
     "remote": ("kvoffload.tools.bench.remote", "host<->Redis GB/s beside raw redis-py pipelines of the same bytes"),
     "manager": ("kvoffload.tools.bench.manager", "scheduler-side operations per second beside vLLM's manager"),
     "overhead": ("kvoffload.tools.bench.overhead", "connector time per engine step on the miss path"),
