@@ -208,6 +208,12 @@ class ConnectorScheduler:
     def usage(self) -> list[TierUsage]:
         return self.manager.usage()
 
+    def close(self) -> None:
+        """The engine stops: the tiers release what they hold outside this process, the trace is flushed."""
+        self.manager.close()
+        if self._trace is not None:
+            self._trace.close()
+
     @property
     def num_pending_jobs(self) -> int:
         return len(self._jobs)

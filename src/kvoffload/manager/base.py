@@ -166,3 +166,6 @@ class ResidencyManager(ABC):
     @abstractmethod
     def usage(self) -> list[TierUsage]:
         """Blocks held per tier (ready, pinned or in flight) and capacity, for metrics; top tier first."""
+
+    def close(self) -> None:  # noqa: B027 (a hook: an index of this process's memory holds nothing to release)
+        """The engine stops: release what this index holds outside the process (the node tier's attachment)."""

@@ -113,6 +113,8 @@ class HostTier(LowerTier, Protocol):
 
     def complete_store_keys(self, keys: Sequence[OffloadKey], success: bool = True) -> list[OffloadKey]: ...
 
+    def close(self) -> None: ...
+
 
 @dataclass(frozen=True)
 class Below:
@@ -269,6 +271,9 @@ class TieredManager(ResidencyManager):
         for tier in self.lowers:
             usage += tier.usage()
         return usage
+
+    def close(self) -> None:
+        self.host.close()
 
     def _promote(self, keys: Sequence[OffloadKey], runs: Sequence[_Run]) -> bool:
         """Queue a lower -> HOST copy per run of the keys not on the host (those are ready below).

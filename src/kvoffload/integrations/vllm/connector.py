@@ -129,6 +129,8 @@ class KVOffloadConnector(compat.VersionHooks, KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.core.close()
 
     # ---- scheduler role ------------------------------------------------------------------------------------
 
