@@ -34,7 +34,7 @@ def server() -> Iterator[RedisServer]:
 def run_engine(model_dir: Path, url: str, rounds: list[tuple[int, ...]]) -> dict[str, Any]:
     # A host tier of 16 blocks (32 KiB each), smaller than the 24 the first round stores: the remote tier holds all.
     spec = {"extra_config": {"host_bytes": 16 * 32 << 10, "remote_url": url}, "rounds": rounds}
-    proc = subprocess.run([sys.executable, "-m", "tests.e2e.remote_engine", str(model_dir), json.dumps(spec)],
+    proc = subprocess.run([sys.executable, "-m", "tests.e2e.tier_engine", str(model_dir), json.dumps(spec)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,9 +1,12 @@
-"""One vLLM engine with kvoffload's remote tier, in its own process, for test_remote_tier.py.
+"""One vLLM engine with a shared tier (remote, node), in its own process, for test_remote_tier.py and
+test_node_tier.py.
 
-Run as ``python -m tests.e2e.remote_engine MODEL_DIR REQUEST_JSON``: it builds an in-process engine on the tiny
+Run as ``python -m tests.e2e.tier_engine MODEL_DIR REQUEST_JSON``: it builds an in-process engine on the tiny
 model with ``kv_connector_extra_config`` from the request, serves the request's rounds of prompts (one request at
 a time, the device prefix cache reset before each round), and prints one JSON line: per round the generated
-tokens, top logprobs and cached tokens of each prompt, and kvoffload's counters.
+tokens, top logprobs and cached tokens of each prompt, and kvoffload's counters. With ``"announce": true`` it
+prints ``serving`` first, once the engine is up; with ``"loop": true`` it then serves its rounds again and again
+(loads, pins and stores without end) until it is killed.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from tests.e2e.conftest import close, generate, make_llm, metric, prompts
 
 def main(model_dir: str, request: str) -> None:
     result_fd = os.dup(1)
-    os.dup2(2, 1)  # vLLM (and its C++ code) log to stdout: only our one JSON line goes to the real one
+    os.dup2(2, 1)  # vLLM (and its C++ code) log to stdout: only our lines go to the real one
     spec = json.loads(request)
     llm = make_llm(Path(model_dir), spec["extra_config"])
+    if spec.get("announce"):
+        os.write(result_fd, b"serving\n")
     rounds = []
     for tail in spec["rounds"]:
         assert llm.reset_prefix_cache()
@@ -29,8 +34,12 @@ def main(model_dir: str, request: str) -> None:
     counters = {"hit_tokens": metric(llm, "vllm:kvoffload_hit_tokens"),
                 "remote_to_host": metric(llm, "vllm:kvoffload_transfer_bytes", direction="remote_to_host"),
                 "host_to_remote": metric(llm, "vllm:kvoffload_transfer_bytes", direction="host_to_remote")}
-    close(llm)
     os.write(result_fd, (json.dumps({"rounds": rounds, "counters": counters}) + "\n").encode())
+    while spec.get("loop"):
+        for tail in spec["rounds"]:
+            assert llm.reset_prefix_cache()
+            generate(llm, prompts(tail))
+    close(llm)
 
 
 if __name__ == "__main__":

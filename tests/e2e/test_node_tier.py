@@ -1,0 +1,89 @@
+"""Two vLLM engines in separate processes share one node pool (``host_scope`` node) on a tmpfs.
+
+Engine A serves the workload's first round and goes on serving it (loading, pinning, storing) while engine B, a
+fresh process, serves the second round on the same prefixes: they load from the pool A filled, and B's outputs
+equal plain vLLM's (the baseline carries its sensitivity control). A is killed with SIGKILL as B starts serving:
+B finishes with plain vLLM's outputs, and A started again attaches, releases what the dead A held, and hits.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+from tests.e2e.conftest import BLOCK_SIZE, PREFIX_TOKENS, ROUNDS, Baseline, Result, assert_same_outputs
+
+from kvoffload import _nodeindex
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+HIT_TOKENS = PREFIX_TOKENS // BLOCK_SIZE * BLOCK_SIZE
+
+
+def start_engine(model_dir: Path, node_path: Path, log: IO[str], rounds: list[tuple[int, ...]],
+                 **spec: Any) -> subprocess.Popen[str]:
+    # 64 slots of 32 KiB: every prefix of both rounds fits, so nothing is evicted and every B prefix is a hit.
+    extra = {"host_bytes": 64 * 32 << 10, "host_scope": "node", "node_path": str(node_path)}
+    request = json.dumps({"extra_config": extra, "rounds": rounds, **spec})
+    return subprocess.Popen([sys.executable, "-m", "tests.e2e.tier_engine", str(model_dir), request], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=log, text=True)
+
+
+def read_result(engine: subprocess.Popen[str]) -> dict[str, Any]:
+    assert engine.stdout is not None
+    line = engine.stdout.readline()
+    assert line, f"the engine exited with {engine.wait()} before its result (see its log)"
+    result: dict[str, Any] = json.loads(line)
+    return result
+
+
+def results(round_: list[dict[str, Any]]) -> list[Result]:
+    return [Result(tuple(r["tokens"]), tuple({int(t): lp for t, lp in p} for p in r["logprobs"]), r["cached"])
+            for r in round_]
+
+
+def pool_index(node_path: Path) -> mmap.mmap:
+    """The shared index the engines used (the only one under ``node_path``)."""
+    (index,) = node_path.rglob("index")
+    with open(index, "r+b") as f:
+        return mmap.mmap(f.fileno(), 0)
+
+
+def test_engine_b_loads_engine_a_prefixes_from_the_node_pool_and_survives_a_killed(
+        model_dir: Path, baseline: Baseline, node_path: Path, tmp_path: Path) -> None:
+    with open(tmp_path / "engines.log", "w") as log:
+        a = start_engine(model_dir, node_path, log, [ROUNDS["first"]], loop=True)
+        try:
+            first = results(read_result(a)["rounds"][0])
+            assert_same_outputs(first, baseline["first"])
+
+            b = start_engine(model_dir, node_path, log, [ROUNDS["second"]], announce=True)
+            assert b.stdout is not None and b.stdout.readline() == "serving\n"
+            os.kill(a.pid, signal.SIGKILL)  # mid-loop: its pins, stores and attachment are left behind
+            a.wait()
+            second = results(read_result(b)["rounds"][0])
+            assert b.wait(timeout=300) == 0
+        finally:
+            a.kill()
+        assert_same_outputs(second, baseline["second"])
+        assert sum(r.cached_tokens for r in second) > 0  # B loaded what A stored, in B's fresh process
+
+        again = start_engine(model_dir, node_path, log, [ROUNDS["second"]])
+        third = results(read_result(again)["rounds"][0])
+        assert again.wait(timeout=300) == 0
+    assert_same_outputs(third, baseline["second"])
+    assert [r.cached_tokens for r in third] == [HIT_TOKENS] * len(third)  # every prefix from the pool
+
+    segment = pool_index(node_path)
+    assert _nodeindex.check(segment, -1) is None
+    stats = _nodeindex.stats(segment)
+    assert stats["reclaimed"] == 1, stats  # the killed A; B and the new A detached when they shut down
+    assert stats["attached"] == 0 and stats["cross_hits"] > 0, stats
