@@ -2,7 +2,16 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.config import GIB, ConfigError, EvictionPolicy, OffloadConfig, StoreAdmission, WritePolicy
+from kvoffload.config import (
+    GIB,
+    ConfigError,
+    EvictionPolicy,
+    HostScope,
+    NodeTierConfig,
+    OffloadConfig,
+    StoreAdmission,
+    WritePolicy,
+)
 
 
 def test_defaults():
@@ -170,3 +179,24 @@ def test_a_long_value_is_cut_short_in_the_error():
     with pytest.raises(ConfigError) as err:
         OffloadConfig.from_dict({"model_id": 7 * 10**500})
     assert "model_id=7000" in str(err.value) and len(str(err.value)) < 2000
+
+
+def test_the_node_scope_is_typed_with_its_path_and_group():
+    private = OffloadConfig.from_dict({})
+    assert private.host.scope is HostScope.PRIVATE and private.host.node is None
+    node = OffloadConfig.from_dict({"host_scope": "node", "node_path": "/dev/shm/pools", "node_shared_group": 0})
+    assert node.host.scope is HostScope.NODE
+    assert node.host.node == NodeTierConfig(Path("/dev/shm/pools"), 0)
+    assert OffloadConfig.from_dict({"host_scope": "node"}).host.node == NodeTierConfig(Path("/dev/shm"), None)
+
+
+@pytest.mark.parametrize(("raw", "culprit"), [
+    ({"node_path": "/dev/shm"}, "node_path given without host_scope node"),
+    ({"host_scope": "private", "node_shared_group": 0}, "node_shared_group given without host_scope node"),
+    ({"host_scope": "shared"}, "host_scope"),
+    ({"host_scope": "node", "disk_path": "/tmp/d", "disk_write_policy": "on_evict"},
+     "disk_write_policy on_evict cannot be used with host_scope node"),
+])
+def test_bad_node_settings_are_config_errors_naming_the_key(raw, culprit):
+    with pytest.raises(ConfigError, match=culprit):
+        OffloadConfig.from_dict(raw)
