@@ -69,12 +69,14 @@ def test_engine_b_loads_engine_a_prefixes_from_the_node_pool_and_survives_a_kill
             assert b.stdout is not None and b.stdout.readline() == "serving\n"
             os.kill(a.pid, signal.SIGKILL)  # mid-loop: its pins, stores and attachment are left behind
             a.wait()
-            second = results(read_result(b)["rounds"][0])
+            b_result = read_result(b)
+            second = results(b_result["rounds"][0])
             assert b.wait(timeout=300) == 0
         finally:
             a.kill()
         assert_same_outputs(second, baseline["second"])
         assert sum(r.cached_tokens for r in second) > 0  # B loaded what A stored, in B's fresh process
+        assert b_result["counters"]["node_cross_hits"] > 0  # and its /metrics says so
 
         again = start_engine(model_dir, node_path, log, [ROUNDS["second"]])
         third = results(read_result(again)["rounds"][0])

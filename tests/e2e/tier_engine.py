@@ -33,7 +33,8 @@ def main(model_dir: str, request: str) -> None:
                         "cached": r.cached_tokens} for r in generate(llm, prompts(tail))])
     counters = {"hit_tokens": metric(llm, "vllm:kvoffload_hit_tokens"),
                 "remote_to_host": metric(llm, "vllm:kvoffload_transfer_bytes", direction="remote_to_host"),
-                "host_to_remote": metric(llm, "vllm:kvoffload_transfer_bytes", direction="host_to_remote")}
+                "host_to_remote": metric(llm, "vllm:kvoffload_transfer_bytes", direction="host_to_remote"),
+                "node_cross_hits": metric(llm, "vllm:kvoffload_node_pool", counter="cross_hits")}
     os.write(result_fd, (json.dumps({"rounds": rounds, "counters": counters}) + "\n").encode())
     while spec.get("loop"):
         for tail in spec["rounds"]:

@@ -97,3 +97,31 @@ def test_only_the_configured_tiers_directions_are_listed() -> None:
     text = _registered({})  # host tier only
     assert 'direction="host_to_device"' in text
     assert "disk" not in text and "remote" not in text
+
+
+def test_the_node_pool_counters_are_gauges_listed_only_with_the_node_scope() -> None:
+    assert "node_pool" not in _registered({})
+    text = _registered({"host_scope": "node"})
+    for counter in ("capacity", "used", "stores", "evictions", "cross_hits", "repairs", "reclaimed", "attached"):
+        assert f'vllm:kvoffload_node_pool{{counter="{counter}",engine="0",model_name="tiny"}} 0.0' in text
+
+
+def test_the_node_pool_counters_reach_the_gauges_the_latest_winning() -> None:
+    from types import SimpleNamespace
+
+    from prometheus_client import Counter, Gauge, Histogram
+
+    from kvoffload.integrations.vllm.metrics import KVOffloadPromMetrics
+
+    older = KVOffloadStats.of(node_pool={"cross_hits": 3, "used": 10})
+    newer = KVOffloadStats.of(node_pool={"cross_hits": 5, "used": 12})
+    assert older.aggregate(newer).data["node_pool"] == {"cross_hits": 5, "used": 12}
+    assert older.aggregate(KVOffloadStats.of()).data["node_pool"] == {"cross_hits": 3, "used": 10}
+    assert newer.reduce()["node_pool_cross_hits"] == 5
+    node = SimpleNamespace(kv_connector_extra_config={"host_scope": "node"})
+    prom = KVOffloadPromMetrics(SimpleNamespace(kv_transfer_config=node),
+                                {Counter: _Metric, Gauge: _Metric, Histogram: _Metric},  # type: ignore[dict-item]
+                                ["engine"], {0: ["0"]})
+    prom.observe(older.data)
+    prom.observe(newer.data)
+    assert prom._node_pool.values[("0", "cross_hits")] == 5 and prom._node_pool.values[("0", "used")] == 12

@@ -208,6 +208,10 @@ class ConnectorScheduler:
     def usage(self) -> list[TierUsage]:
         return self.manager.usage()
 
+    def pool_counters(self) -> dict[str, int]:
+        """The shared pool's counters (``host_scope`` node), else empty."""
+        return self.manager.pool_counters()
+
     def close(self) -> None:
         """The engine stops: the tiers release what they hold outside this process, the trace is flushed."""
         self.manager.close()

@@ -167,5 +167,10 @@ class ResidencyManager(ABC):
     def usage(self) -> list[TierUsage]:
         """Blocks held per tier (ready, pinned or in flight) and capacity, for metrics; top tier first."""
 
+    def pool_counters(self) -> dict[str, int]:
+        """Counters of a pool this index shares with other engines (the node tier's: ``NodeIndex.pool_stats``);
+        empty when it shares none."""
+        return {}
+
     def close(self) -> None:  # noqa: B027 (a hook: an index of this process's memory holds nothing to release)
         """The engine stops: release what this index holds outside the process (the node tier's attachment)."""

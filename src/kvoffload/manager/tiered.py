@@ -113,6 +113,8 @@ class HostTier(LowerTier, Protocol):
 
     def complete_store_keys(self, keys: Sequence[OffloadKey], success: bool = True) -> list[OffloadKey]: ...
 
+    def pool_counters(self) -> dict[str, int]: ...
+
     def close(self) -> None: ...
 
 
@@ -271,6 +273,9 @@ class TieredManager(ResidencyManager):
         for tier in self.lowers:
             usage += tier.usage()
         return usage
+
+    def pool_counters(self) -> dict[str, int]:
+        return self.host.pool_counters()
 
     def close(self) -> None:
         self.host.close()

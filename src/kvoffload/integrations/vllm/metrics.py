@@ -18,6 +18,11 @@ the counters that a vLLM server shows on ``/metrics``:
     vllm:kvoffload_store_admitted_blocks_total         computed blocks store admission let through
     vllm:kvoffload_store_declined_blocks_total         computed blocks store admission declined (not stored)
     vllm:kvoffload_host_used_bytes                     host tier bytes in use, all ranks (gauge)
+    vllm:kvoffload_node_pool{counter}                  host_scope node: the shared pool's counters, the same in
+                                                       every engine sharing it (gauges: capacity, used (blocks),
+                                                       stores, evictions, cross_hits (hits on blocks another
+                                                       engine stored), repairs, reclaimed (dead engines),
+                                                       attached (engines))
 
 Names start with ``vllm:`` so that vLLM's own metric clean-up (between engines in one process) covers them.
 """
@@ -38,25 +43,28 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.stats import SchedulerStats, TransferStats
 from kvoffload.specs import Medium, transfer_name
+from kvoffload.tiers.node.index import POOL_COUNTERS
 from kvoffload.tiers.stack import transfer_routes
 
 TRANSFERS = "transfers"
 LOOKUPS = "lookups"
 HOST_USED_BYTES = "host_used_bytes"
+NODE_POOL = "node_pool"
 _LOOKUP_FIELDS = ("requests", "query_tokens", "hit_tokens", "failed_load_tokens", "skipped_slow_tokens",
                   "admitted_blocks", "declined_blocks")
 
 
 @dataclass
 class KVOffloadStats(KVConnectorStats):
-    """``data`` = {"transfers": {direction: counters}, "lookups": {field: int}, "host_used_bytes": int}.
+    """``data`` = {"transfers": {direction: counters}, "lookups": {field: int}, "host_used_bytes": int,
+    "node_pool": {counter: int}}.
 
-    Counters add up across workers and steps; ``host_used_bytes`` is a gauge, the latest value wins.
+    Counters add up across workers and steps; ``host_used_bytes`` and ``node_pool`` are gauges, the latest wins.
     """
 
     @classmethod
     def of(cls, transfers: TransferStats | None = None, lookups: SchedulerStats | None = None,
-           host_used_bytes: int | None = None) -> KVOffloadStats:
+           host_used_bytes: int | None = None, node_pool: dict[str, int] | None = None) -> KVOffloadStats:
         data: dict[str, Any] = {}
         if transfers is not None and not transfers.is_empty():
             data[TRANSFERS] = transfers.as_dict()
@@ -64,6 +72,8 @@ class KVOffloadStats(KVConnectorStats):
             data[LOOKUPS] = {name: getattr(lookups, name) for name in _LOOKUP_FIELDS}
         if host_used_bytes is not None:
             data[HOST_USED_BYTES] = host_used_bytes
+        if node_pool:
+            data[NODE_POOL] = dict(node_pool)
         return cls(data=data)
 
     @property
@@ -81,8 +91,9 @@ class KVOffloadStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVOffloadStats:
         theirs = other if isinstance(other, KVOffloadStats) else KVOffloadStats(data=dict(other.data))
         gauge = theirs.data.get(HOST_USED_BYTES, self.data.get(HOST_USED_BYTES))
+        pool = theirs.data.get(NODE_POOL, self.data.get(NODE_POOL))
         return KVOffloadStats.of(self.transfers.aggregate(theirs.transfers),
-                                 self.lookups.aggregate(theirs.lookups), gauge)
+                                 self.lookups.aggregate(theirs.lookups), gauge, pool)
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {}
@@ -101,6 +112,8 @@ class KVOffloadStats(KVConnectorStats):
             out["admitted_blocks"] = lookups.admitted_blocks
         if HOST_USED_BYTES in self.data:
             out[HOST_USED_BYTES] = self.data[HOST_USED_BYTES]
+        for name, value in self.data.get(NODE_POOL, {}).items():
+            out[f"node_pool_{name}"] = value
         return out
 
     def is_empty(self) -> bool:
@@ -142,7 +155,14 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
             name="vllm:kvoffload_host_used_bytes",
             documentation="Bytes of the kvoffload host tier in use, every rank's pool together.",
             multiprocess_mode="mostrecent", labelnames=labelnames)
-        self._start_at_zero(transfer_routes(_offload_config(vllm_config)))
+        config = _offload_config(vllm_config)
+        self._node_pool: Any = None  # registered with the node scope only
+        if config.host.node is not None:
+            self._node_pool = self._gauge_cls(  # type: ignore[call-arg]
+                name="vllm:kvoffload_node_pool",
+                documentation="The kvoffload node pool's counters, the same in every engine sharing it.",
+                multiprocess_mode="mostrecent", labelnames=[*labelnames, "counter"])
+        self._start_at_zero(transfer_routes(config))
 
     def _start_at_zero(self, routes: Sequence[tuple[Medium, Medium]]) -> None:
         """Create every series that can occur, at 0, so that /metrics lists them before the first event: a
@@ -154,6 +174,8 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
             for metric in self._tokens.values():
                 metric.labels(*labels)
             self._host_used.labels(*labels).set(0)
+            for counter in POOL_COUNTERS if self._node_pool is not None else ():
+                self._node_pool.labels(*labels, counter).set(0)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
@@ -170,6 +192,9 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
                 metric.labels(*labels).inc(value)
         if HOST_USED_BYTES in stats.data:
             self._host_used.labels(*labels).set(stats.data[HOST_USED_BYTES])
+        if self._node_pool is not None:
+            for counter, value in stats.data.get(NODE_POOL, {}).items():
+                self._node_pool.labels(*labels, counter).set(value)
 
 
 def _offload_config(vllm_config: Any) -> OffloadConfig:

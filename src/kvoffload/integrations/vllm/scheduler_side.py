@@ -50,6 +50,7 @@ class SchedulerSide:
         self.slot_bytes = host_slot_bytes(layout, self.core.factor)
         self.publish_events = publish_events
         self._reported_host_bytes: int | None = None
+        self._reported_pool: dict[str, int] = {}
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -97,13 +98,17 @@ class SchedulerSide:
         return used * self.slot_bytes * self.core.world_size
 
     def stats(self) -> KVOffloadStats | None:
-        """Hit and miss tokens since the last call, and the host tier's bytes in use when they changed."""
+        """Hit and miss tokens since the last call; the host tier's bytes in use and the node pool's counters when
+        they changed."""
         if not self.core.take_usage_moved() and not self.core.has_stats():
             return None  # most decode steps: nothing to say
         lookups = self.core.take_stats()
         used = self.host_used_bytes()
-        if used == self._reported_host_bytes and lookups.is_empty():
+        pool = self.core.pool_counters()  # other engines move it too: reported with this engine's own figures
+        if used == self._reported_host_bytes and lookups.is_empty() and pool == self._reported_pool:
             return None
         gauge = used if used != self._reported_host_bytes else None
         self._reported_host_bytes = used
-        return KVOffloadStats.of(lookups=lookups, host_used_bytes=gauge)
+        changed = pool if pool != self._reported_pool else None
+        self._reported_pool = pool
+        return KVOffloadStats.of(lookups=lookups, host_used_bytes=gauge, node_pool=changed)

@@ -43,6 +43,8 @@ from kvoffload.tiers.node.segment import MISSING_EPOCH, Alive, is_alive, own_ide
 
 logger = logging.getLogger(__name__)
 
+POOL_COUNTERS = ("capacity", "used", "stores", "evictions", "cross_hits", "repairs", "reclaimed", "attached")
+"""What ``pool_counters`` reports (the engines' /metrics: ``vllm:kvoffload_node_pool``)."""
 RECLAIM_S = 1.0
 """How often an engine looks for dead engines' pins and stores: the bound on how long they block anything."""
 
@@ -165,8 +167,12 @@ class NodeIndex(ResidencyManager):
 
     def pool_stats(self) -> dict[str, Any]:
         """The whole pool's counters: capacity, used, stores, evictions, hits served across engines, repairs after a
-        crash, engines reclaimed, engines attached."""
+        crash, engines reclaimed (found dead), engines attached; and its slot size and namespace fingerprint."""
         return dict(_nodeindex.stats(self._segment))
+
+    def pool_counters(self) -> dict[str, int]:
+        stats = _nodeindex.stats(self._segment)
+        return {name: int(stats[name]) for name in POOL_COUNTERS}
 
     def close(self) -> None:
         """Detach: this engine's pins and unfinished stores go (an engine that dies is reclaimed instead)."""
