@@ -2,7 +2,8 @@
 
 ``trace.py`` reads traces (the Mooncake JSONL, and kvoffload's own, which the core's ``kvoffload.trace_format``
 writes); ``loop.py`` feeds them through ``SlotIndex``; ``optimum.py`` is Belady's offline policy; ``models.py``
-turns capacities into bytes; ``sweep.py`` runs many points; ``replay_command.py`` and ``plan_command.py`` are
+turns capacities into bytes; ``sweep.py`` runs many points; ``engines.py`` splits a trace over several engines'
+private tiers beside one node pool; ``replay_command.py`` and ``plan_command.py`` are
 ``kvoffload replay`` and ``kvoffload plan``. Imports no torch and no engine.
 """
 

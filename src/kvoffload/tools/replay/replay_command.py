@@ -1,5 +1,5 @@
 """``kvoffload replay``: one trace at one capacity through every chosen policy, beside the optimum and the
-unbounded maximum."""
+unbounded maximum; with ``--engines N``, N private tiers of C/N beside one node pool of C (``engines.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,19 @@ import argparse
 import json
 from typing import Any
 
+from kvoffload.config import StoreAdmission
 from kvoffload.tools.bench.common import format_table
+from kvoffload.tools.replay.engines import (
+    Comparison,
+    Engines,
+    Router,
+    Setup,
+    compare,
+    jobs,
+    parse_engines,
+    private_capacity,
+    run_jobs,
+)
 from kvoffload.tools.replay.loop import Bound, Strategy
 from kvoffload.tools.replay.models import GIB, parse_capacity
 from kvoffload.tools.replay.report import (
@@ -23,6 +35,7 @@ from kvoffload.tools.replay.report import (
 )
 from kvoffload.tools.replay.result import ReplayResult
 from kvoffload.tools.replay.sweep import Point, load, run_points
+from kvoffload.tools.replay.trace import Trace
 
 DEFAULT_CAPACITY = "3M"
 
@@ -36,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="eviction policy to replay (repeatable; default every policy)")
     parser.add_argument("--model", default=None,
                         help="model preset or config.json, for bytes loaded and stored (and GiB capacities)")
+    parser.add_argument("--engines", type=int, default=None,
+                        help="engines on the node: replay N private tiers of capacity/N beside one node pool")
+    parser.add_argument("--router", default=None,
+                        help=f"how requests reach the engines: {', '.join(r.value for r in Router)} "
+                             f"(default {Router.ROUND_ROBIN.value}; needs --engines)")
+    parser.add_argument("--seed", type=int, default=None, help="the random router's seed (default 0)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,11 +63,14 @@ def run(args: argparse.Namespace) -> int:
         capacity_tokens = parse_capacity(args.capacity, bpt)
         policies = parse_policies(args.policy)
         admission = parse_admission(args.admission)
+        engines = parse_engines(args.engines, args.router, args.seed)
         trace, _ = load(args.trace, with_future=False)
     except ValueError as e:
         return fail("replay", e)
     blocks = max(1, capacity_tokens // trace.block_tokens)
     strategies: list[Strategy] = [*policies, Bound.OPTIMUM, Bound.UNBOUNDED]
+    if engines is not None:
+        return _run_engines(args, trace, engines, strategies, blocks, admission, bpt)
     results = run_points(args.trace, [Point(s, blocks, admission) for s in strategies], args.workers)
     bounds = bounds_at(results, blocks)
     if args.json:
@@ -80,4 +102,43 @@ def _table(results: list[ReplayResult], bounds: Bounds, bpt: int | None) -> str:
         if bpt is not None:
             row[6:6] = [r.loaded_bytes(bpt) / GIB, r.stored_bytes(bpt) / GIB]
         rows.append(row)
+    return format_table(headers, rows)
+
+
+def _run_engines(args: argparse.Namespace, trace: Trace, engines: Engines, strategies: list[Strategy], blocks: int,
+                 admission: StoreAdmission, bpt: int | None) -> int:
+    """Every strategy in both setups; the node rows are the one-tier replay's ``results``."""
+    todo = jobs(strategies, blocks, admission, engines)
+    pairs = compare(run_jobs(args.trace, todo, args.workers), todo)
+    by_strategy = {p.strategy: p for p in pairs}
+    optimum, unbounded = by_strategy[Bound.OPTIMUM.value], by_strategy[Bound.UNBOUNDED.value]
+    private_bounds = Bounds(optimum.private, unbounded.private)
+    node_bounds = Bounds(optimum.node, unbounded.node)
+    per_engine = private_capacity(blocks, engines.count) * trace.block_tokens
+    if args.json:
+        doc: dict[str, Any] = {
+            "trace": args.trace, "requests": len(trace.requests), "block_tokens": trace.block_tokens,
+            "capacity_tokens": blocks * trace.block_tokens, "bytes_per_token": bpt, "admission": admission.value,
+            "engines": {"count": engines.count, "router": engines.router.value, "seed": engines.seed,
+                        "private_capacity_tokens": per_engine},
+            "results": [result_doc(p.node, node_bounds, bpt) for p in pairs],
+            Setup.PRIVATE.value: [result_doc(p.private, private_bounds, bpt) for p in pairs],
+            "comparison": [{"strategy": p.strategy, "private_token_hit_rate": p.private.token_hit_rate,
+                            "node_token_hit_rate": p.node.token_hit_rate, "gain": p.gain, "ratio": p.ratio}
+                           for p in pairs]}
+        print(json.dumps(doc, indent=1))
+    else:
+        print(_summary(args.trace, len(trace.requests), blocks * trace.block_tokens, bpt))
+        seed = f" (seed {engines.seed})" if engines.router is Router.RANDOM else ""
+        print(f"{engines.count} engines, router {engines.router.value}{seed}: private tiers of {per_engine:,} "
+              f"tokens each, or one node pool of {blocks * trace.block_tokens:,} tokens")
+        print(_engines_table(pairs))
+    return 0
+
+
+def _engines_table(pairs: list[Comparison]) -> str:
+    headers = ["strategy", "admission", "private hit", "node hit", "node - private", "node / private",
+               "private stored", "node stored"]
+    rows = [[p.strategy, p.node.admission, p.private.token_hit_rate, p.node.token_hit_rate, p.gain, p.ratio,
+             p.private.stored_blocks, p.node.stored_blocks] for p in pairs]
     return format_table(headers, rows)
