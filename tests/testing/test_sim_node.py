@@ -13,12 +13,12 @@ from kvoffload.testing.sim import SimEngine, Status
 BLOCK = 4
 
 
-def make_engine(node_path: Path, host_blocks: int = 16, **config: object) -> SimEngine:
+def make_engine(node_path: Path, host_blocks: int = 16, workers: int = 1, **config: object) -> SimEngine:
     layout, make_kv = layouts.attention_layout(num_blocks=48, block_size=BLOCK)
     slot = max(layout.group_block_bytes(g) for g in range(len(layout.groups)))
     raw = {"offload_block_tokens": BLOCK, "host_bytes": host_blocks * slot, "host_scope": "node",
            "node_path": str(node_path), **config}
-    return SimEngine(layout, make_kv, OffloadConfig.from_dict(raw), block_size=BLOCK)
+    return SimEngine(layout, make_kv, OffloadConfig.from_dict(raw), block_size=BLOCK, num_workers=workers)
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -67,3 +67,15 @@ def test_with_a_disk_tier_below_a_block_evicted_from_the_pool_comes_back(node_pa
     second = b.add_request("b", [*prompt, 7])
     run_checked(b)
     assert second.loaded_tokens == 16 and b.corrupt_blocks == []
+
+
+def test_two_tensor_parallel_engines_share_one_pool_file_per_rank(node_path: Path) -> None:
+    a, b = make_engine(node_path, workers=2), make_engine(node_path, workers=2)
+    prompt = tokens(16, seed=6)
+    a.add_request("a", prompt)
+    run_checked(a)
+    second = b.add_request("b", [*prompt, 7])
+    run_checked(b)
+    assert second.loaded_tokens == 16 and b.corrupt_blocks == []  # each rank's bytes from its own file
+    (directory,) = (d for d in node_path.glob("kvoffload-node-*/*") if d.is_dir())
+    assert sorted(p.name for p in directory.iterdir()) == ["index", "pool.0", "pool.1"]
