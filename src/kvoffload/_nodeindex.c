@@ -60,6 +60,7 @@ typedef struct {
     int64_t holder; /* attachment holding the mutex, -1 none */
     uint64_t stores, evictions, cross_hits, repairs, reclaimed;
     Attachment att[MAX_ATTACH];
+    uint64_t served[MAX_ATTACH]; /* per attachment: pins other engines took on blocks it stored */
 } Header;
 
 typedef struct {
@@ -309,6 +310,7 @@ static PyObject *py_attach(PyObject *self, PyObject *args) {
         for (int a = 0; a < MAX_ATTACH && found < 0; a++) {
             if (s.h->att[a].pid == 0) {
                 /* pid last: an engine killed in between leaves a free entry, never one that looks alive */
+                s.h->served[a] = 0;
                 s.h->att[a].start = start;
                 s.h->att[a].pidns = pidns;
                 __atomic_store_n(&s.h->att[a].pid, pid, __ATOMIC_RELEASE);
@@ -458,7 +460,10 @@ static PyObject *py_pin(PyObject *self, PyObject *args) {
             if (slot >= 0 && s.slots[slot].state == READY) {
                 s.slots[slot].pins |= 1ULL << a;
                 epoch = s.slots[slot].epoch;
-                if (s.slots[slot].owner != a) s.h->cross_hits++;
+                if (s.slots[slot].owner != a) {
+                    s.h->cross_hits++;
+                    s.h->served[s.slots[slot].owner]++;
+                }
             } else {
                 slot = -1;
             }
@@ -741,6 +746,19 @@ static PyObject *py_stats(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* served(buffer, attachment) -> pins other engines took on blocks this attachment stored, since it attached. */
+static PyObject *py_served(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    int a;
+    if (!PyArg_ParseTuple(args, "Oi", &obj, &a) || !check_attachment(a)) return NULL;
+    Py_buffer view;
+    Seg s;
+    if (!open_seg(obj, &view, &s, 0)) return NULL;
+    unsigned long long served = __atomic_load_n(&s.h->served[a], __ATOMIC_RELAXED);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(served);
+}
+
 /* check(buffer, attachment) -> None, or the first broken law as a string. */
 static PyObject *py_check(PyObject *self, PyObject *args) {
     PyObject *obj;
@@ -799,6 +817,7 @@ static PyMethodDef methods[] = {
     {"verify", py_verify, METH_VARARGS, "Whether slots are ready and hold these epochs."},
     {"stats", py_stats, METH_VARARGS, "The pool's counters."},
     {"check", py_check, METH_VARARGS, "None, or the first broken law of the segment."},
+    {"served", py_served, METH_VARARGS, "Pins other engines took on blocks this attachment stored."},
     {NULL, NULL, 0, NULL},
 };
 

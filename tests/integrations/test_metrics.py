@@ -102,7 +102,8 @@ def test_only_the_configured_tiers_directions_are_listed() -> None:
 def test_the_node_pool_counters_are_gauges_listed_only_with_the_node_scope() -> None:
     assert "node_pool" not in _registered({})
     text = _registered({"host_scope": "node"})
-    for counter in ("capacity", "used", "stores", "evictions", "cross_hits", "repairs", "reclaimed", "attached"):
+    for counter in ("capacity", "used", "stores", "evictions", "cross_hits", "repairs", "reclaimed", "attached",
+                    "served"):
         assert f'vllm:kvoffload_node_pool{{counter="{counter}",engine="0",model_name="tiny"}} 0.0' in text
 
 

@@ -57,6 +57,7 @@ def test_a_block_one_engine_stored_is_a_hit_for_another(node_path: Path) -> None
     assert _nodeindex.verify(b._segment, load.slots, load.epochs)
     b.complete_load(prefix)
     assert b.pool_stats()["cross_hits"] == 4 and b.pool_stats()["stores"] == 4
+    assert a.pool_counters()["served"] == 4 and b.pool_counters()["served"] == 0  # A's blocks served B
     a.check_integrity()
     b.check_integrity()
 

@@ -22,7 +22,8 @@ the counters that a vLLM server shows on ``/metrics``:
                                                        every engine sharing it (gauges: capacity, used (blocks),
                                                        stores, evictions, cross_hits (hits on blocks another
                                                        engine stored), repairs, reclaimed (dead engines),
-                                                       attached (engines))
+                                                       attached (engines)); and served: this engine's
+                                                       blocks other engines hit
 
 Names start with ``vllm:`` so that vLLM's own metric clean-up (between engines in one process) covers them.
 """

@@ -43,8 +43,10 @@ from kvoffload.tiers.node.segment import MISSING_EPOCH, Alive, is_alive, own_ide
 
 logger = logging.getLogger(__name__)
 
-POOL_COUNTERS = ("capacity", "used", "stores", "evictions", "cross_hits", "repairs", "reclaimed", "attached")
-"""What ``pool_counters`` reports (the engines' /metrics: ``vllm:kvoffload_node_pool``)."""
+POOL_COUNTERS = ("capacity", "used", "stores", "evictions", "cross_hits", "repairs", "reclaimed", "attached",
+                 "served")
+"""What ``pool_counters`` reports (the engines' /metrics: ``vllm:kvoffload_node_pool``): the pool's counters, and
+``served``, this engine's own: hits other engines took on blocks it stored."""
 RECLAIM_S = 1.0
 """How often an engine looks for dead engines' pins and stores: the bound on how long they block anything."""
 
@@ -172,6 +174,7 @@ class NodeIndex(ResidencyManager):
 
     def pool_counters(self) -> dict[str, int]:
         stats = _nodeindex.stats(self._segment)
+        stats["served"] = _nodeindex.served(self._segment, self.attachment) if self.attachment >= 0 else 0
         return {name: int(stats[name]) for name in POOL_COUNTERS}
 
     def close(self) -> None:
