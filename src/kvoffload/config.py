@@ -180,8 +180,9 @@ KEYS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "host_bytes": (_BYTES, "host tier capacity in bytes (default 4 GiB)"),
     "host_gib": (_GIB, "host tier capacity in GiB (a float); alternative to host_bytes"),
     "eviction_policy": (enum_of(EvictionPolicy), "lru, arc, s3fifo or tinylfu, for every tier"),
-    "store_admission": (enum_of(StoreAdmission), "all (store every full block) or second-sighting (store a block "
-                                                 "the second time it is seen)"),
+    "store_admission": (enum_of(StoreAdmission), "all (store every full block), second-sighting (store a block "
+                                                 "the second time it is seen) or adaptive (whichever of the two "
+                                                 "recent traffic rewards)"),
     "record_trace": (path, "append each finished request's arrival, lengths and offload keys (never tokens) "
                            "to this JSONL file, for kvoffload replay and plan"),
     "copy_threads": (_THREADS, "CPU threads copying device<->host when the KV cache is on the CPU"),

@@ -26,6 +26,8 @@ class StoreAdmission(enum.Enum):
     """Every full block."""
     SECOND_SIGHTING = "second-sighting"
     """A block the second time its key is offered for storing, within a bounded memory of recent keys."""
+    ADAPTIVE = "adaptive"
+    """Every block or second sightings, whichever shadow tiers of both show the recent traffic rewards."""
 
 
 class LoadPolicy(enum.Enum):

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+from zlib import crc32
+
 import pytest
 
 from kvoffload.config import StoreAdmission
 from kvoffload.keys import OffloadKey
-from kvoffload.manager.admission import SIGHTING_MEMORY, AdmitAll, SecondSighting, make_admission
+from kvoffload.manager.admission import (
+    SIGHTING_MEMORY,
+    AdaptiveAdmission,
+    AdmitAll,
+    SecondSighting,
+    make_admission,
+)
 
 
 def key(i: int) -> OffloadKey:
@@ -63,3 +71,54 @@ def test_second_sighting_forgets_the_least_recently_offered_keys_beyond_its_limi
 def test_second_sighting_rejects_a_limit_that_is_not_positive() -> None:
     with pytest.raises(ValueError, match="limit 0"):
         SecondSighting(0)
+
+
+def test_make_admission_builds_the_adaptive_rule() -> None:
+    assert isinstance(make_admission(StoreAdmission.ADAPTIVE, 8), AdaptiveAdmission)
+
+
+def repeat_once_each(rule: AdaptiveAdmission, rounds: int, first: int = 0) -> None:
+    """Prompts each used twice in a row: storing every block wins (second sightings lose every reuse)."""
+    for i in range(first, first + rounds):
+        prompt = keys(3 * i, 3 * i + 1, 3 * i + 2)
+        for _ in range(2):
+            rule.looked_up(prompt)
+
+
+def one_time_floods(rule: AdaptiveAdmission, rounds: int, hot: list[OffloadKey], first: int = 10_000) -> None:
+    """A hot prefix used thrice per round between floods of blocks used once, which evict it when stored."""
+    for i in range(rounds):
+        rule.looked_up(hot)
+        rule.looked_up(keys(*range(first + 20 * i, first + 20 * i + 20)))  # twice the tier, never again
+        rule.looked_up(hot)
+        rule.looked_up(hot)
+
+
+def test_adaptive_stores_every_block_where_reuse_comes_soon() -> None:
+    rule = AdaptiveAdmission(10)
+    repeat_once_each(rule, 50)
+    assert rule.admits_all and rule.admit(keys(9_000, 9_001)) == 2
+
+
+def test_adaptive_turns_to_second_sightings_under_one_time_floods_and_back() -> None:
+    rule = AdaptiveAdmission(10)
+    one_time_floods(rule, 40, keys(900_000, 900_001, 900_002))
+    assert not rule.admits_all  # storing the floods evicted the hot prefix; second sightings kept it
+    assert rule.admit(keys(8_000, 8_001)) == 0 and rule.admit(keys(8_000, 8_001)) == 2  # remembered meanwhile
+    repeat_once_each(rule, 400, first=100_000)
+    assert rule.admits_all
+
+
+def test_adaptive_follows_a_sample_of_the_keys_on_a_large_tier() -> None:
+    small, large = AdaptiveAdmission(100, sample_slots=1000), AdaptiveAdmission(100_000, sample_slots=1000)
+    assert small._bound is None and large._bound is not None
+    prompt = [OffloadKey(i.to_bytes(8, "big")) for i in range(20_000)]
+    followed = sum(crc32(k) < large._bound for k in prompt)
+    assert 100 <= followed <= 300  # 1% of 20,000 keys, give or take
+    large.looked_up(prompt)
+    assert len(large._all._keys) == followed  # the shadow saw only those
+
+
+def test_adaptive_rejects_a_capacity_that_is_not_positive() -> None:
+    with pytest.raises(ValueError, match="must be positive"):
+        AdaptiveAdmission(0)

@@ -110,3 +110,24 @@ def test_after_a_declined_block_a_request_stores_none_of_its_later_blocks() -> N
     # b shares a's first 20 tokens only: blocks 0-4 are second sightings, block 5 on are new.
     _, stats, held = run_request(engine, "b", prompt()[:20] + prompt(seed=2)[20:])
     assert held == 5 and stats.admitted_blocks == 5 and stats.declined_blocks == COMPUTED_BLOCKS - 5
+
+
+def test_adaptive_admission_sees_each_prompt_once_and_stores_every_block_at_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvoffload.manager.admission import AdaptiveAdmission
+
+    seen: list[int] = []
+    looked_up = AdaptiveAdmission.looked_up
+
+    def counted(rule: AdaptiveAdmission, keys: list[object]) -> None:
+        seen.append(len(keys))
+        looked_up(rule, keys)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(AdaptiveAdmission, "looked_up", counted)
+    engine = make_engine("adaptive")
+    rule = engine.scheduler.admission
+    assert isinstance(rule, AdaptiveAdmission) and rule.admits_all  # no evidence yet: every block
+    (_, a_stats, a_held), (b, _, _), _ = three_requests(engine)
+    assert a_stats.admitted_blocks == COMPUTED_BLOCKS and a_held == COMPUTED_BLOCKS
+    assert b.loaded_tokens == (PROMPT - 1) // BLOCK * BLOCK  # b hits what a stored
+    assert seen == [(PROMPT - 1) // BLOCK] * 2 + [(PROMPT + NEW_TOKENS - 1) // BLOCK]  # once per request

@@ -60,6 +60,7 @@ class LoadPlanner:
             return 0, False
         # The engine must compute at least the last prompt token itself, to sample from its logits.
         end = (num_tokens - 1) // self._offload_tokens
+        self._admission.looked_up(state, end)
         first = num_computed_tokens // self._offload_tokens
         if first >= end:
             return 0, False

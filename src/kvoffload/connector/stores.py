@@ -70,6 +70,8 @@ class StoreAdmitter:
         self.rule = rule
         self._admit_all = isinstance(rule, AdmitAll)
         self._stats = stats
+        self._watched: set[str] = set()
+        """Requests whose prompt the rule has seen (``looked_up``): it sees each once."""
         self._offer_from: dict[str, int] = {}
         """Per request, the first offload block it computed itself (the ones before are reuses), or ``DECLINED``
         once admission declined one of its blocks; kept only when admission is not ``all``."""
@@ -81,9 +83,18 @@ class StoreAdmitter:
             if mark != DECLINED and blocks > mark:
                 self._offer_from[req_id] = blocks
 
+    def looked_up(self, state: RequestState, end: int) -> None:
+        """The request's first ``end`` offload blocks are being looked up: a rule that learns from lookups sees
+        their keys, the first time only (a request may be looked up again, step after step)."""
+        req_id = state.request.request_id
+        if self.rule.watches_lookups and req_id not in self._watched:
+            self._watched.add(req_id)
+            self.rule.looked_up(state.keys(0, end, 0))
+
     def forget(self, req_id: str) -> None:
         """The request is finished."""
         self._offer_from.pop(req_id, None)
+        self._watched.discard(req_id)
 
     def admitted_end(self, state: RequestState, first: int, end: int) -> int:
         """Where the stored part of the request's new full blocks ``[first, end)`` ends, admission asked.

@@ -7,8 +7,9 @@ store: a block is useless without the blocks before it, so the admitted part is 
 are not stored now; a later request with the same prefix offers them again.
 
 The scheduler half asks once per block and request (``ConnectorScheduler``), and ``kvoffload replay`` asks with
-the blocks a request missed, through ``make_admission``. Rules are not thread-safe (the scheduler half calls them
-from one thread).
+the blocks a request missed, through ``make_admission``. A rule that learns from lookups (``AdaptiveAdmission``)
+also sees each request's prompt keys once, when it is first looked up (``looked_up``). Rules are not thread-safe
+(the scheduler half calls them from one thread).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import takewhile
+from zlib import crc32
 
 from kvoffload.config import StoreAdmission
 from kvoffload.keys import OffloadKey
@@ -34,6 +36,12 @@ class Admission(ABC):
     """Decides how many leading blocks of a request's store to keep."""
 
     __slots__ = ()
+
+    watches_lookups = False
+    """Whether ``looked_up`` does anything (callers skip building its keys otherwise)."""
+
+    def looked_up(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 (a hook: fixed rules ignore it)
+        """A request's prompt blocks, in prefix order, the first time it is looked up (hits and misses alike)."""
 
     @abstractmethod
     def admit(self, keys: Sequence[OffloadKey]) -> int:
@@ -90,6 +98,89 @@ class SecondSighting(Admission):
         return len(self._seen)
 
 
+ADAPTIVE_SAMPLE_SLOTS = 8192
+"""``AdaptiveAdmission``'s shadow tiers follow at most this many slots each: on a larger tier they follow the keys
+whose CRC falls in a sample of the matching rate, so their cost per request and their memory stay bounded whatever
+the tier's size, and their hit counts estimate the whole tier's (as SHARDS samples a cache's keys)."""
+
+
+class _Shadow:
+    """A tier of keys only (LRU) behind one admission rule: what a tier would hit with that rule."""
+
+    __slots__ = ("_capacity", "_keys", "_rule")
+
+    def __init__(self, capacity: int, rule: Admission) -> None:
+        self._capacity = capacity
+        self._rule = rule
+        self._keys: OrderedDict[OffloadKey, None] = OrderedDict()
+
+    def serve(self, keys: Sequence[OffloadKey]) -> int:
+        """Look ``keys`` up (leading hits, made most recent), store what the rule admits of the rest; the hits."""
+        resident = self._keys
+        hits = len(list(takewhile(resident.__contains__, keys)))
+        consume(map(resident.move_to_end, keys[:hits]))
+        missed = keys[hits:]
+        if missed:
+            admitted = missed[:self._rule.admit(missed)]
+            resident.update(dict.fromkeys(admitted))
+            consume(map(resident.move_to_end, admitted))
+            for _ in range(len(resident) - self._capacity):
+                resident.popitem(last=False)
+        return hits
+
+
+class AdaptiveAdmission(Admission):
+    """Stores every block, or only second sightings, whichever of the two the recent traffic rewards.
+
+    Two shadow tiers of the same capacity (keys only, LRU) replay every request's prompt as it is first looked up:
+    one stores every block, the other second sightings. Each request adds the difference of their hits to a lead
+    that decays over ``SIGHTING_MEMORY`` turnovers of the shadow tier; the real tier stores every block while the
+    lead is not negative, second sightings otherwise. Its own sighting memory sees every offer whichever rule
+    leads, so a switch finds it warm. On a tier larger than ``sample_slots`` the shadows follow a sample of the
+    keys (``ADAPTIVE_SAMPLE_SLOTS``). Costs O(prompt blocks) per request, none per decode step.
+
+    Args:
+        capacity_blocks: the real tier's capacity.
+        sample_slots: the most slots a shadow tier follows.
+    Raises:
+        ValueError: a capacity is not positive.
+    """
+
+    __slots__ = ("_all", "_bound", "_decay", "_lead", "_real", "_sighting")
+
+    watches_lookups = True
+
+    def __init__(self, capacity_blocks: int, sample_slots: int = ADAPTIVE_SAMPLE_SLOTS) -> None:
+        if capacity_blocks <= 0 or sample_slots <= 0:
+            raise ValueError(f"AdaptiveAdmission: capacities {capacity_blocks}, {sample_slots} must be positive")
+        rate = min(1.0, sample_slots / capacity_blocks)
+        shadow = max(1, round(capacity_blocks * rate))
+        # A key is followed when a CRC of it falls below the bound: deterministic (replays repeat), and uniform
+        # whatever the keys are (the replay's are small integers).
+        self._bound = None if rate >= 1.0 else max(1, int(rate * (1 << 32)))
+        self._all = _Shadow(shadow, AdmitAll())
+        self._sighting = _Shadow(shadow, SecondSighting(SIGHTING_MEMORY * shadow))
+        self._real = SecondSighting(SIGHTING_MEMORY * capacity_blocks)
+        self._decay = 1.0 - 1.0 / (SIGHTING_MEMORY * shadow)
+        self._lead = 0.0
+
+    def looked_up(self, keys: Sequence[OffloadKey]) -> None:
+        bound = self._bound
+        followed = keys if bound is None else [k for k in keys if crc32(k) < bound]
+        if followed:
+            gain = self._all.serve(followed) - self._sighting.serve(followed)
+            self._lead = self._lead * self._decay ** len(followed) + gain
+
+    @property
+    def admits_all(self) -> bool:
+        """Which rule leads now: every block (True) or second sightings."""
+        return self._lead >= 0.0
+
+    def admit(self, keys: Sequence[OffloadKey]) -> int:
+        sighted = self._real.admit(keys)
+        return len(keys) if self.admits_all else sighted
+
+
 def make_admission(kind: StoreAdmission, capacity_blocks: int) -> Admission:
     """The rule ``kind`` names, for a tier of ``capacity_blocks`` blocks (``SecondSighting`` remembers
     ``SIGHTING_MEMORY * capacity_blocks`` keys).
@@ -103,4 +194,6 @@ def make_admission(kind: StoreAdmission, capacity_blocks: int) -> Admission:
         return AdmitAll()
     if kind is StoreAdmission.SECOND_SIGHTING:
         return SecondSighting(SIGHTING_MEMORY * capacity_blocks)
+    if kind is StoreAdmission.ADAPTIVE:
+        return AdaptiveAdmission(capacity_blocks)
     raise ValueError(f"make_admission: unknown store admission {kind!r}")
