@@ -1,8 +1,9 @@
 """The replay loop: a trace's requests, in arrival order, through the real host tier manager and its policies.
 
-Per request: ``lookup`` of the longest cached prefix run; ``prepare_load``, ``touch`` and ``complete_load`` of the
-hit keys (so the policy sees the use, as in the engine); then the store admission rule (``manager/admission.py``)
-on the missed keys, and ``prepare_store`` plus ``complete_store(success=True)`` of the leading part it admits. When
+Per request: the admission rule sees its keys (``Admission.looked_up``, as when the engine first looks a request up);
+``lookup`` of the longest cached prefix run; ``prepare_load``, ``touch`` and ``complete_load`` of the hit keys (so
+the policy sees the use, as in the engine); then the store admission rule (``manager/admission.py``) on the missed
+keys, and ``prepare_store`` plus ``complete_store(success=True)`` of the leading part it admits. When
 ``prepare_store`` finds no room (a prompt of more blocks than the tier holds), the largest leading part that fits is
 stored: as many distinct keys as the tier has slots, since between requests nothing is pinned or in flight and
 every resident block may go.
@@ -77,9 +78,11 @@ def replay(trace: Trace, capacity_blocks: int, strategy: Strategy = EvictionPoli
     else:
         tier = SlotIndex(capacity_blocks, strategy if isinstance(strategy, EvictionPolicy)
                                else EvictionPolicy.LRU)
-        admit = make_admission(admission, capacity_blocks).admit
+        rule = make_admission(admission, capacity_blocks)
         for request in trace.requests:
-            _step(tier, request, trace.block_tokens, admit, counts)
+            if rule.watches_lookups:
+                rule.looked_up(request.keys)
+            _step(tier, request, trace.block_tokens, rule.admit, counts)
     tier.check_integrity()
     return counts.result(trace, strategy.value, admission.value, capacity_blocks, time.perf_counter() - start)
 

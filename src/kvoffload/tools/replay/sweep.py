@@ -15,6 +15,7 @@ from kvoffload.config import EvictionPolicy, StoreAdmission
 from kvoffload.tools.replay.loop import Bound, Strategy, replay
 from kvoffload.tools.replay.optimum import NextUse, next_uses
 from kvoffload.tools.replay.result import ReplayResult
+from kvoffload.tools.replay.synthetic import PREFIX, synthetic
 from kvoffload.tools.replay.trace import Trace, read_trace
 
 
@@ -50,12 +51,13 @@ _LOADED: dict[str, tuple[Trace, NextUse | None]] = {}
 
 
 def load(path: str, with_future: bool = True) -> tuple[Trace, NextUse | None]:
-    """Read the trace at ``path`` once per process; with its next-use table if ``with_future``.
+    """Read the trace at ``path`` (or build the ``synthetic:NAME`` one) once per process; with its next-use table
+    if ``with_future``.
 
     Raises:
-        TraceError: as ``read_trace``.
+        TraceError: as ``read_trace``. ValueError: an unknown synthetic trace.
     """
-    trace, future = _LOADED.get(path) or (read_trace(path), None)
+    trace, future = _LOADED.get(path) or (synthetic(path) if path.startswith(PREFIX) else read_trace(path), None)
     if with_future and future is None:
         future = next_uses(trace)
     _LOADED[path] = (trace, future)
