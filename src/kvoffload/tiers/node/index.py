@@ -6,7 +6,7 @@ means the same, with what sharing adds:
 - ``lookup`` counts keys any engine stored; a key another engine is still storing is a miss, not ``pending`` (that
   engine may stop stepping before it finishes; only this engine's own stores are worth waiting for);
 - ``prepare_load`` pins in the shared index. A key evicted by another engine since this engine's lookup gets
-  epoch 0 in the spec, which the worker's ``NodeLoadCheck`` fails without copying: a recompute, never a wrong
+  epoch 0 in the spec, which the worker's ``NodeCheck`` fails without copying: a recompute, never a wrong
   block. Each slot's epoch goes with the spec (``HostBlocks.epochs``) so a worker also fails a load whose slot
   was rewritten under it;
 - an engine's repeated pins of one key are counted here, once in the shared index;
