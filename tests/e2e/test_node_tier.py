@@ -88,7 +88,7 @@ def test_engine_b_loads_engine_a_prefixes_from_the_node_pool_and_survives_a_kill
     segment = pool_index(node_path)
     assert _nodeindex.check(segment, -1) is None
     survivor = NodeIndex(segment)  # releases any engine still attached: none runs now
-    stats = survivor.pool_stats()
+    stats = survivor.pool_counters()
     assert 1 <= stats["reclaimed"] <= 3, stats  # the killed A at least (B and the new A detach at shutdown)
     assert stats["attached"] == 1 and stats["cross_hits"] > 0, stats
     survivor.check_integrity()

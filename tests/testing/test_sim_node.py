@@ -40,7 +40,7 @@ def test_a_prefix_engine_a_computed_loads_bit_exact_in_engine_b(node_path: Path)
     assert second.status is Status.FINISHED
     assert second.loaded_tokens == 16 and second.device_hit_tokens == 0
     assert b.corrupt_blocks == [] and b.verified_blocks >= 4
-    assert b.scheduler.manager.pool_stats()["cross_hits"] == 4  # type: ignore[attr-defined]
+    assert b.scheduler.pool_counters()["cross_hits"] == 4
 
 
 def test_the_check_is_shown_to_catch_a_corrupt_pool(node_path: Path) -> None:

@@ -86,8 +86,10 @@ class StoreAdmitter:
     def looked_up(self, state: RequestState, end: int) -> None:
         """The request's first ``end`` offload blocks are being looked up: a rule that learns from lookups sees
         their keys, the first time only (a request may be looked up again, step after step)."""
+        if not self.rule.watches_lookups:
+            return
         req_id = state.request.request_id
-        if self.rule.watches_lookups and req_id not in self._watched:
+        if req_id not in self._watched:
             self._watched.add(req_id)
             self.rule.looked_up(state.keys(0, end, 0))
 

@@ -168,7 +168,7 @@ class ResidencyManager(ABC):
         """Blocks held per tier (ready, pinned or in flight) and capacity, for metrics; top tier first."""
 
     def pool_counters(self) -> dict[str, int]:
-        """Counters of a pool this index shares with other engines (the node tier's: ``NodeIndex.pool_stats``);
+        """Counters of a pool this index shares with other engines (the node tier's: ``NodeIndex.pool_counters``);
         empty when it shares none."""
         return {}
 

@@ -129,7 +129,7 @@ def test_engines_killed_at_random_points_leave_a_consistent_pool(node_path: Path
     index = NodeIndex(open_index(open_directory(node, ns), NodeGeometry(SLOTS, SLOT_BYTES, ns.chain_root()),
                                  access_of(node)))
     index.check_integrity()
-    stats = index.pool_stats()
+    stats = index.pool_counters()
     repairs = stats["repairs"]
     assert repairs >= 1, stats  # a locker was killed inside the mutex at least once, and repaired after
     assert stats["reclaimed"] >= 12, stats  # every killed engine's pins and stores were released

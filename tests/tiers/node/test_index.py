@@ -56,7 +56,7 @@ def test_a_block_one_engine_stored_is_a_hit_for_another(node_path: Path) -> None
     assert load.slots == spec.slots and load.epochs == spec.epochs  # the very slots A wrote
     assert _nodeindex.verify(b._segment, load.slots, load.epochs)
     b.complete_load(prefix)
-    assert b.pool_stats()["cross_hits"] == 4 and b.pool_stats()["stores"] == 4
+    assert b.pool_counters()["cross_hits"] == 4 and b.pool_counters()["stores"] == 4
     assert a.pool_counters()["served"] == 4 and b.pool_counters()["served"] == 0  # A's blocks served B
     a.check_integrity()
     b.check_integrity()
@@ -123,7 +123,7 @@ def test_a_dead_engine_pins_and_stores_are_released(node_path: Path) -> None:
     held = keys(4)
     assert _nodeindex.reserve(segment, dead, b"".join(held[:2])) is not None  # killed mid-store ...
     survivor = NodeIndex(segment)  # ... found dead by the next engine to attach
-    assert survivor.pool_stats()["reclaimed"] == 1 and survivor.pool_stats()["attached"] == 1
+    assert survivor.pool_counters()["reclaimed"] == 1 and survivor.pool_counters()["attached"] == 1
     assert store(survivor, held)  # its half-made slots are free again
     survivor.check_integrity()
 
@@ -134,7 +134,7 @@ def test_close_detaches_and_drops_the_engine_pins(node_path: Path) -> None:
     store(a, pinned)
     a.prepare_load(pinned)
     a.close()
-    assert b.pool_stats()["attached"] == 1 and b.pool_stats()["reclaimed"] == 0
+    assert b.pool_counters()["attached"] == 1 and b.pool_counters()["reclaimed"] == 0
     b.check_integrity()  # a pin of a detached engine would be a broken law
 
 

@@ -52,6 +52,9 @@ class Access:
     """Who may write the tree: this user alone (``gid`` None), or this user and the members of group ``gid``."""
 
     gid: int | None = None
+    tier: str = "disk"
+    """Whose settings an error names: ``<tier>_path``, ``<tier>_shared_group`` (the node tier's files follow the
+    same rules)."""
 
     @property
     def dir_mode(self) -> int:
@@ -141,9 +144,10 @@ def untrusted(info: os.stat_result, access: Access) -> str | None:
     if info.st_uid != uid and not shared:
         return f"owned by uid {info.st_uid}, not by this user (uid {uid}); another user could plant blocks in it"
     if info.st_mode & stat.S_IWOTH:
-        return "writable by others; another user could plant blocks in it (chmod o-w, or use another disk_path)"
+        return (f"writable by others; another user could plant blocks in it (chmod o-w, or use another "
+                f"{access.tier}_path)")
     if info.st_mode & stat.S_IWGRP and not shared:
-        return (f"writable by group {info.st_gid}; set disk_shared_group to share it with that group, or "
+        return (f"writable by group {info.st_gid}; set {access.tier}_shared_group to share it with that group, or "
                 f"chmod g-w")
     return None
 

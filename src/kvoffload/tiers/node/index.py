@@ -24,7 +24,6 @@ import mmap
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from kvoffload import _nodeindex
 from kvoffload.config import ConfigError
@@ -69,13 +68,14 @@ class NodeIndex(ResidencyManager):
         stats = _nodeindex.stats(segment)
         self.capacity: int = stats["capacity"]
         self._last_reclaim = 0.0
+        self.attachment: int = -1  # none yet: the reclaim below skips no one
         self._reclaim(force=True)
         start, pidns = own_identity()
         self._identity = (os.getpid(), start)
         attachment = _nodeindex.attach(segment, os.getpid(), start, pidns)
         if attachment < 0:
             raise ConfigError(f"host_scope node: {_nodeindex.MAX_ATTACH} engines already share this node pool")
-        self.attachment: int = attachment
+        self.attachment = attachment
         self._pins: dict[OffloadKey, list[int]] = {}  # key -> [slot, epoch, count] of this engine's pins
         self._in_flight: dict[OffloadKey, tuple[int, int]] = {}  # this engine's stores: key -> (slot, epoch)
         self._events: list[OffloadEvent] = []
@@ -167,12 +167,9 @@ class NodeIndex(ResidencyManager):
         stats = _nodeindex.stats(self._segment)
         return [TierUsage(self.medium, stats["used"], stats["capacity"])]
 
-    def pool_stats(self) -> dict[str, Any]:
-        """The whole pool's counters: capacity, used, stores, evictions, hits served across engines, repairs after a
-        crash, engines reclaimed (found dead), engines attached; and its slot size and namespace fingerprint."""
-        return dict(_nodeindex.stats(self._segment))
-
     def pool_counters(self) -> dict[str, int]:
+        """``POOL_COUNTERS``: the whole pool's capacity, used, stores, evictions, hits across engines, repairs after
+        a crash, engines reclaimed (found dead) and attached; and this engine's ``served``."""
         stats = _nodeindex.stats(self._segment)
         stats["served"] = _nodeindex.served(self._segment, self.attachment) if self.attachment >= 0 else 0
         return {name: int(stats[name]) for name in POOL_COUNTERS}
@@ -188,9 +185,8 @@ class NodeIndex(ResidencyManager):
         if not force and now - self._last_reclaim < RECLAIM_S:
             return
         self._last_reclaim = now
-        own = getattr(self, "attachment", -1)
         for attachment, pid, start, pidns in _nodeindex.attachments(self._segment):
-            if attachment != own and not self._alive(pid, start, pidns) and \
+            if attachment != self.attachment and not self._alive(pid, start, pidns) and \
                     _nodeindex.release(self._segment, attachment, pid, start, True):
                 logger.warning("node tier: engine process %d died; released its pins and unfinished stores", pid)
 

@@ -66,7 +66,7 @@ class NodeGeometry:
 
 
 def access_of(node: NodeTierConfig) -> Access:
-    return Access(node.shared_group)
+    return Access(node.shared_group, tier="node")
 
 
 def namespace_directory(node: NodeTierConfig, namespace: Namespace) -> Path:
@@ -114,12 +114,7 @@ def _make_directory(directory: Path, access: Access) -> None:
     problem = "a symbolic link" if stat.S_ISLNK(info.st_mode) else None
     problem = problem or ("not a directory" if not stat.S_ISDIR(info.st_mode) else untrusted(info, access))
     if problem:
-        raise ConfigError(f"node_path: {directory} is {_for_node(problem)}")
-
-
-def _for_node(problem: str) -> str:
-    """The disk tree's trust verdicts name its keys; the node tier's have their own."""
-    return problem.replace("disk_shared_group", "node_shared_group").replace("disk_path", "node_path")
+        raise ConfigError(f"node_path: {directory} is {problem}")
 
 
 def filesystem_type(path: Path) -> str | None:
@@ -160,7 +155,7 @@ def _locked_file(path: Path, access: Access, setting: str) -> Iterator[int]:
         info = os.fstat(fd)
         problem = untrusted(info, access) if stat.S_ISREG(info.st_mode) else "not a regular file"
         if problem:
-            raise ConfigError(f"{setting}: {path} is {_for_node(problem)}")
+            raise ConfigError(f"{setting}: {path} is {problem}")
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield fd

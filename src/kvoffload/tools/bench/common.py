@@ -186,7 +186,7 @@ def emit(report: Report, args: argparse.Namespace, out: TextIO | None = None,
         stream.write(report.table + "\n")
         for note in report.notes:
             stream.write(f"  {note}\n")
-    if args.plot and plot is not None:
+    if getattr(args, "plot", None) and plot is not None:  # benches that draw nothing take no --plot
         try:
             plot(args.plot)
         except ModuleNotFoundError as e:  # matplotlib is optional: the figures are already printed

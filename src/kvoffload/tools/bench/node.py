@@ -84,7 +84,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     parser.add_argument("--block-sizes", default=DEFAULT_BLOCKS,
                         help=f"comma-separated block sizes of the load rows, K/M suffix (default {DEFAULT_BLOCKS})")
-    parser.add_argument("--plot", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--runs", type=positive_int, default=9, help="timed loads per side and row (default 9)")
     parser.add_argument("--total-mib", type=positive_int, default=64, help="MiB of blocks per row (default 64)")
     parser.add_argument("--threads", type=positive_int, default=2, help="copy threads of every handler (default 2)")
@@ -287,8 +286,8 @@ def measure_lookup(root: Path, n: int, runs: int) -> LookupRow:
     private = SlotIndex(n, EvictionPolicy.LRU)
     keys = _keys(n, first=1 << 40)
     for manager in (index, private):
-        out = manager.prepare_store(keys)
-        assert out is not None
+        if manager.prepare_store(keys) is None:
+            raise RuntimeError("bench node: the lookup row's keys do not fit its index")
         manager.complete_store(keys)
     ratios, node_s, private_s = [], [], []
     for i in range(runs):
