@@ -179,7 +179,7 @@ KEYS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "offload_block_tokens": (IntRange(1, 65_536), "tokens per offload block; a multiple of the engine block size"),
     "host_bytes": (_BYTES, "host tier capacity in bytes (default 4 GiB)"),
     "host_gib": (_GIB, "host tier capacity in GiB (a float); alternative to host_bytes"),
-    "eviction_policy": (enum_of(EvictionPolicy), "lru, arc, s3fifo or tinylfu, for every tier"),
+    "eviction_policy": (enum_of(EvictionPolicy), "lru, arc, s3fifo, tinylfu or adaptive, for every tier"),
     "store_admission": (enum_of(StoreAdmission), "all (store every full block), second-sighting (store a block "
                                                  "the second time it is seen) or adaptive (whichever of the two "
                                                  "recent traffic rewards)"),

@@ -17,6 +17,9 @@ class EvictionPolicy(enum.Enum):
     """S3-FIFO: blocks used once leave through a small FIFO; scan- and loop-resistant."""
     TINYLFU = "tinylfu"
     """W-TinyLFU: a block leaving a small LRU window enters the main LRU only if used more often than its victim."""
+    ADAPTIVE = "adaptive"
+    """One of the four above at a time, whichever shadow tiers of each show the recent traffic rewards (with its
+    store admission; manager/admission.py)."""
 
 
 class StoreAdmission(enum.Enum):

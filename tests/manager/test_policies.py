@@ -11,6 +11,7 @@ from kvoffload.config import EvictionPolicy
 from kvoffload.keys import OffloadKey
 from kvoffload.manager.base import IntegrityError
 from kvoffload.manager.policies import (
+    AdaptivePolicy,
     ARCPolicy,
     CanEvict,
     LRUPolicy,
@@ -53,6 +54,7 @@ def test_make_policy_builds_the_named_policy() -> None:
     assert isinstance(make_policy(EvictionPolicy.ARC, 16), ARCPolicy)
     assert isinstance(make_policy(EvictionPolicy.S3FIFO, 16), S3FIFOPolicy)
     assert isinstance(make_policy(EvictionPolicy.TINYLFU, 16), TinyLFUPolicy)
+    assert isinstance(make_policy(EvictionPolicy.ADAPTIVE, 16), AdaptivePolicy)
 
 
 @pytest.mark.parametrize("kind", POLICIES)
@@ -61,7 +63,7 @@ def test_make_policy_rejects_non_positive_capacity(kind: EvictionPolicy) -> None
         make_policy(kind, 0)
 
 
-@pytest.mark.parametrize("kind", [EvictionPolicy.S3FIFO, EvictionPolicy.TINYLFU])
+@pytest.mark.parametrize("kind", [EvictionPolicy.S3FIFO, EvictionPolicy.TINYLFU, EvictionPolicy.ADAPTIVE])
 def test_make_policy_needs_the_capacity_of_policies_sized_by_it(kind: EvictionPolicy) -> None:
     with pytest.raises(ValueError, match="needs the tier's capacity"):
         make_policy(kind)
@@ -452,3 +454,32 @@ def test_tinylfu_evicts_window_keys_behind_a_refused_one_when_main_keys_may_not_
     assert got is not None and set(got) == may_go
     assert window[0] in policy
     policy.check_integrity()
+
+
+def test_the_adaptive_policy_is_s3fifo_until_it_follows_another_expert() -> None:
+    policy = make_policy(EvictionPolicy.ADAPTIVE, 100)
+    assert isinstance(policy, AdaptivePolicy) and policy.live is EvictionPolicy.S3FIFO
+    assert loop_hits(policy, 100, 150, 6) > 150  # S3-FIFO's: part of a loop larger than the tier stays
+    policy.follow(EvictionPolicy.LRU)
+    assert policy.live is EvictionPolicy.LRU and policy.switches == 1
+    loop_hits(policy, 100, 150, 1)  # what S3-FIFO kept is used once more
+    assert loop_hits(policy, 100, 150, 6) == 0  # LRU's: every key is evicted before its turn
+    policy.check_integrity()
+
+
+def test_following_an_expert_keeps_every_resident_key_in_its_eviction_order() -> None:
+    policy = make_policy(EvictionPolicy.ADAPTIVE, 8)
+    assert isinstance(policy, AdaptivePolicy)
+    filled(policy, 1, 2, 3, 4)
+    policy.touch(key(1))
+    policy.follow(EvictionPolicy.ARC)
+    policy.follow(EvictionPolicy.ARC)  # already live: nothing moves
+    assert policy.switches == 1 and len(policy) == 4 and all(key(i) in policy for i in (1, 2, 3, 4))
+    assert policy.victims(4, anything) == keys(2, 3, 4, 1)  # S3-FIFO's order (1 was used), handed over
+
+
+def test_the_adaptive_policy_follows_only_its_experts() -> None:
+    policy = make_policy(EvictionPolicy.ADAPTIVE, 8)
+    assert isinstance(policy, AdaptivePolicy)
+    with pytest.raises(ValueError, match="not one of its experts"):
+        policy.follow(EvictionPolicy.ADAPTIVE)

@@ -6,6 +6,7 @@ Its own module, above the implementations, so that ``base`` (the interface they 
 from __future__ import annotations
 
 from kvoffload.config import EvictionPolicy
+from kvoffload.manager.policies.adaptive import AdaptivePolicy
 from kvoffload.manager.policies.arc import ARCPolicy
 from kvoffload.manager.policies.base import Policy
 from kvoffload.manager.policies.lru import LRUPolicy
@@ -19,8 +20,8 @@ def make_policy(kind: EvictionPolicy, capacity: int | None = None) -> Policy:
     Args:
         kind: which policy.
         capacity: the most keys the tier can hold. ARC bounds its history by it; without it, ARC uses the
-            largest resident count it has seen. S3-FIFO and TinyLFU size their queues by it and need it. LRU
-            ignores it.
+            largest resident count it has seen. S3-FIFO and TinyLFU size their queues by it and need it, and so
+            does the adaptive policy (its experts include them). LRU ignores it.
     Raises:
         ValueError: ``capacity`` is not positive, or missing where ``kind`` needs it, or ``kind`` is not a known
             policy.
@@ -32,8 +33,11 @@ def make_policy(kind: EvictionPolicy, capacity: int | None = None) -> Policy:
     if kind is EvictionPolicy.ARC:
         return ARCPolicy(capacity)
     sized = {EvictionPolicy.S3FIFO: S3FIFOPolicy, EvictionPolicy.TINYLFU: TinyLFUPolicy}.get(kind)
-    if sized is not None:
+    if sized is not None or kind is EvictionPolicy.ADAPTIVE:
         if capacity is None:
             raise ValueError(f"make_policy: {kind.value} needs the tier's capacity")
-        return sized(capacity)
+        if sized is not None:
+            return sized(capacity)
+        size = capacity
+        return AdaptivePolicy(lambda expert: make_policy(expert, size))
     raise ValueError(f"make_policy: unknown eviction policy {kind!r}")

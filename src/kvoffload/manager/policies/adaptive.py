@@ -1,0 +1,93 @@
+"""The adaptive policy: one of the fixed policies at a time, switched to whichever the traffic rewards.
+
+``AdaptivePolicy`` orders keys with a live expert (LRU, ARC, S3-FIFO or W-TinyLFU) and does nothing else itself: the
+choice is made by ``AdaptiveAdmission`` (manager/admission.py), whose shadow tiers replay each request under every
+expert and which calls ``follow`` when another expert has led for a while. Every call is forwarded to the live
+expert, so its costs are that expert's (LRU's, until the traffic rewards another).
+
+A switch hands the resident keys to the new expert in the old one's eviction order (next to go first), so the
+order carries over and what the old expert learnt beyond it (ARC's ghosts, TinyLFU's counts) starts afresh.
+Without steering (a tier the shadows do not model, such as a disk tier under host) it stays LRU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from kvoffload.config import EvictionPolicy
+from kvoffload.keys import OffloadKey
+from kvoffload.manager.policies.base import CanEvict, Policy
+
+EXPERTS = (EvictionPolicy.S3FIFO, EvictionPolicy.LRU, EvictionPolicy.ARC, EvictionPolicy.TINYLFU)
+"""The fixed policies the adaptive one chooses among; the first is where it starts. S3-FIFO: on recency traffic it
+is within 0.003 of LRU, and where LRU loses (loops, skew) it is the one that needs a warm history to win, which a
+switch to it would throw away (on the 2,000-block chain loop, 0.33 from the start, 0.22 switched to)."""
+
+
+def _anything(_: OffloadKey) -> bool:
+    return True
+
+
+class AdaptivePolicy(Policy):
+    """Forwards to the live expert; ``follow`` switches it.
+
+    Args:
+        build: makes a fresh expert of a kind, for this tier's capacity.
+    """
+
+    __slots__ = ("_build", "_kind", "_live", "switches")
+
+    def __init__(self, build: Callable[[EvictionPolicy], Policy]) -> None:
+        self._build = build
+        self._kind = EXPERTS[0]
+        self._live = build(self._kind)
+        self.switches = 0
+        """How many times the live expert changed."""
+
+    @property
+    def live(self) -> EvictionPolicy:
+        """The expert ordering the keys now."""
+        return self._kind
+
+    def follow(self, kind: EvictionPolicy) -> None:
+        """Order the keys with ``kind`` from now on (nothing happens if it is live already). O(resident keys).
+
+        Raises:
+            ValueError: ``kind`` is not one of ``EXPERTS``.
+        """
+        if kind not in EXPERTS:
+            raise ValueError(f"AdaptivePolicy: {kind.value} is not one of its experts")
+        if kind is self._kind:
+            return
+        order = self._live.victims(len(self._live), _anything) or []
+        live = self._build(kind)
+        live.insert_all(order)
+        self._kind, self._live = kind, live
+        self.switches += 1
+
+    def insert(self, key: OffloadKey) -> None:
+        self._live.insert(key)
+
+    def insert_all(self, keys: Iterable[OffloadKey]) -> None:
+        self._live.insert_all(keys)
+
+    def touch(self, key: OffloadKey) -> None:
+        self._live.touch(key)
+
+    def touch_all(self, keys: Iterable[OffloadKey]) -> None:
+        self._live.touch_all(keys)
+
+    def remove(self, key: OffloadKey) -> None:
+        self._live.remove(key)
+
+    def victims(self, n: int, can_evict: CanEvict) -> list[OffloadKey] | None:
+        return self._live.victims(n, can_evict)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._live
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def check_integrity(self) -> None:
+        self._live.check_integrity()
