@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from zlib import crc32
 
 import pytest
 
-from kvoffload.config import StoreAdmission
+from kvoffload.config import EvictionPolicy, StoreAdmission
 from kvoffload.keys import OffloadKey
 from kvoffload.manager.admission import (
     SIGHTING_MEMORY,
+    SWITCH_MARGIN,
     AdaptiveAdmission,
     AdmitAll,
     SecondSighting,
     make_admission,
 )
+from kvoffload.manager.policies import AdaptivePolicy, make_policy
+from kvoffload.manager.slot_index import SlotIndex
 
 
 def key(i: int) -> OffloadKey:
@@ -116,9 +120,88 @@ def test_adaptive_follows_a_sample_of_the_keys_on_a_large_tier() -> None:
     followed = sum(crc32(k) < large._bound for k in prompt)
     assert 100 <= followed <= 300  # 1% of 20,000 keys, give or take
     large.looked_up(prompt)
-    assert len(large._all._keys) == followed  # the shadow saw only those
+    every_block = large._shadows[0]
+    assert every_block.admission is StoreAdmission.ALL and len(every_block._policy) == followed  # only those
 
 
 def test_adaptive_rejects_a_capacity_that_is_not_positive() -> None:
     with pytest.raises(ValueError, match="must be positive"):
         AdaptiveAdmission(0)
+
+
+def test_make_admission_steers_an_adaptive_policy_behind_the_configured_rule() -> None:
+    policy = make_policy(EvictionPolicy.ADAPTIVE, 8)
+    for kind, pairs in ((StoreAdmission.ALL, 4), (StoreAdmission.SECOND_SIGHTING, 4), (StoreAdmission.ADAPTIVE, 8)):
+        rule = make_admission(kind, 8, policy)
+        assert isinstance(rule, AdaptiveAdmission) and rule._steer is policy and len(rule._shadows) == pairs
+    assert isinstance(make_admission(StoreAdmission.ALL, 8, make_policy(EvictionPolicy.ARC, 8)), AdmitAll)
+
+
+def test_adaptive_rejects_what_it_cannot_compare_or_steer() -> None:
+    with pytest.raises(ValueError, match="fixed policies and rules"):
+        AdaptiveAdmission(8, admissions=(StoreAdmission.ADAPTIVE,))
+    with pytest.raises(ValueError, match="fixed policies and rules"):
+        AdaptiveAdmission(8, policies=())
+    with pytest.raises(ValueError, match="no adaptive policy to steer"):
+        AdaptiveAdmission(8, policies=(EvictionPolicy.LRU, EvictionPolicy.ARC))
+
+
+def serve(tier: SlotIndex, rule: AdaptiveAdmission, blocks: Iterable[int]) -> int:
+    """Requests of one block each through a real tier behind ``rule``; its hits."""
+    hits = 0
+    for block in blocks:
+        request = keys(block)
+        rule.looked_up(request)
+        if tier.lookup(request).hits:
+            hits += 1
+            tier.prepare_load(request)
+            tier.touch(request)
+            tier.complete_load(request)
+        elif rule.admit(request):
+            out = tier.prepare_store(request)
+            assert out is not None
+            tier.complete_store(out.keys_to_store)
+    return hits
+
+
+def reused_within_the_tier(capacity: int, rounds: int) -> Iterator[int]:
+    """New blocks, each used again after a quarter tier of others: LRU keeps them, S3-FIFO's small queue (a tenth
+    of the tier) does not."""
+    gap = capacity // 4
+    for i in range(rounds):
+        yield i
+        if i >= gap:
+            yield i - gap
+
+
+def steered_tier(capacity: int) -> tuple[SlotIndex, AdaptiveAdmission, AdaptivePolicy]:
+    tier = SlotIndex(capacity, EvictionPolicy.ADAPTIVE)
+    policy = tier.host_policy
+    assert isinstance(policy, AdaptivePolicy)
+    rule = make_admission(StoreAdmission.ALL, capacity, policy)
+    assert isinstance(rule, AdaptiveAdmission)
+    return tier, rule, policy
+
+
+def test_adaptive_steers_the_tier_off_s3fifo_where_recency_pays() -> None:
+    tier, rule, policy = steered_tier(40)
+    assert policy.live is EvictionPolicy.S3FIFO  # where it starts
+    hits = serve(tier, rule, reused_within_the_tier(40, 400))
+    assert policy.live in (EvictionPolicy.LRU, EvictionPolicy.ARC)  # ARC is LRU on blocks used once
+    assert rule.leader == (policy.live, StoreAdmission.ALL)
+    assert hits > 300  # of 380 reuses: every one from the switch on
+    tier.check_integrity()
+
+
+def test_the_recency_check_fails_when_the_policy_ignores_the_steering(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(AdaptivePolicy, "follow", lambda self, kind: None)
+    tier, rule, policy = steered_tier(40)
+    assert serve(tier, rule, reused_within_the_tier(40, 400)) < 100 and policy.live is EvictionPolicy.S3FIFO
+
+
+def test_adaptive_keeps_its_expert_where_every_expert_hits_alike() -> None:
+    _, rule, policy = steered_tier(10)
+    repeat_once_each(rule, 200)
+    assert policy.live is EvictionPolicy.S3FIFO and policy.switches == 0
+    best = max(rule._shadows, key=lambda s: s.score)
+    assert best.score <= rule._live.score * (1 + SWITCH_MARGIN)

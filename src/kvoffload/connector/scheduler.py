@@ -77,7 +77,7 @@ class ConnectorScheduler:
         self._trace = None if config.record_trace is None else TraceTap(config.record_trace, self.offload_tokens,
                                                                          clock)
         host = next(u for u in self.manager.usage() if u.medium == Medium.HOST)
-        self.admission = make_admission(config.store_admission, host.capacity_blocks)
+        self.admission = make_admission(config.store_admission, host.capacity_blocks, self.manager.host_policy)
         self._jobs = JobBook(self.manager, self._requests, self._stats, self.load_cost, namespace.world_size,
                              self.offload_tokens, clock)
         self._admitter = StoreAdmitter(self.admission, self._stats)

@@ -17,12 +17,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
-from itertools import takewhile
+from itertools import filterfalse, takewhile
 from zlib import crc32
 
-from kvoffload.config import StoreAdmission
+from kvoffload.config import EvictionPolicy, StoreAdmission
 from kvoffload.keys import OffloadKey
-from kvoffload.manager.policies.base import consume
+from kvoffload.manager.policies.adaptive import EXPERTS, AdaptivePolicy
+from kvoffload.manager.policies.base import Policy, consume
+from kvoffload.manager.policies.registry import make_policy
 
 SIGHTING_MEMORY = 4
 """``SecondSighting`` remembers this many times the tier's capacity in keys. It must outlast the tier: only a
@@ -103,93 +105,159 @@ ADAPTIVE_SAMPLE_SLOTS = 8192
 whose CRC falls in a sample of the matching rate, so their cost per request and their memory stay bounded whatever
 the tier's size, and their hit counts estimate the whole tier's (as SHARDS samples a cache's keys)."""
 
+SWITCH_MARGIN = 0.01
+"""The adaptive policy switches experts when another one's recent hits beat the live one's by this fraction: a
+switch costs a pass over the resident keys and what the old expert learnt, so near-ties do not flip it."""
+
+
+SWITCH_QUIET = 1
+"""The adaptive policy switches experts at most once per this many turnovers of the (shadow) tier."""
+
+
+def _anything(_: OffloadKey) -> bool:
+    return True
+
 
 class _Shadow:
-    """A tier of keys only (LRU) behind one admission rule: what a tier would hit with that rule."""
+    """A tier of keys only: one eviction policy behind one admission rule; what a tier would hit with that pair."""
 
-    __slots__ = ("_capacity", "_keys", "_rule")
+    __slots__ = ("_capacity", "_policy", "_rule", "admission", "kind", "score")
 
-    def __init__(self, capacity: int, rule: Admission) -> None:
+    def __init__(self, capacity: int, kind: EvictionPolicy, admission: StoreAdmission) -> None:
         self._capacity = capacity
-        self._rule = rule
-        self._keys: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._policy = make_policy(kind, capacity)
+        self._rule = make_admission(admission, capacity)
+        self.kind, self.admission = kind, admission
+        self.score = 0.0
+        """Recent hits, decayed (``AdaptiveAdmission`` keeps it)."""
 
     def serve(self, keys: Sequence[OffloadKey]) -> int:
-        """Look ``keys`` up (leading hits, made most recent), store what the rule admits of the rest; the hits."""
-        resident = self._keys
-        hits = len(list(takewhile(resident.__contains__, keys)))
-        consume(map(resident.move_to_end, keys[:hits]))
+        """Look ``keys`` up (leading hits), store what the rule admits of the rest, as a tier would; the hits."""
+        policy = self._policy
+        hits = len(list(takewhile(policy.__contains__, keys)))
+        if hits:
+            policy.touch_all(reversed(keys[:hits]))
         missed = keys[hits:]
         if missed:
             admitted = missed[:self._rule.admit(missed)]
-            resident.update(dict.fromkeys(admitted))
-            consume(map(resident.move_to_end, admitted))
-            for _ in range(len(resident) - self._capacity):
-                resident.popitem(last=False)
+            new = list(filterfalse(policy.__contains__, dict.fromkeys(admitted)))[:self._capacity]
+            over = len(policy) + len(new) - self._capacity
+            if over > 0:
+                policy.victims(over, _anything)
+            policy.insert_all(reversed(new))
         return hits
 
 
 class AdaptiveAdmission(Admission):
-    """Stores every block, or only second sightings, whichever of the two the recent traffic rewards.
+    """Learns which eviction policy and store admission rule the recent traffic rewards, and follows them.
 
-    Two shadow tiers of the same capacity (keys only, LRU) replay every request's prompt as it is first looked up:
-    one stores every block, the other second sightings. Each request adds the difference of their hits to a lead
-    that decays over ``SIGHTING_MEMORY`` turnovers of the shadow tier; the real tier stores every block while the
-    lead is not negative, second sightings otherwise. Its own sighting memory sees every offer whichever rule
-    leads, so a switch finds it warm. On a tier larger than ``sample_slots`` the shadows follow a sample of the
-    keys (``ADAPTIVE_SAMPLE_SLOTS``). Costs O(prompt blocks) per request, none per decode step.
+    Shadow tiers of the same capacity (keys only) replay every request's prompt as it is first looked up, one per
+    pair of an eviction policy in ``policies`` and an admission rule in ``admissions``. Each counts its hits, decayed
+    over ``SIGHTING_MEMORY`` turnovers of the shadow tier. The real tier stores what the best pair of its live
+    policy's admits; ``steer``, an ``AdaptivePolicy``, follows the policy of the best pair overall once that pair
+    beats the live policy's best by ``SWITCH_MARGIN`` (at most once per turnover of the tier). The real tier's own
+    sighting memory sees every offer whichever rule leads, so a switch finds it warm. On a tier larger than
+    ``sample_slots`` the shadows follow a sample of the keys (``ADAPTIVE_SAMPLE_SLOTS``). Costs O(prompt blocks)
+    per shadow and request, none per decode step.
 
     Args:
         capacity_blocks: the real tier's capacity.
+        policies: the eviction policies to compare (the live one's when nothing is steered).
+        admissions: the admission rules to compare (not ``adaptive``).
+        steer: the real tier's adaptive policy, switched to the leading expert.
         sample_slots: the most slots a shadow tier follows.
     Raises:
-        ValueError: a capacity is not positive.
+        ValueError: a capacity is not positive, a list is empty or names ``adaptive``, or ``policies`` holds
+            experts that nothing is steered among.
     """
 
-    __slots__ = ("_all", "_bound", "_decay", "_lead", "_real", "_sighting")
+    __slots__ = ("_bound", "_decay", "_live", "_quiet", "_real", "_shadows", "_steer", "_turnover")
 
     watches_lookups = True
 
-    def __init__(self, capacity_blocks: int, sample_slots: int = ADAPTIVE_SAMPLE_SLOTS) -> None:
+    def __init__(self, capacity_blocks: int, policies: Sequence[EvictionPolicy] = (EvictionPolicy.LRU,),
+                 admissions: Sequence[StoreAdmission] = (StoreAdmission.ALL, StoreAdmission.SECOND_SIGHTING),
+                 steer: AdaptivePolicy | None = None, sample_slots: int = ADAPTIVE_SAMPLE_SLOTS) -> None:
         if capacity_blocks <= 0 or sample_slots <= 0:
             raise ValueError(f"AdaptiveAdmission: capacities {capacity_blocks}, {sample_slots} must be positive")
+        if not policies or not admissions or EvictionPolicy.ADAPTIVE in policies \
+                or StoreAdmission.ADAPTIVE in admissions:
+            raise ValueError("AdaptiveAdmission: compares fixed policies and rules, at least one of each")
+        if steer is None and len(policies) > 1:
+            raise ValueError("AdaptiveAdmission: several policies to compare, and no adaptive policy to steer")
         rate = min(1.0, sample_slots / capacity_blocks)
         shadow = max(1, round(capacity_blocks * rate))
         # A key is followed when a CRC of it falls below the bound: deterministic (replays repeat), and uniform
         # whatever the keys are (the replay's are small integers).
         self._bound = None if rate >= 1.0 else max(1, int(rate * (1 << 32)))
-        self._all = _Shadow(shadow, AdmitAll())
-        self._sighting = _Shadow(shadow, SecondSighting(SIGHTING_MEMORY * shadow))
+        self._shadows = [_Shadow(shadow, kind, rule) for kind in dict.fromkeys(policies)
+                         for rule in dict.fromkeys(admissions)]
         self._real = SecondSighting(SIGHTING_MEMORY * capacity_blocks)
         self._decay = 1.0 - 1.0 / (SIGHTING_MEMORY * shadow)
-        self._lead = 0.0
+        self._steer = steer
+        self._live = self._shadows[0]
+        """The pair the real tier follows now."""
+        self._turnover = SWITCH_QUIET * shadow
+        self._quiet = 0
+        """Followed keys since the policy last switched."""
 
     def looked_up(self, keys: Sequence[OffloadKey]) -> None:
         bound = self._bound
         followed = keys if bound is None else [k for k in keys if crc32(k) < bound]
-        if followed:
-            gain = self._all.serve(followed) - self._sighting.serve(followed)
-            self._lead = self._lead * self._decay ** len(followed) + gain
+        if not followed:
+            return
+        fade = self._decay ** len(followed)
+        for shadow in self._shadows:
+            shadow.score = shadow.score * fade + shadow.serve(followed)
+        self._quiet += len(followed)
+        self._choose()
+
+    def _choose(self) -> None:
+        kind = self._live.kind
+        live = max((s for s in self._shadows if s.kind is kind), key=_score)
+        best = max(self._shadows, key=_score)
+        if best.kind is not kind and self._quiet >= self._turnover \
+                and best.score > live.score * (1.0 + SWITCH_MARGIN) and self._steer is not None:
+            self._steer.follow(best.kind)
+            self._quiet = 0
+            live = best
+        self._live = live
 
     @property
     def admits_all(self) -> bool:
         """Which rule leads now: every block (True) or second sightings."""
-        return self._lead >= 0.0
+        return self._live.admission is StoreAdmission.ALL
+
+    @property
+    def leader(self) -> tuple[EvictionPolicy, StoreAdmission]:
+        """The pair the real tier follows now."""
+        return self._live.kind, self._live.admission
 
     def admit(self, keys: Sequence[OffloadKey]) -> int:
         sighted = self._real.admit(keys)
         return len(keys) if self.admits_all else sighted
 
 
-def make_admission(kind: StoreAdmission, capacity_blocks: int) -> Admission:
+def _score(shadow: _Shadow) -> float:
+    return shadow.score
+
+
+def make_admission(kind: StoreAdmission, capacity_blocks: int, policy: Policy | None = None) -> Admission:
     """The rule ``kind`` names, for a tier of ``capacity_blocks`` blocks (``SecondSighting`` remembers
     ``SIGHTING_MEMORY * capacity_blocks`` keys).
+
+    Where ``policy``, the tier's eviction policy, is an ``AdaptivePolicy``, the rule is an ``AdaptiveAdmission``
+    that steers it among its experts, behind ``kind`` (or, for ``adaptive``, behind every block or second
+    sightings, whichever leads).
 
     Raises:
         ValueError: ``capacity_blocks`` is not positive, or ``kind`` is not a known rule.
     """
     if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) or capacity_blocks <= 0:
         raise ValueError(f"make_admission: capacity {capacity_blocks!r} blocks must be a positive integer")
+    if isinstance(policy, AdaptivePolicy):
+        admissions = _FIXED if kind is StoreAdmission.ADAPTIVE else (kind,)
+        return AdaptiveAdmission(capacity_blocks, EXPERTS, admissions, steer=policy)
     if kind is StoreAdmission.ALL:
         return AdmitAll()
     if kind is StoreAdmission.SECOND_SIGHTING:
@@ -197,3 +265,7 @@ def make_admission(kind: StoreAdmission, capacity_blocks: int) -> Admission:
     if kind is StoreAdmission.ADAPTIVE:
         return AdaptiveAdmission(capacity_blocks)
     raise ValueError(f"make_admission: unknown store admission {kind!r}")
+
+
+_FIXED = (StoreAdmission.ALL, StoreAdmission.SECOND_SIGHTING)
+"""The admission rules ``adaptive`` chooses between."""

@@ -15,9 +15,12 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvoffload.keys import OffloadKey
+
+if TYPE_CHECKING:
+    from kvoffload.manager.policies.base import Policy
 from kvoffload.specs import BlockSpec, Medium
 
 
@@ -166,6 +169,12 @@ class ResidencyManager(ABC):
     @abstractmethod
     def usage(self) -> list[TierUsage]:
         """Blocks held per tier (ready, pinned or in flight) and capacity, for metrics; top tier first."""
+
+    @property
+    def host_policy(self) -> Policy | None:
+        """The host tier's eviction policy object, for an admission rule that steers it (``AdaptiveAdmission``);
+        None where the tier orders its blocks itself (the node tier's shared index)."""
+        return None
 
     def pool_counters(self) -> dict[str, int]:
         """Counters of a pool this index shares with other engines (the node tier's: ``NodeIndex.pool_counters``);

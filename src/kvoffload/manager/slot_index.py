@@ -96,6 +96,10 @@ class SlotIndex(ResidencyManager):
         self._pins: dict[OffloadKey, int] = {}
         self._events: list[OffloadEvent] = []
 
+    @property
+    def host_policy(self) -> Policy:
+        return self._policy
+
     def lookup(self, keys: Sequence[OffloadKey]) -> LookupResult:
         ready = self._ready
         hits = 0

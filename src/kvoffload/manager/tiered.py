@@ -47,6 +47,7 @@ from kvoffload.manager.base import (
     TierTransfer,
     TierUsage,
 )
+from kvoffload.manager.policies.base import Policy
 from kvoffload.specs import BlockSpec, HostBlocks, Medium
 
 
@@ -112,6 +113,9 @@ class HostTier(LowerTier, Protocol):
     def capacity(self) -> int: ...
 
     def complete_store_keys(self, keys: Sequence[OffloadKey], success: bool = True) -> list[OffloadKey]: ...
+
+    @property
+    def host_policy(self) -> Policy | None: ...
 
     def pool_counters(self) -> dict[str, int]: ...
 
@@ -273,6 +277,10 @@ class TieredManager(ResidencyManager):
         for tier in self.lowers:
             usage += tier.usage()
         return usage
+
+    @property
+    def host_policy(self) -> Policy | None:
+        return self.host.host_policy
 
     def pool_counters(self) -> dict[str, int]:
         return self.host.pool_counters()

@@ -78,7 +78,7 @@ def replay(trace: Trace, capacity_blocks: int, strategy: Strategy = EvictionPoli
     else:
         tier = SlotIndex(capacity_blocks, strategy if isinstance(strategy, EvictionPolicy)
                                else EvictionPolicy.LRU)
-        rule = make_admission(admission, capacity_blocks)
+        rule = make_admission(admission, capacity_blocks, tier.host_policy)
         for request in trace.requests:
             if rule.watches_lookups:
                 rule.looked_up(request.keys)
