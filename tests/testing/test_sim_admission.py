@@ -131,3 +131,20 @@ def test_adaptive_admission_sees_each_prompt_once_and_stores_every_block_at_firs
     assert a_stats.admitted_blocks == COMPUTED_BLOCKS and a_held == COMPUTED_BLOCKS
     assert b.loaded_tokens == (PROMPT - 1) // BLOCK * BLOCK  # b hits what a stored
     assert seen == [(PROMPT - 1) // BLOCK] * 2 + [(PROMPT + NEW_TOKENS - 1) // BLOCK]  # once per request
+
+
+def test_adaptive_eviction_is_steered_by_the_rule_the_scheduler_builds() -> None:
+    from kvoffload.config import EvictionPolicy
+    from kvoffload.manager.admission import AdaptiveAdmission
+    from kvoffload.manager.policies import AdaptivePolicy
+
+    layout_, make_kv = layouts.attention_layout(num_blocks=64, block_size=BLOCK)
+    slot = max(layout_.group_block_bytes(g) for g in range(len(layout_.groups)))
+    config = OffloadConfig.from_dict({"host_bytes": 64 * slot, "eviction_policy": "adaptive"})
+    engine = SimEngine(layout_, make_kv, config, block_size=BLOCK)
+    rule, policy = engine.scheduler.admission, engine.scheduler.manager.host_policy
+    assert isinstance(policy, AdaptivePolicy) and isinstance(rule, AdaptiveAdmission) and rule._steer is policy
+    assert policy.live is EvictionPolicy.S3FIFO and rule.admits_all  # behind store_admission all: every block
+    (_, a_stats, a_held), (b, _, _), _ = three_requests(engine)
+    assert a_stats.admitted_blocks == COMPUTED_BLOCKS and a_held == COMPUTED_BLOCKS
+    assert b.loaded_tokens == (PROMPT - 1) // BLOCK * BLOCK

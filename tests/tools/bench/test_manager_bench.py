@@ -77,7 +77,8 @@ def test_run_takes_every_policy_and_names_each_rows_baseline(capsys: pytest.Capt
     assert bench.run(_args("--json", "--policies", names)) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert {r["policy"]: r["baseline_name"] for r in rows} == {
-        "lru": "vLLM lru", "arc": "vLLM arc", "s3fifo": "kvoffload arc", "tinylfu": "kvoffload arc"}
+        "lru": "vLLM lru", "arc": "vLLM arc", "s3fifo": "kvoffload arc", "tinylfu": "kvoffload arc",
+        "adaptive": "kvoffload arc"}
 
 
 def test_run_refuses_an_unknown_policy(capsys: pytest.CaptureFixture[str]) -> None:
