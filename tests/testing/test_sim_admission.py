@@ -144,7 +144,7 @@ def test_adaptive_eviction_is_steered_by_the_rule_the_scheduler_builds() -> None
     engine = SimEngine(layout_, make_kv, config, block_size=BLOCK)
     rule, policy = engine.scheduler.admission, engine.scheduler.manager.host_policy
     assert isinstance(policy, AdaptivePolicy) and isinstance(rule, AdaptiveAdmission) and rule._steer is policy
-    assert policy.live is EvictionPolicy.S3FIFO and rule.admits_all  # behind store_admission all: every block
+    assert policy.live is EvictionPolicy.LRU and rule.admits_all  # behind store_admission all: every block
     (_, a_stats, a_held), (b, _, _), _ = three_requests(engine)
     assert a_stats.admitted_blocks == COMPUTED_BLOCKS and a_held == COMPUTED_BLOCKS
     assert b.loaded_tokens == (PROMPT - 1) // BLOCK * BLOCK
