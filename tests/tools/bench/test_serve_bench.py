@@ -20,6 +20,7 @@ import pytest
 
 from kvoffload.tools.bench import serve
 from kvoffload.tools.bench.serve_server import Server, mapped_segments, parse_metrics, session_pids
+from kvoffload.tools.replay import read_trace, replay
 from kvoffload.tools.vllm.cpu_binding import BindingMismatch, EngineBinding, resolve
 
 
@@ -129,7 +130,7 @@ def test_a_small_run_serves_both_sides_with_hits_and_leaves_nothing_behind(tmp_p
     # Three prefixes of 8 blocks, a device cache that holds about one: returning prefixes come from kvoffload.
     args = parser.parse_args(["--prefixes", "3", "--prefix-tokens", "256", "--suffix-tokens", "32",
                               "--output-tokens", "4", "--prompts", "9", "--device-blocks", "14",
-                              "--model-dir", str(tmp_path / "model")])
+                              "--model-dir", str(tmp_path / "model"), "--record-trace", str(tmp_path / "trace.jsonl")])
     work = serve.Workload(args.prefixes, args.prefix_tokens, args.suffix_tokens, args.output_tokens, args.prompts,
                           args.concurrency)
     binding = resolve()
@@ -147,6 +148,12 @@ def test_a_small_run_serves_both_sides_with_hits_and_leaves_nothing_behind(tmp_p
         assert server.segments, "vLLM's server maps shared-memory segments: none found, the clean-up is untested"
         assert not any(p.exists() for p in server.segments)
         assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
+    # The kvoffload side recorded its requests (the plain side has no connector to record them): three prefixes,
+    # so a replay through a tier that holds them all hits the full blocks of every returning prefix (all but the
+    # last of its 8 blocks, which a token the template adds may push into the suffix).
+    trace = read_trace(tmp_path / "trace.jsonl")
+    assert len(trace.requests) >= args.prompts
+    assert replay(trace, trace.distinct_keys()).hit_blocks >= (args.prompts - 3) * (256 // trace.block_tokens - 1)
     # A fresh server lists every kvoffload series, at 0, before its first request.
     fresh = runs["kvoffload"]["metrics_before"]
     names = {series.partition("{")[0] for series in fresh}

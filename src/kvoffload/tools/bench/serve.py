@@ -100,6 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=positive_int, default=32, help="vLLM block size (a multiple of 32 on CPU)")
     g.add_argument("--host-gib", type=float, default=1.0, help="kvoffload host tier capacity")
     g.add_argument("--model-dir", type=Path, default=None, help="where to write the model (default: a temp dir)")
+    g.add_argument("--record-trace", type=Path, default=None, metavar="PATH",
+                   help="the kvoffload server appends each finished request to this JSONL trace (record_trace), for "
+                        "kvoffload replay; every repeat appends, each from a cold tier (use --repeats 1)")
     g.add_argument(FLAG, metavar="CPUS", default=None, help=FLAG_HELP)
 
 
@@ -149,6 +152,8 @@ def engine_settings(args: argparse.Namespace, work: Workload, model_dir: Path,
                                            + work.concurrency * own_blocks)
     max_len = work.prompt_tokens + work.output_tokens + args.block_size
     host: dict[str, object] = {"host_bytes": int(args.host_gib * (1 << 30))}
+    if args.record_trace is not None:
+        host["record_trace"] = str(args.record_trace)
     return {side: ServerSettings(model_dir, args.block_size, device_blocks, max_len, "float32",
                                  host if side == "kvoffload" else None, work.seed, binding) for side in SIDES}
 

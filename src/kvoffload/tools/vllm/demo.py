@@ -91,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="also a remote tier on this Redis-protocol server (redis://host:port), below the host tier")
     g.add_argument("--remote-server", action="store_true",
                    help="start a throwaway local redis-server (loopback) for the remote tier; needs redis-server")
+    g.add_argument("--record-trace", type=Path, default=None, metavar="PATH",
+                   help="kvoffload's engine appends each finished request to this JSONL trace (record_trace), for "
+                        "kvoffload replay")
     g.add_argument(FLAG, metavar="CPUS", default=None, help=FLAG_HELP)
 
 
@@ -122,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
                           num_kv_heads=args.kv_heads, head_dim=args.head_dim, intermediate_size=4 * args.hidden_size)
         write_tiny_model(model_dir, ModelFamily.LLAMA, shape, seed=args.seed)
         settings = [EngineSettings(model_dir, workload, with_kvoffload, args.dtype, args.block_size,
-                                   args.device_blocks, args.host_gib, remote_url, binding=binding)
+                                   args.device_blocks, args.host_gib, remote_url, binding=binding,
+                                   record_trace=args.record_trace if with_kvoffload else None)
                     for with_kvoffload in (False, True)]
         try:
             off, on, check = serve_both(settings, progress)

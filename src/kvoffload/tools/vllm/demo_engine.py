@@ -58,6 +58,8 @@ class EngineSettings:
     """Use LMCache (a running server) instead of kvoffload; ``with_kvoffload`` must then be False."""
     binding: CpuBinding | None = None
     """The CPUs the engine's OpenMP threads are bound to (the same for every engine); None: OpenMP's defaults."""
+    record_trace: Path | None = None
+    """kvoffload's ``record_trace``: where its engine appends each finished request (None: nothing recorded)."""
 
     @property
     def name(self) -> str:
@@ -125,6 +127,8 @@ def build_llm(settings: EngineSettings) -> Any:
         extra: dict[str, Any] = {"host_gib": settings.host_gib}
         if settings.remote_url:
             extra["remote_url"] = settings.remote_url
+        if settings.record_trace is not None:
+            extra["record_trace"] = str(settings.record_trace)
         kwargs["kv_transfer_config"] = {**CONNECTOR, "kv_connector_extra_config": extra}
     elif settings.lmcache:
         prepare_engine(settings.lmcache)
