@@ -23,7 +23,7 @@ from zlib import crc32
 from kvoffload.config import EvictionPolicy, StoreAdmission
 from kvoffload.keys import OffloadKey
 from kvoffload.manager.policies.adaptive import EXPERTS, AdaptivePolicy
-from kvoffload.manager.policies.base import Policy, consume
+from kvoffload.manager.policies.base import Policy, any_key, consume
 from kvoffload.manager.policies.registry import make_policy
 
 SIGHTING_MEMORY = 4
@@ -115,10 +115,6 @@ SWITCH_LEAD = 0.1
 three times and cost a tenth of LRU's hits."""
 
 
-def _anything(_: OffloadKey) -> bool:
-    return True
-
-
 class _Shadow:
     """A tier of keys only: one eviction policy behind one admission rule; what a tier would hit with that pair."""
 
@@ -144,7 +140,7 @@ class _Shadow:
             new = list(filterfalse(policy.__contains__, dict.fromkeys(admitted)))[:self._capacity]
             over = len(policy) + len(new) - self._capacity
             if over > 0:
-                policy.victims(over, _anything)
+                policy.victims(over, any_key)
             policy.insert_all(reversed(new))
         return hits
 
@@ -158,9 +154,8 @@ class AdaptiveAdmission(Admission):
     policy's admits; ``steer``, an ``AdaptivePolicy``, follows the policy of the best pair overall once that pair
     beats the live policy's best by ``SWITCH_MARGIN`` and ``SWITCH_LEAD`` (at most once per turnover of the tier).
     The real tier's own sighting memory sees every offer whichever rule leads, so a switch finds it warm. On a tier
-    larger than
-    ``sample_slots`` the shadows follow a sample of the keys (``ADAPTIVE_SAMPLE_SLOTS``). Costs O(prompt blocks)
-    per shadow and request, none per decode step.
+    larger than ``sample_slots`` the shadows follow a sample of the keys (``ADAPTIVE_SAMPLE_SLOTS``). Costs
+    O(prompt blocks) per shadow and request, none per decode step.
 
     Args:
         capacity_blocks: the real tier's capacity.

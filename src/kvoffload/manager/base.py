@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from kvoffload.keys import OffloadKey
+from kvoffload.specs import BlockSpec, Medium
 
 if TYPE_CHECKING:
     from kvoffload.manager.policies.base import Policy
-from kvoffload.specs import BlockSpec, Medium
 
 
 class IntegrityError(RuntimeError):

@@ -16,16 +16,12 @@ from collections.abc import Callable, Iterable
 
 from kvoffload.config import EvictionPolicy
 from kvoffload.keys import OffloadKey
-from kvoffload.manager.policies.base import CanEvict, Policy
+from kvoffload.manager.policies.base import CanEvict, Policy, any_key
 
 EXPERTS = (EvictionPolicy.LRU, EvictionPolicy.ARC, EvictionPolicy.S3FIFO, EvictionPolicy.TINYLFU)
 """The fixed policies the adaptive one chooses among; the first is where it starts. LRU, because until the shadows
 have seen a tier's worth of traffic nothing says another would do better, and on short traces of our own (the demo's
 conversations) starting on a scan-resistant policy costs hits that no later switch gets back."""
-
-
-def _anything(_: OffloadKey) -> bool:
-    return True
 
 
 class AdaptivePolicy(Policy):
@@ -59,7 +55,7 @@ class AdaptivePolicy(Policy):
             raise ValueError(f"AdaptivePolicy: {kind.value} is not one of its experts")
         if kind is self._kind:
             return
-        order = self._live.victims(len(self._live), _anything) or []
+        order = self._live.victims(len(self._live), any_key) or []
         live = self._build(kind)
         live.insert_all(order)
         self._kind, self._live = kind, live

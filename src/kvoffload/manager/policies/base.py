@@ -25,6 +25,11 @@ consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 calls with no Python step per key (a prompt's touch is thousands of keys, every scheduler step)."""
 
 
+def any_key(_: OffloadKey) -> bool:
+    """A ``CanEvict`` that refuses nothing (for tiers of keys only, where nothing is in flight or pinned)."""
+    return True
+
+
 class Policy(ABC):
     """Orders a tier's resident keys for eviction. Every method is O(1) amortized except ``victims``.
 

@@ -32,12 +32,14 @@ def make_policy(kind: EvictionPolicy, capacity: int | None = None) -> Policy:
         return LRUPolicy()
     if kind is EvictionPolicy.ARC:
         return ARCPolicy(capacity)
-    sized = {EvictionPolicy.S3FIFO: S3FIFOPolicy, EvictionPolicy.TINYLFU: TinyLFUPolicy}.get(kind)
-    if sized is not None or kind is EvictionPolicy.ADAPTIVE:
+    sized = {EvictionPolicy.S3FIFO: S3FIFOPolicy, EvictionPolicy.TINYLFU: TinyLFUPolicy,
+             EvictionPolicy.ADAPTIVE: _adaptive}.get(kind)
+    if sized is not None:
         if capacity is None:
             raise ValueError(f"make_policy: {kind.value} needs the tier's capacity")
-        if sized is not None:
-            return sized(capacity)
-        size = capacity
-        return AdaptivePolicy(lambda expert: make_policy(expert, size))
+        return sized(capacity)
     raise ValueError(f"make_policy: unknown eviction policy {kind!r}")
+
+
+def _adaptive(capacity: int) -> Policy:
+    return AdaptivePolicy(lambda expert: make_policy(expert, capacity))

@@ -102,7 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model-dir", type=Path, default=None, help="where to write the model (default: a temp dir)")
     g.add_argument("--record-trace", type=Path, default=None, metavar="PATH",
                    help="the kvoffload server appends each finished request to this JSONL trace (record_trace), for "
-                        "kvoffload replay; every repeat appends, each from a cold tier (use --repeats 1)")
+                        "kvoffload replay; every repeat appends, each from a cold tier (use --repeats 1); one "
+                        "line per request is a little work the plain side does not do")
     g.add_argument(FLAG, metavar="CPUS", default=None, help=FLAG_HELP)
 
 

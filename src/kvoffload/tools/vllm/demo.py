@@ -93,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="start a throwaway local redis-server (loopback) for the remote tier; needs redis-server")
     g.add_argument("--record-trace", type=Path, default=None, metavar="PATH",
                    help="kvoffload's engine appends each finished request to this JSONL trace (record_trace), for "
-                        "kvoffload replay")
+                        "kvoffload replay (a line written per request: a little work the plain side does not do)")
     g.add_argument(FLAG, metavar="CPUS", default=None, help=FLAG_HELP)
 
 
