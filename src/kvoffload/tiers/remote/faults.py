@@ -99,6 +99,12 @@ class FaultLog:
         else:
             logger.debug("remote tier (%s): %s: %s", self._where, fault.value, error)
 
+    @property
+    def noted(self) -> int:
+        """Faults noted so far, of every kind (a job's answer ends an outage only if none came after it began)."""
+        with self._lock:
+            return sum(self.counts.values())
+
     def recovered(self) -> None:
         """A job succeeded: if faults were logged, say once that the tier serves again."""
         with self._lock:

@@ -22,8 +22,9 @@ host slots, only stores write values.
 Failures are outcomes (``tiers.remote.faults``): a missing value (evicted by the server, or its TTL passed), a damaged
 or unauthentic one (then deleted, so that the next ``SET NX`` can replace it), a dead, restarted, stalled or full
 server, a refused password, a failed TLS handshake: the job fails, the engine recomputes or skips the store, and
-each kind is logged once per outage. Server faults open ``breaker`` (jobs then fail at once, without I/O, for the
-cool-down); an out-of-memory server opens ``store_breaker`` only, since it still serves loads. A server that is
+each kind is logged once per outage (which only the answer to a job begun after its latest fault ends, whichever
+lane reports first: ``_note_answer``). Server faults open ``breaker`` (jobs then fail at once, without I/O, for
+the cool-down); an out-of-memory server opens ``store_breaker`` only, since it still serves loads. A server that is
 down when the handler is made opens ``breaker`` at once. A job that has not finished ``connect_timeout_s + 2 *
 timeout_s`` after it started fails then (``get_finished``, ``wait`` and ``shutdown`` check), and no slot is
 read or written for a job after that (``_owning``); ``shutdown`` waits ``SHUTDOWN_GRACE_S`` at most.
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -124,6 +126,8 @@ class RemoteHandler(LowerTierHandler[RemoteBlocks, _Block, _Job]):
         self.store_breaker = CircuitBreaker(config.breaker_errors, config.breaker_cooldown_s, clock,
                                             "remote tier's stores")
         self.faults = FaultLog(", ".join(config.urls))
+        self._outcomes = threading.Lock()
+        """Held while a job's outcome updates the breakers and the log, so both see outcomes in one order."""
         self._link = RemoteLink(config, client)
         self._lanes = {True: IoThreads(1, "kvoffload-remote-store", clock),
                        False: IoThreads(1, "kvoffload-remote-load", clock)}
@@ -180,15 +184,16 @@ class RemoteHandler(LowerTierHandler[RemoteBlocks, _Block, _Job]):
         if not self.breaker.allow() or (state.is_store and not self.store_breaker.allow()):
             self._end(state, failed=True)
             return
+        began = self.faults.noted
         try:
             self._store(state) if state.is_store else self._load(state)
-        except _Miss:
-            self._end(state, failed=True, then=self._note_answer)  # the server answered: a miss is no fault
+        except _Miss:  # the server answered: a miss is no fault
+            self._end(state, failed=True, then=functools.partial(self._note_answer, began))
             return
         except Exception as e:
             self._end(state, failed=True, then=functools.partial(self._note, classify(e), e))
             return
-        self._end(state, failed=False, then=functools.partial(self._note_answer, stored=state.is_store))
+        self._end(state, failed=False, then=functools.partial(self._note_answer, began, stored=state.is_store))
 
     def _store(self, state: _Job) -> None:
         """Seal and send the job's values, one pipeline of ``SET NX`` per batch.
@@ -274,18 +279,29 @@ class RemoteHandler(LowerTierHandler[RemoteBlocks, _Block, _Job]):
                 raise TimeoutError(f"job {state.job.job_id} answered after its {self._budget_s:.2f} s budget")
             yield
 
-    def _note_answer(self, stored: bool = False) -> None:
-        self.breaker.record(True)
-        if stored:
-            self.store_breaker.record(True)
-        self.faults.recovered()
+    def _note_answer(self, began: int, stored: bool = False) -> None:
+        """The server answered a job that began when ``began`` faults had been noted.
+
+        The two lanes report in the order their jobs end, not the order their I/O happened: a job answered just
+        before the server died may end after the other lane noted the outage. Its answer says nothing of the
+        server now, so unless it began after the latest fault it neither resets the breakers' count of errors nor
+        ends the outage in the log (which would then log the same outage twice).
+        """
+        with self._outcomes:
+            if self.faults.noted != began:
+                return
+            self.breaker.record(True)
+            if stored:
+                self.store_breaker.record(True)
+            self.faults.recovered()
 
     def _note(self, fault: Fault, error: BaseException | str) -> None:
-        if fault is Fault.FULL:
-            self.store_breaker.record(False)
-        elif fault.is_server_fault:
-            self.breaker.record(False)
-        self.faults.note(fault, error)
+        with self._outcomes:
+            if fault is Fault.FULL:
+                self.store_breaker.record(False)
+            elif fault.is_server_fault:
+                self.breaker.record(False)
+            self.faults.note(fault, error)
 
     def _overdue(self, state: _Job, now: float, stuck: dict[bool, bool] | None = None) -> bool:
         """Started longer than the budget ago, or queued behind a job that is (``stuck[lane]``)."""
