@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 
-from kvoffload.config import ConfigError, OffloadConfig
-from kvoffload.testing import layouts
+from kvoffload.config import ConfigError
 from kvoffload.testing.sim import SimEngine
+from kvoffload.testing.sim_workload import make_engine, tokens
 from kvoffload.tools.cli import main
 from kvoffload.tools.replay.trace import read_trace
 
@@ -18,25 +17,16 @@ BLOCK = 4
 
 
 def _engine(trace: Path, factor: int = 1) -> SimEngine:
-    layout, make_kv = layouts.attention_layout(num_blocks=64, block_size=BLOCK)
-    slot = factor * layout.group_block_bytes(0)
-    config = OffloadConfig.from_dict({"offload_block_tokens": factor * BLOCK, "host_bytes": 128 * slot,
-                                      "record_trace": str(trace)})
-    return SimEngine(layout, make_kv, config, block_size=BLOCK)
-
-
-def _tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1000) for _ in range(n)]
+    return make_engine(block_size=BLOCK, num_blocks=64, host_blocks=128, factor=factor, record_trace=str(trace))
 
 
 def test_finished_requests_are_recorded_with_their_lengths_and_offload_keys(tmp_path: Path) -> None:
     path = tmp_path / "trace.jsonl"
     engine = _engine(path, factor=2)
-    shared = _tokens(3 * 2 * BLOCK, seed=1)  # three offload blocks of 8 tokens
-    engine.add_request("a", shared + _tokens(10, seed=2), max_new_tokens=3)
+    shared = tokens(3 * 2 * BLOCK, seed=1)  # three offload blocks of 8 tokens
+    engine.add_request("a", shared + tokens(10, seed=2), max_new_tokens=3)
     engine.run()
-    engine.add_request("b", shared + _tokens(13, seed=3), max_new_tokens=2)
+    engine.add_request("b", shared + tokens(13, seed=3), max_new_tokens=2)
     engine.run()
     trace = read_trace(path)
     a, b = trace.requests
@@ -54,9 +44,9 @@ def test_a_recorded_trace_replays_with_the_shared_prefix_as_hits(tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "trace.jsonl"
     engine = _engine(path)
-    shared = _tokens(6 * BLOCK, seed=4)
+    shared = tokens(6 * BLOCK, seed=4)
     for i in range(3):
-        engine.add_request(f"r{i}", shared + _tokens(7, seed=10 + i))
+        engine.add_request(f"r{i}", shared + tokens(7, seed=10 + i))
         engine.run()
     assert main(["replay", "--trace", str(path), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

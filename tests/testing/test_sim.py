@@ -5,11 +5,11 @@ import random
 
 import pytest
 
-from kvoffload.config import OffloadConfig
 from kvoffload.layout import StateSpec
-from kvoffload.testing import layouts
+from kvoffload.testing import layouts, sim_workload
 from kvoffload.testing.block_pool import NULL_BLOCK
-from kvoffload.testing.sim import SimEngine, Status
+from kvoffload.testing.sim import Status
+from kvoffload.testing.sim_workload import run_checked, tokens
 from kvoffload.transfer import host_copier as host
 from kvoffload.transfer.copy_plan import LOAD, build_plan
 
@@ -27,20 +27,8 @@ LAYOUTS = {
 
 
 def make_engine(layout="attention", factor=1, num_blocks=48, host_blocks=256, workers=1, windows=None, **config):
-    layout_, make_kv = LAYOUTS[layout](num_blocks=num_blocks, block_size=BLOCK)
-    slot = factor * max(layout_.group_block_bytes(g) for g in range(len(layout_.groups)))
-    raw = {"offload_block_tokens": factor * BLOCK, "host_bytes": host_blocks * slot, **config}
-    return SimEngine(layout_, make_kv, OffloadConfig.from_dict(raw), block_size=BLOCK, num_workers=workers,
-                     sliding_windows=windows)
-
-
-def tokens(n, seed):
-    rng = random.Random(seed)
-    return [rng.randrange(1000) for _ in range(n)]
-
-
-def run_checked(engine):
-    engine.run(on_step=lambda e: e.check_all())
+    return sim_workload.make_engine(LAYOUTS[layout], block_size=BLOCK, num_blocks=num_blocks, host_blocks=host_blocks,
+                                    factor=factor, workers=workers, sliding_windows=windows, **config)
 
 
 def assert_drained(engine):

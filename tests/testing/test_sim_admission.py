@@ -4,15 +4,13 @@ every computed block once."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from kvoffload.config import OffloadConfig
 from kvoffload.connector.stats import SchedulerStats
 from kvoffload.connector.stores import StoreAdmitter
-from kvoffload.testing import layouts
+from kvoffload.testing import layouts, sim_workload
 from kvoffload.testing.sim import SimEngine, SimRequest
+from kvoffload.testing.sim_workload import LayoutFactory, tokens
 
 BLOCK = 4
 PROMPT = 40
@@ -22,16 +20,12 @@ COMPUTED_BLOCKS = (PROMPT + NEW_TOKENS - 1) // BLOCK
 """12: the last sampled token is never computed."""
 
 
-def make_engine(admission: str, layout=layouts.attention_layout) -> SimEngine:  # type: ignore[no-untyped-def]
-    layout_, make_kv = layout(num_blocks=64, block_size=BLOCK)
-    slot = max(layout_.group_block_bytes(g) for g in range(len(layout_.groups)))
-    config = OffloadConfig.from_dict({"host_bytes": 64 * slot, "store_admission": admission})
-    return SimEngine(layout_, make_kv, config, block_size=BLOCK)
+def make_engine(admission: str, layout: LayoutFactory = layouts.attention_layout) -> SimEngine:
+    return sim_workload.make_engine(layout, block_size=BLOCK, num_blocks=64, host_blocks=64, store_admission=admission)
 
 
 def prompt(seed: int = 1) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1000) for _ in range(PROMPT)]
+    return tokens(PROMPT, seed)
 
 
 def stored_blocks(engine: SimEngine) -> int:
@@ -138,10 +132,7 @@ def test_adaptive_eviction_is_steered_by_the_rule_the_scheduler_builds() -> None
     from kvoffload.manager.admission import AdaptiveAdmission
     from kvoffload.manager.policies import AdaptivePolicy
 
-    layout_, make_kv = layouts.attention_layout(num_blocks=64, block_size=BLOCK)
-    slot = max(layout_.group_block_bytes(g) for g in range(len(layout_.groups)))
-    config = OffloadConfig.from_dict({"host_bytes": 64 * slot, "eviction_policy": "adaptive"})
-    engine = SimEngine(layout_, make_kv, config, block_size=BLOCK)
+    engine = sim_workload.make_engine(block_size=BLOCK, num_blocks=64, host_blocks=64, eviction_policy="adaptive")
     rule, policy = engine.scheduler.admission, engine.scheduler.manager.host_policy
     assert isinstance(policy, AdaptivePolicy) and isinstance(rule, AdaptiveAdmission) and rule._steer is policy
     assert policy.live is EvictionPolicy.LRU and rule.admits_all  # behind store_admission all: every block

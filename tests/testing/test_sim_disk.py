@@ -7,35 +7,20 @@ import errno
 import json
 import logging
 import os
-import random
 from pathlib import Path
 
 import pytest
 
-from kvoffload.config import OffloadConfig
-from kvoffload.testing import layouts
+from kvoffload.testing import layouts, sim_workload
 from kvoffload.testing.sim import SimEngine, Status
+from kvoffload.testing.sim_workload import run_checked, tokens
 from kvoffload.tiers.disk.handler import DiskHandler
 from kvoffload.tools.cli import main
 
-BLOCK = 4
-
 
 def make_engine(disk: Path, host_blocks: int = 4, workers: int = 1, **config: object) -> SimEngine:
-    layout, make_kv = layouts.attention_layout(num_blocks=48, block_size=BLOCK)
-    slot = max(layout.group_block_bytes(g) for g in range(len(layout.groups)))
-    raw = {"offload_block_tokens": BLOCK, "host_bytes": host_blocks * slot, "disk_path": str(disk),
-           "disk_bytes": 1 << 24, **config}
-    return SimEngine(layout, make_kv, OffloadConfig.from_dict(raw), block_size=BLOCK, num_workers=workers)
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1000) for _ in range(n)]
-
-
-def run_checked(engine: SimEngine) -> None:
-    engine.run(on_step=lambda e: e.check_all())
+    return sim_workload.make_engine(host_blocks=host_blocks, workers=workers, disk_path=str(disk),
+                                    disk_bytes=1 << 24, **config)
 
 
 def push_out_of_host(engine: SimEngine) -> None:
@@ -184,12 +169,12 @@ def test_a_corrupt_block_on_a_file_system_turned_read_only_is_recomputed_within_
 def test_a_larger_later_group_comes_back_from_disk_whole(tmp_path: Path) -> None:
     # Group 0 is the smaller one here (512 bytes a block, group 1 640): tier jobs list the keys of both groups as
     # one, so a handler sizing entries by group 0 truncated group 1's blocks (caught: 4 corrupt blocks).
-    made, _ = layouts.multi_group_layout(num_blocks=48, block_size=BLOCK)
-    layout, make_kv = layouts.reordered(made, (1, 0))
-    assert layout.group_block_bytes(0) < layout.group_block_bytes(1)
-    raw = {"offload_block_tokens": BLOCK, "host_bytes": 8 * layout.group_block_bytes(1), "disk_path": str(tmp_path),
-           "disk_bytes": 1 << 24}
-    engine = SimEngine(layout, make_kv, OffloadConfig.from_dict(raw), block_size=BLOCK)
+    def smaller_group_first(**sizes: int) -> layouts.Made:
+        made, _ = layouts.multi_group_layout(**sizes)
+        return layouts.reordered(made, (1, 0))
+
+    engine = make_engine(tmp_path, host_blocks=8, layout=smaller_group_first)
+    assert engine.layout.group_block_bytes(0) < engine.layout.group_block_bytes(1)
     prompt = tokens(16, seed=1)
     engine.add_request("a", prompt)
     run_checked(engine)

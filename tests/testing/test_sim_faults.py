@@ -23,14 +23,13 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from kvoffload.config import OffloadConfig
-from kvoffload.testing import layouts
-from kvoffload.testing.sim import SimEngine, Status
+from kvoffload.testing.sim import Status
+from kvoffload.testing.sim_workload import make_engine, tokens
 from kvoffload.tiers.disk.file_io import FileOps
 from kvoffload.tiers.disk.handler import DiskHandler
 
 BLOCK = 4
-PREFIXES = [[random.Random(p).randrange(1000) for _ in range(16)] for p in range(3)]
+PREFIXES = [tokens(16, seed=p) for p in range(3)]
 DRAIN_STEPS = 200
 """Every request must be done this many steps after the last rule, whatever faults stand."""
 MIN_TOTAL_STEPS = 10_000
@@ -80,14 +79,9 @@ class FaultyDisk(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.root = Path(tempfile.mkdtemp(prefix="kvoffload-faults-"))
-        layout, make_kv = layouts.attention_layout(num_blocks=48, block_size=BLOCK)
-        slot = layout.group_block_bytes(0)
-        config = OffloadConfig.from_dict({
-            "offload_block_tokens": BLOCK, "host_bytes": 4 * slot, "disk_path": str(self.root / "disk"),
-            "disk_bytes": 1 << 22, "disk_read_deadline_ms": READ_DEADLINE_MS, "disk_breaker_cooldown_s": 0.05,
-            **self.extra_config,
-        })
-        self.engine = SimEngine(layout, make_kv, config, block_size=BLOCK)
+        self.engine = make_engine(block_size=BLOCK, host_blocks=4, disk_path=str(self.root / "disk"),
+                                  disk_bytes=1 << 22, disk_read_deadline_ms=READ_DEADLINE_MS,
+                                  disk_breaker_cooldown_s=0.05, **self.extra_config)
         self.ops = FaultyOps()
         for worker in self.engine.workers:
             for handler in worker.transfers.handlers:

@@ -11,11 +11,10 @@ from typing import Any
 
 import pytest
 
-from kvoffload.config import OffloadConfig
 from kvoffload.connector.metadata import ConnectorMetadata
 from kvoffload.connector.worker import WorkerPoll
 from kvoffload.specs import JobId, TransferJob
-from kvoffload.testing import layouts
+from kvoffload.testing import layouts, sim_workload
 from kvoffload.testing.sim import HookOrder, SimEngine, Status
 
 BLOCK = 4
@@ -25,11 +24,8 @@ ORDERS = list(HookOrder)
 def make_engine(order: HookOrder, layout: str = "attention", workers: int = 1,
                 windows: dict[int, int] | None = None) -> SimEngine:
     make = {"attention": layouts.attention_layout, "shared_buffer": layouts.shared_buffer_layout}[layout]
-    layout_, make_kv = make(num_blocks=48, block_size=BLOCK)
-    slot = max(layout_.group_block_bytes(g) for g in range(len(layout_.groups)))
-    config = OffloadConfig.from_dict({"offload_block_tokens": BLOCK, "host_bytes": 256 * slot})
-    return SimEngine(layout_, make_kv, config, block_size=BLOCK, num_workers=workers, sliding_windows=windows,
-                     hook_order=order)
+    return sim_workload.make_engine(make, block_size=BLOCK, host_blocks=256, workers=workers, sliding_windows=windows,
+                                    hook_order=order)
 
 
 def tokens(n: int, seed: int) -> list[int]:

@@ -3,19 +3,17 @@ counted), a fast one's are loaded. The slowness is a fake clock that each disk r
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 
-from kvoffload.config import OffloadConfig
 from kvoffload.specs import Medium
-from kvoffload.testing import layouts
+from kvoffload.testing import sim_workload
 from kvoffload.testing.sim import SimEngine, Status
+from kvoffload.testing.sim_workload import tokens
 from kvoffload.tiers.disk.file_io import FileOps
 from kvoffload.tiers.disk.handler import DiskHandler
 
-BLOCK = 4
 PREFILL_TOKENS_PER_S = 1_000.0  # recomputing a 4-block (16-token) prefix costs 16 ms
 
 
@@ -39,21 +37,13 @@ class SlowReads(FileOps):
 
 
 def make_engine(disk: Path, read_seconds: float, **config: object) -> SimEngine:
-    layout, make_kv = layouts.attention_layout(num_blocks=48, block_size=BLOCK)
-    slot = layout.group_block_bytes(0)
-    raw = {"offload_block_tokens": BLOCK, "host_bytes": 4 * slot, "disk_path": str(disk), "disk_bytes": 1 << 22,
-           "prefill_tokens_per_s": PREFILL_TOKENS_PER_S, "disk_read_deadline_ms": 1e9, **config}
     clock = FakeClock()
-    engine = SimEngine(layout, make_kv, OffloadConfig.from_dict(raw), block_size=BLOCK, clock=clock)
+    engine = sim_workload.make_engine(host_blocks=4, clock=clock, disk_path=str(disk), disk_bytes=1 << 22,
+                                      prefill_tokens_per_s=PREFILL_TOKENS_PER_S, disk_read_deadline_ms=1e9, **config)
     for handler in engine.workers[0].transfers.handlers:
         if isinstance(handler, DiskHandler):
             handler._ops = SlowReads(clock, read_seconds)  # the disk tier's system-call seam
     return engine
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1000) for _ in range(n)]
 
 
 def settled(engine: SimEngine) -> None:

@@ -4,7 +4,6 @@ per-rank layout keeps two copies, and a rank whose bytes were not the same as ra
 
 from __future__ import annotations
 
-import random
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from kvoffload.config import OffloadConfig
-from kvoffload.testing import layouts
+from kvoffload.testing import layouts, sim_workload
 from kvoffload.testing.redis_server import RedisServer, RedisServerUnavailable
 from kvoffload.testing.sim import SimEngine, Status
+from kvoffload.testing.sim_workload import tokens
 from kvoffload.tiers.disk import handler as disk_handler
 from kvoffload.transfer.skip_writes import SkipWrites
 
@@ -24,25 +23,16 @@ PROMPT_BLOCKS = 4  # 16-token prompts
 
 
 def make_engine(tier: dict[str, Any], layout_name: str = "latent", host_blocks: int = 4) -> SimEngine:
-    layout, make_kv = layouts.ALL_LAYOUTS[layout_name](num_blocks=48, block_size=BLOCK)
-    slot = max(layout.group_block_bytes(g) for g in range(len(layout.groups)))
-    raw = {"offload_block_tokens": BLOCK, "host_bytes": host_blocks * slot, **tier}
-    return SimEngine(layout, make_kv, OffloadConfig.from_dict(raw), block_size=BLOCK, num_workers=2)
+    return sim_workload.make_engine(layouts.ALL_LAYOUTS[layout_name], block_size=BLOCK, host_blocks=host_blocks,
+                                    workers=2, **tier)
 
 
 def disk_tier(path: Path) -> dict[str, Any]:
     return {"disk_path": str(path), "disk_bytes": 1 << 24}
 
 
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1000) for _ in range(n)]
-
-
 def run_checked(engine: SimEngine) -> None:
-    engine.run(on_step=lambda e: e.check_all())
-    engine.step()  # ships the write-through queued by the last store (run() stops before the manager's queue)
-    engine.run(on_step=lambda e: e.check_all())
+    sim_workload.run_checked(engine, ship_write_through=True)
 
 
 def offload_then_reload(engine: SimEngine) -> Any:

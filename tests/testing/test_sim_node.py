@@ -3,31 +3,16 @@ bit-exact load for the other, with or without a disk tier below, and the other e
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
-from kvoffload.config import OffloadConfig
-from kvoffload.testing import layouts
+from kvoffload.testing import sim_workload
 from kvoffload.testing.sim import SimEngine, Status
-
-BLOCK = 4
+from kvoffload.testing.sim_workload import run_checked, tokens
 
 
 def make_engine(node_path: Path, host_blocks: int = 16, workers: int = 1, **config: object) -> SimEngine:
-    layout, make_kv = layouts.attention_layout(num_blocks=48, block_size=BLOCK)
-    slot = max(layout.group_block_bytes(g) for g in range(len(layout.groups)))
-    raw = {"offload_block_tokens": BLOCK, "host_bytes": host_blocks * slot, "host_scope": "node",
-           "node_path": str(node_path), **config}
-    return SimEngine(layout, make_kv, OffloadConfig.from_dict(raw), block_size=BLOCK, num_workers=workers)
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1000) for _ in range(n)]
-
-
-def run_checked(engine: SimEngine) -> None:
-    engine.run(on_step=lambda e: e.check_all())
+    return sim_workload.make_engine(host_blocks=host_blocks, workers=workers, host_scope="node",
+                                    node_path=str(node_path), **config)
 
 
 def test_a_prefix_engine_a_computed_loads_bit_exact_in_engine_b(node_path: Path) -> None:

@@ -4,22 +4,19 @@ server that dies mid-run costs recomputes, never a wrong token or a crash."""
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from kvoffload.config import OffloadConfig
 from kvoffload.manager.tiered import TieredManager
-from kvoffload.testing import layouts
+from kvoffload.testing import sim_workload
 from kvoffload.testing.redis_server import RedisServer, RedisServerUnavailable
 from kvoffload.testing.sim import SimEngine, Status
+from kvoffload.testing.sim_workload import tokens
 from kvoffload.tiers.remote.index import RemoteIndex
 
 redis = pytest.importorskip("redis")
-
-BLOCK = 4
 
 
 @pytest.fixture
@@ -32,11 +29,8 @@ def server() -> Iterator[RedisServer]:
 
 
 def make_engine(url: str, host_blocks: int = 4, workers: int = 1, **config: object) -> SimEngine:
-    layout, make_kv = layouts.attention_layout(num_blocks=48, block_size=BLOCK)
-    slot = max(layout.group_block_bytes(g) for g in range(len(layout.groups)))
-    raw = {"offload_block_tokens": BLOCK, "host_bytes": host_blocks * slot, "remote_url": url,
-           "remote_bytes": 1 << 24, "remote_timeout_ms": 500, **config}
-    return SimEngine(layout, make_kv, OffloadConfig.from_dict(raw), block_size=BLOCK, num_workers=workers)
+    return sim_workload.make_engine(host_blocks=host_blocks, workers=workers, remote_url=url, remote_bytes=1 << 24,
+                                    remote_timeout_ms=500, **config)
 
 
 def remote_index(engine: SimEngine) -> RemoteIndex:
@@ -45,15 +39,8 @@ def remote_index(engine: SimEngine) -> RemoteIndex:
     return manager.lowers[0]
 
 
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1000) for _ in range(n)]
-
-
 def run_checked(engine: SimEngine) -> None:
-    engine.run(on_step=lambda e: e.check_all())
-    engine.step()  # ships the write-through queued by the last store (run() stops before the manager's queue)
-    engine.run(on_step=lambda e: e.check_all())
+    sim_workload.run_checked(engine, ship_write_through=True)
 
 
 def push_out_of_host(engine: SimEngine) -> None:

@@ -15,18 +15,17 @@ named ``..._is_caught``):
 from __future__ import annotations
 
 import dataclasses
-import random
 from pathlib import Path
 
 import pytest
 
-from kvoffload.config import OffloadConfig
 from kvoffload.connector.metadata import WorkerMetadata
 from kvoffload.connector.worker import WorkerPoll
 from kvoffload.keys import Namespace
 from kvoffload.specs import Medium
-from kvoffload.testing import layouts, sim
+from kvoffload.testing import sim, sim_workload
 from kvoffload.testing.sim import SimEngine, SimRequest, Status
+from kvoffload.testing.sim_workload import tokens
 from kvoffload.tiers.lower.block_format import HEADER_BYTES, rank_directory
 from kvoffload.transfer.faults import FailFirstLoads
 from kvoffload.transfer.router import JobRouter
@@ -37,23 +36,13 @@ RANKS = 2
 FINGERPRINT = slice(16, 32)  # the namespace fingerprint in a block file's header (tiers/lower/block_format.py)
 
 
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1000) for _ in range(n)]
-
-
 def make_engine(host_blocks: int = 16, disk: Path | None = None) -> SimEngine:
-    layout, make_kv = layouts.attention_layout(num_blocks=48, block_size=BLOCK)
-    raw: dict[str, object] = {"offload_block_tokens": BLOCK, "host_bytes": host_blocks * layout.group_block_bytes(0)}
-    if disk is not None:
-        raw |= {"disk_path": str(disk), "disk_bytes": 1 << 24}
-    return SimEngine(layout, make_kv, OffloadConfig.from_dict(raw), block_size=BLOCK, num_workers=RANKS)
+    tier = {} if disk is None else {"disk_path": str(disk), "disk_bytes": 1 << 24}
+    return sim_workload.make_engine(block_size=BLOCK, host_blocks=host_blocks, workers=RANKS, **tier)
 
 
 def run_checked(engine: SimEngine) -> None:
-    engine.run(on_step=lambda e: e.check_all())
-    engine.step()  # ships the write-through the last store queued (run() stops before the manager's queue)
-    engine.run(on_step=lambda e: e.check_all())
+    sim_workload.run_checked(engine, ship_write_through=True)
 
 
 def expected_pages(engine: SimEngine, req: SimRequest, rank: int) -> set[bytes]:

@@ -3,6 +3,9 @@
 - ``sim``: a small engine (device block pool with prefix caching, requests that arrive, run, finish, get
   preempted or aborted) that drives both connector halves step by step the way vLLM does, writing deterministic
   per-token KV bytes so every loaded block can be checked bit for bit.
+- ``sim_workload``: what a test on that engine needs: an engine over a ready-made layout with its tiers set by
+  config keys (``make_engine``), prompts (``tokens``) and a run that checks every block after every step
+  (``run_checked``).
 - ``layouts``: ready-made KV cache layouts (attention, padded, shared buffer, multi-group, Mamba-style).
 - ``conformance``: checks any ``TransferHandler`` must pass.
 - ``policy_conformance``: checks any eviction ``Policy`` must pass.

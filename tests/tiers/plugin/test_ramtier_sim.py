@@ -11,39 +11,27 @@ it can fail: every loaded device block, on every worker, is compared with the by
 from __future__ import annotations
 
 import functools
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvoffload.config import OffloadConfig
 from kvoffload.connector.stats import TransferStats
-from kvoffload.testing import layouts
+from kvoffload.testing import sim_workload
 from kvoffload.testing.sim import SimEngine, SimRequest, Status
+from kvoffload.testing.sim_workload import tokens
 
 BLOCK = 4
 PROMPT_BLOCKS = 4
 
 
 def make_engine(workers: int = 1, **tiers: dict[str, Any]) -> SimEngine:
-    layout, make_kv = layouts.attention_layout(num_blocks=48, block_size=BLOCK)
-    slot = max(layout.group_block_bytes(g) for g in range(len(layout.groups)))
-    raw: dict[str, Any] = {"offload_block_tokens": BLOCK, "host_bytes": PROMPT_BLOCKS * slot}
-    if tiers:
-        raw["extra_tiers"] = tiers
-    return SimEngine(layout, make_kv, OffloadConfig.from_dict(raw), block_size=BLOCK, num_workers=workers)
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1000) for _ in range(n)]
+    extra: dict[str, Any] = {"extra_tiers": tiers} if tiers else {}
+    return sim_workload.make_engine(block_size=BLOCK, host_blocks=PROMPT_BLOCKS, workers=workers, **extra)
 
 
 def run_checked(engine: SimEngine) -> None:
-    engine.run(on_step=lambda e: e.check_all())
-    engine.step()  # ships the write-through queued by the last store (run() stops before the manager's queue)
-    engine.run(on_step=lambda e: e.check_all())
+    sim_workload.run_checked(engine, ship_write_through=True)
 
 
 def repeated_prefix(engine: SimEngine) -> SimRequest:
