@@ -5,14 +5,13 @@ per-rank layout keeps two copies, and a rank whose bytes were not the same as ra
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvoffload.testing import layouts, sim_workload
-from kvoffload.testing.redis_server import RedisServer, RedisServerUnavailable
+from kvoffload.testing.redis_server import RedisServer
 from kvoffload.testing.sim import SimEngine, Status
 from kvoffload.testing.sim_workload import tokens
 from kvoffload.tiers.disk import handler as disk_handler
@@ -110,13 +109,9 @@ def test_rank_0s_failed_write_fails_the_store_for_every_rank(tmp_path: Path, mon
 
 
 @pytest.fixture
-def server() -> Iterator[RedisServer]:
-    pytest.importorskip("redis")
-    try:
-        with RedisServer() as s:
-            yield s
-    except RedisServerUnavailable as e:
-        pytest.skip(str(e))
+def server(redis_server: RedisServer, redis_client: Any) -> RedisServer:
+    """The session's redis-server, emptied for this test (``redis_client`` empties it)."""
+    return redis_server
 
 
 def value_names(url: str) -> list[str]:

@@ -35,23 +35,22 @@ def test_each_scheme_gets_its_own_redis_py_connection_class() -> None:
     assert not issubclass(in_place_connection("redis"), SSLConnection)
 
 
-def test_a_worker_client_of_one_server_sends_values_in_place_and_they_arrive_whole() -> None:
-    with RedisServer() as server:
-        config = RemoteTierConfig(urls=(server.url,))
-        client = connect(config, values_in_place=True)
-        try:
-            assert packers(client) == {PythonRespSerializer}
-            value = bytes(range(256)) * 64  # above the 6,000-byte cut-off: sent as its own chunk
-            client.set("v", memoryview(value))
-            assert client.get("v") == value
-        finally:
-            client.close()
-        plain = connect(config)
-        try:
-            if redis.utils.HIREDIS_AVAILABLE:
-                assert packers(plain) == {HiredisRespSerializer}  # the scheduler's client: redis-py's default
-        finally:
-            plain.close()
+def test_a_worker_client_of_one_server_sends_values_in_place_and_they_arrive_whole(server: RedisServer) -> None:
+    config = RemoteTierConfig(urls=(server.url,))
+    client = connect(config, values_in_place=True)
+    try:
+        assert packers(client) == {PythonRespSerializer}
+        value = bytes(range(256)) * 64  # above the 6,000-byte cut-off: sent as its own chunk
+        client.set("v", memoryview(value))
+        assert client.get("v") == value
+    finally:
+        client.close()
+    plain = connect(config)
+    try:
+        if redis.utils.HIREDIS_AVAILABLE:
+            assert packers(plain) == {HiredisRespSerializer}  # the scheduler's client: redis-py's default
+    finally:
+        plain.close()
 
 
 def test_a_worker_client_of_a_cluster_sends_values_in_place_through_every_node() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -102,20 +102,7 @@ class RemoteHarness(HandlerHarness):
         return out
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
-    with RedisServer() as s:
-        yield s
-
-
-@pytest.fixture
-def client(server: RedisServer) -> Iterator[Any]:
-    c = redis.Redis.from_url(server.url)
-    c.flushall()  # each check's harness counts its keys from 0 again
-    yield c
-    c.close()
-
-
 @pytest.mark.parametrize("check", ALL_CHECKS, ids=lambda c: c.__name__)
 def test_remote_handler_conforms(check: Callable[[HandlerHarness], None], server: RedisServer, client: Any) -> None:
+    """``server`` is emptied first: each check's harness counts its keys from 0 again."""
     check(RemoteHarness(server.url, client))

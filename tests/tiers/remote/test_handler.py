@@ -89,22 +89,8 @@ def row(handler: RemoteHandler, slot: int, nbytes: int = ENTRY[0]) -> bytes:
     return bytes(handler._slots[slot, :nbytes])
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
-    with RedisServer() as s:
-        yield s
-
-
 @pytest.fixture
-def client(server: RedisServer) -> Iterator[Any]:
-    c = redis.Redis.from_url(server.url)
-    c.flushall()
-    yield c
-    c.close()
-
-
-@pytest.fixture
-def config(server: RedisServer, client: Any) -> RemoteTierConfig:
+def config(server: RedisServer) -> RemoteTierConfig:
     return make_config(server.url)
 
 
@@ -394,9 +380,10 @@ def test_a_wrong_password_fails_every_job_and_is_logged_once_without_the_passwor
     assert not [m for m in shown if "wrong-password-2" in m or "right-password-1" in m]
 
 
-def test_a_rediss_url_against_a_plain_server_is_a_tls_failure(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_rediss_url_against_a_plain_server_is_a_tls_failure(server: RedisServer,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
     clock = FakeClock()
-    with RedisServer() as server, caplog.at_level(logging.WARNING, logger="kvoffload"):
+    with caplog.at_level(logging.WARNING, logger="kvoffload"):
         config = make_config(server.url.replace("redis://", "rediss://"), connect_timeout_s=0.2, timeout_s=0.2)
         with Handler(config, clock=clock) as h:
             assert h.breaker.is_open and h.faults.counts[Fault.TLS] == 1

@@ -7,7 +7,6 @@ import dataclasses
 import os
 import random
 import signal
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -114,13 +113,6 @@ def removed(events: list[OffloadEvent]) -> list[OffloadKey]:
 @pytest.fixture
 def url(redis_server: RedisServer, redis_client: Any) -> str:
     return redis_server.url
-
-
-@pytest.fixture
-def own_server() -> Iterator[RedisServer]:
-    """A server of the test's own, to kill or stop."""
-    with RedisServer() as server:
-        yield server
 
 
 # ---- lookups ----------------------------------------------------------------------------------------------------

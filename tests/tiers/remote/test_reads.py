@@ -112,21 +112,6 @@ def _status_kib(field: str) -> int:
     return int(found.group(1))
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
-    with RedisServer() as s:
-        yield s
-
-
-@pytest.fixture
-def client(server: RedisServer) -> Iterator[Any]:
-    c = redis.Redis.from_url(server.url)
-    c.flushall()
-    yield c
-    c.flushall()  # the planted values are big
-    c.close()
-
-
 @pytest.fixture(params=list(FORMATS))
 def fmt_id(request: pytest.FixtureRequest) -> str:
     return str(request.param)

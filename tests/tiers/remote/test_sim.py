@@ -4,28 +4,18 @@ server that dies mid-run costs recomputes, never a wrong token or a crash."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from kvoffload.manager.tiered import TieredManager
 from kvoffload.testing import sim_workload
-from kvoffload.testing.redis_server import RedisServer, RedisServerUnavailable
+from kvoffload.testing.redis_server import RedisServer
 from kvoffload.testing.sim import SimEngine, Status
 from kvoffload.testing.sim_workload import tokens
 from kvoffload.tiers.remote.index import RemoteIndex
 
 redis = pytest.importorskip("redis")
-
-
-@pytest.fixture
-def server() -> Iterator[RedisServer]:
-    try:
-        with RedisServer() as s:
-            yield s
-    except RedisServerUnavailable as e:
-        pytest.skip(str(e))
 
 
 def make_engine(url: str, host_blocks: int = 4, workers: int = 1, **config: object) -> SimEngine:
@@ -87,14 +77,14 @@ def test_two_engines_sharing_a_server_hit_each_others_prefixes_bit_exact(server:
     assert remote_index(second).usage()[0].used_blocks == 0  # read, not written: not in its budget
 
 
-def test_a_server_killed_mid_run_costs_recomputes_not_wrong_tokens(server: RedisServer,
+def test_a_server_killed_mid_run_costs_recomputes_not_wrong_tokens(own_server: RedisServer,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
-    engine = make_engine(server.url)
+    engine = make_engine(own_server.url)
     prompt = tokens(16, seed=3)
     engine.add_request("a", prompt)
     run_checked(engine)
     push_out_of_host(engine)
-    server.kill()
+    own_server.kill()
     b = engine.add_request("b", [*prompt, 7])
     others = [engine.add_request(f"c{i}", tokens(24, seed=200 + i), max_new_tokens=3) for i in range(3)]
     run_checked(engine)
@@ -104,8 +94,8 @@ def test_a_server_killed_mid_run_costs_recomputes_not_wrong_tokens(server: Redis
 
 
 @pytest.mark.parametrize("how", ["evicted", "restarted"])
-def test_values_gone_between_lookup_and_promotion_cost_a_recompute(server: RedisServer, how: str) -> None:
-    engine = make_engine(server.url)
+def test_values_gone_between_lookup_and_promotion_cost_a_recompute(own_server: RedisServer, how: str) -> None:
+    engine = make_engine(own_server.url)
     prompt = tokens(16, seed=4)
     engine.add_request("a", prompt)
     run_checked(engine)
@@ -113,9 +103,9 @@ def test_values_gone_between_lookup_and_promotion_cost_a_recompute(server: Redis
     b = engine.add_request("b", [*prompt, 7])
     assert engine.scheduler.get_num_new_matched_tokens(b, 0) == (None, False)  # a promotion is queued ...
     if how == "evicted":
-        redis.Redis.from_url(server.url).flushall()  # ... and the server drops every value before it runs
+        redis.Redis.from_url(own_server.url).flushall()  # ... and the server drops every value before it runs
     else:
-        server.restart()  # ... or comes back empty
+        own_server.restart()  # ... or comes back empty
     run_checked(engine)
     assert b.status is Status.FINISHED and b.loaded_tokens == 0
     assert engine.corrupt_blocks == []
@@ -133,12 +123,12 @@ def test_the_worker_registers_the_remote_handler_both_ways(server: RedisServer) 
 
 
 def test_two_engines_with_own_disks_over_one_server_hit_remote_then_local_bit_exact(
-        server: RedisServer, tmp_path: Any) -> None:
+        own_server: RedisServer, tmp_path: Any) -> None:
     """Host over disk and remote: engine B's first hit on A's prefix comes from the server and is written to B's
     disk, so after the server dies B still hits it, from its own disk."""
     disk = {"disk_bytes": 1 << 24}
-    first = make_engine(server.url, disk_path=str(tmp_path / "a"), **disk)
-    second = make_engine(server.url, disk_path=str(tmp_path / "b"), **disk)
+    first = make_engine(own_server.url, disk_path=str(tmp_path / "a"), **disk)
+    second = make_engine(own_server.url, disk_path=str(tmp_path / "b"), **disk)
     prompt = tokens(16, seed=5)
     first.add_request("a", prompt)
     run_checked(first)
@@ -147,7 +137,7 @@ def test_two_engines_with_own_disks_over_one_server_hit_remote_then_local_bit_ex
     assert b.loaded_tokens == 16 and second.corrupt_blocks == []
     assert {"remote_to_host", "host_to_disk"} <= set(second.transfer_stats[0].by_type)
     push_out_of_host(second)
-    server.kill()
+    own_server.kill()
     c = second.add_request("c", [*prompt, 8])
     run_checked(second)
     assert c.status is Status.FINISHED and c.loaded_tokens == 16  # from B's disk: the server is gone
