@@ -11,6 +11,13 @@ Semantics of vLLM's original ``OffloadingConnectorWorker``, plus failures end to
   scheduler half and the transfer stats. One poll, one look at the handlers' results: its parts agree (a request
   reported finished has every failure of its load in the same poll), whatever order the engine reads them in.
 
+Around a release of the KV cache's pages (vLLM 0.34: sleep, ``release_kv_cache_memory``, a process checkpoint,
+a weight update that borrows their memory), ``unregister_kv_caches`` comes while the pages still hold their
+bytes: it fails the deferred stores, waits for the device jobs already submitted (a store among them reports what
+it copied; a load not yet reported fails, since the engine recomputes what the released pages held), and from
+then on fails every device job without touching the pages; tier jobs go on. ``restore_kv_caches``, after fresh
+pages are mapped at the same addresses, lets device jobs run again. Each job is still reported once, by ``poll``.
+
 ``poll`` may come before or after ``prepare_store_kv``: vLLM calls ``wait_for_save`` after the step's reports when
 it runs a speculative drafter (testing/sim.HookOrder). Nothing here depends on which: ``prepare_store_kv`` only
 queues, the next step's ``handle_preemptions`` submits, and a job is reported once, from the handler's result,
@@ -90,6 +97,9 @@ class ConnectorWorker:
         self._failed_loads: set[str] = set()
         self._stats = TransferStats()
         self._fenced: ConnectorMetadata | None = None
+        self._device_jobs: set[JobId] = set()  # submitted jobs that read or write device pages, not yet collected
+        self._doomed: set[JobId] = set()  # reported failed whatever their handler says: the pages went under them
+        self._unregistered = False
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Canonicalize the engine's KV tensors, allocate the host pool and start the handlers."""
@@ -130,13 +140,15 @@ class ConnectorWorker:
             self._submit(load.job)
 
     def prepare_store_kv(self, meta: ConnectorMetadata) -> None:
+        if self._unregistered:  # blocks computed while the pages were away: nothing true to copy
+            for job in meta.store_jobs:
+                self._record(job.job_id, success=False)
+            return
         self._deferred_stores.extend(meta.store_jobs)
 
     def poll(self) -> WorkerPoll:
         """Everything finished since the last poll; each part is reset on read."""
-        for result in self.transfers.get_finished():
-            self._stats.record(result)
-            self._record(result.job_id, result.success)
+        self._collect()
         poll = WorkerPoll(frozenset(self._finished_loads), frozenset(self._failed_loads),
                           frozenset(self._load_errors), WorkerMetadata.of(self._completed, self._failed),
                           None if self._stats.is_empty() else self._stats)
@@ -154,14 +166,59 @@ class ConnectorWorker:
     def shutdown(self) -> None:
         self.transfers.shutdown()
 
+    def unregister_kv_caches(self) -> None:
+        """The engine is about to release the KV cache's pages; they still hold their bytes now. Idempotent.
+
+        Deferred stores fail unsubmitted. Device jobs already submitted are waited for, so none reads or writes
+        a page once this returns: a store reports what it copied (the pages' bytes before the release); a load
+        whose result was not yet reported fails (the engine recomputes its blocks, which the release empties).
+        Until ``restore_kv_caches``, device jobs fail without touching the pages; tier jobs go on.
+        """
+        if self._unregistered:
+            return
+        self._unregistered = True
+        deferred, self._deferred_stores = self._deferred_stores, []
+        for job in deferred:
+            self._record(job.job_id, success=False)
+        self._doomed |= self._loads.keys()
+        self.transfers.wait(list(self._device_jobs))
+        self._collect()
+        self._doomed |= self._device_jobs  # a handler whose wait failed: what it still runs is not trusted
+        logger.info("kvoffload worker rank %d: KV cache unregistered: %d deferred store(s) failed, %d device "
+                    "job(s) still running", self.namespace.rank, len(deferred), len(self._device_jobs))
+
+    def restore_kv_caches(self) -> None:
+        """The engine mapped fresh pages for the KV cache again: device jobs run again. Idempotent.
+
+        Nothing to re-bind: vLLM hands no tensors and keeps the pages' addresses (the extensible KV cache keeps
+        its reservation, sleep mode maps the same range again), so the canonical views from
+        ``register_kv_caches`` address the new pages, block ids at the same offsets.
+        """
+        if self._unregistered:
+            self._unregistered = False
+            logger.info("kvoffload worker rank %d: KV cache restored", self.namespace.rank)
+
+    def _collect(self) -> None:
+        for result in self.transfers.get_finished():
+            self._stats.record(result)
+            self._device_jobs.discard(result.job_id)
+            doomed = result.job_id in self._doomed
+            self._doomed.discard(result.job_id)
+            self._record(result.job_id, result.success and not doomed)
+
     def _submit_deferred_stores(self) -> None:
         stores, self._deferred_stores = self._deferred_stores, []
         for job in stores:
             self._submit(job)
 
     def _submit(self, job: TransferJob) -> None:
-        if not self.transfers.submit(job):
+        touches_device = Medium.DEVICE in job.transfer_type
+        if touches_device and self._unregistered:
+            self._record(job.job_id, success=False)  # the pages are released or about to be
+        elif not self.transfers.submit(job):
             self._record(job.job_id, success=False)
+        elif touches_device:
+            self._device_jobs.add(job.job_id)
 
     def _record(self, job_id: JobId, success: bool) -> None:
         (self._completed if success else self._failed).append(job_id)
