@@ -1,11 +1,13 @@
 """Eviction policies: every policy through the conformance suite; then what each one does that LRU does not (scan
-and loop resistance, ARC's adaptation, S3-FIFO's ghost, TinyLFU's duels)."""
+and loop resistance, ARC's adaptation; S3-FIFO's ghost and TinyLFU's duels in test_policies_s3fifo.py and
+test_policies_tinylfu.py), batch operations that equal key-by-key ones, and the adaptive policy's switches."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+from tests.manager.workloads import anything, filled, key, keys, scan
 
 from kvoffload.config import EvictionPolicy
 from kvoffload.keys import OffloadKey
@@ -22,25 +24,6 @@ from kvoffload.manager.policies import (
 )
 from kvoffload.manager.policies.arc import _FAST_RUNS
 from kvoffload.testing.policy_conformance import POLICY_CHECKS, PolicyFactory, check_policy
-
-
-def key(i: int) -> OffloadKey:
-    return OffloadKey(i.to_bytes(4, "big"))
-
-
-def keys(*ids: int) -> list[OffloadKey]:
-    return [key(i) for i in ids]
-
-
-def filled(policy: Policy, *ids: int) -> Policy:
-    for i in ids:
-        policy.insert(key(i))
-    return policy
-
-
-def anything(k: OffloadKey) -> bool:
-    return True
-
 
 POLICIES = [pytest.param(kind, id=kind.value) for kind in EvictionPolicy]
 
@@ -90,14 +73,6 @@ def test_lru_reinsert_counts_as_a_use() -> None:
     policy.insert(key(1))
     assert len(policy) == 2
     assert policy.victims(1, anything) == keys(2)
-
-
-def scan(policy: Policy, capacity: int, ids: range) -> None:
-    """Insert each key once, evicting one resident key per insert when full (what a tier does)."""
-    for i in ids:
-        if len(policy) == capacity:
-            assert policy.victims(1, anything) is not None
-        policy.insert(key(i))
 
 
 SCAN_RESISTANT = [pytest.param(kind, id=kind.value) for kind in EvictionPolicy
@@ -320,142 +295,6 @@ def test_insert_all_is_insert_key_by_key(new, seed: int) -> None:  # type: ignor
         batch.check_integrity()
         extra = max(0, len(batch) - 16)
         assert batch.victims(extra, anything) == single.victims(extra, anything)
-
-
-# ---- S3-FIFO -----------------------------------------------------------------------------------------------------
-
-
-def test_s3fifo_keys_used_in_the_small_queue_move_to_main_and_outlive_new_ones() -> None:
-    policy = filled(S3FIFOPolicy(10), *range(1, 11))
-    policy.touch(key(1))
-    # Victims come from the small queue: key 1 was used there, so it moves to main instead.
-    assert policy.victims(3, anything) == keys(2, 3, 4)
-    scan(policy, 10, range(100, 130))
-    assert key(1) in policy
-    policy.check_integrity()
-
-
-def test_s3fifo_a_key_back_from_the_ghost_queue_goes_to_main() -> None:
-    policy = filled(S3FIFOPolicy(10), *range(1, 11))
-    assert policy.victims(1, anything) == keys(1)  # unused: out, remembered in the ghost queue
-    policy.insert(key(1))
-    scan(policy, 10, range(100, 130))  # new keys churn the small queue only
-    assert key(1) in policy
-    lru = filled(LRUPolicy(), *range(2, 11), 1)
-    scan(lru, 10, range(100, 130))
-    assert key(1) not in lru
-
-
-def test_s3fifo_main_gives_a_used_key_another_round_once() -> None:
-    policy = S3FIFOPolicy(10)
-    for i in range(1, 4):  # three keys in main through the ghost queue, key 1 used there
-        policy.insert(key(i))
-        policy.victims(1, anything)
-        policy.insert(key(i))
-    policy.touch(key(1))
-    assert policy.victims(3, anything) == keys(2, 3, 1)
-
-
-def test_s3fifo_a_key_promoted_after_main_ran_out_can_still_be_its_victim() -> None:
-    policy = S3FIFOPolicy(20)  # S's share: 2 keys
-    policy.insert(key(1))
-    assert policy.victims(1, anything) == keys(1)
-    policy.insert(key(1))  # back from the ghost queue: in M
-    policy.insert(key(2))
-    policy.touch(key(2))
-    # M's only key may not go; S's used key moves to M, and is then M's victim (its use spent).
-    assert policy.victims(1, lambda k: k != key(1)) == keys(2)
-    policy.check_integrity()
-
-
-def test_s3fifo_ghost_queue_holds_at_most_the_capacity() -> None:
-    policy = S3FIFOPolicy(4)
-    scan(policy, 4, range(50))
-    assert len(policy._ghost) == 4
-    policy.check_integrity()
-
-
-def test_s3fifo_uses_of_keys_not_resident_do_not_count_and_stay_bounded() -> None:
-    policy = filled(S3FIFOPolicy(10), 1, 2)
-    policy.touch_all(keys(*range(100, 1100)))
-    assert len(policy._used) <= 2 * len(policy) + 64
-    policy.insert(key(100))  # used before it was resident: not a use now
-    assert key(100) not in policy._used
-    policy.check_integrity()
-
-
-def test_s3fifo_check_integrity_raises_on_a_key_in_both_queues() -> None:
-    policy = filled(S3FIFOPolicy(8), 1, 2)
-    policy._main[key(1)] = None
-    with pytest.raises(IntegrityError, match="both S and M"):
-        policy.check_integrity()
-
-
-# ---- TinyLFU -----------------------------------------------------------------------------------------------------
-
-
-def full_tinylfu(capacity: int) -> TinyLFUPolicy:
-    """A full tier: keys 0 .. capacity-1 inserted once each (the oldest have left the window for main)."""
-    policy = TinyLFUPolicy(capacity)
-    scan(policy, capacity, range(capacity))
-    assert policy.victims(1, anything) is not None  # the window overflows into main
-    policy.insert(key(capacity))
-    return policy
-
-
-def test_tinylfu_a_candidate_used_more_than_the_victim_displaces_it() -> None:
-    policy = full_tinylfu(100)
-    candidate = next(iter(policy._window))
-    victim = next(iter(policy._main))
-    policy.touch(candidate)
-    assert policy.frequency(candidate) > policy.frequency(victim)
-    assert policy.victims(1, anything) == [victim]
-    assert candidate in policy._main
-
-
-def test_tinylfu_a_candidate_used_no_more_than_the_victim_is_evicted() -> None:
-    policy = full_tinylfu(100)
-    candidate = next(iter(policy._window))
-    victim = next(iter(policy._main))
-    assert policy.frequency(candidate) == policy.frequency(victim)
-    assert policy.victims(1, anything) == [candidate]
-    assert victim in policy
-
-
-def test_tinylfu_counts_age_after_a_sample_period() -> None:
-    policy = TinyLFUPolicy(4)
-    policy.insert(key(1))
-    for _ in range(4):
-        policy.touch(key(1))
-    assert policy.frequency(key(1)) == 5
-    scan(policy, 4, range(100, 120))  # more than a period's distinct keys (16), with victims asked
-    assert policy.frequency(key(1)) <= 2
-    policy.check_integrity()
-
-
-def test_tinylfu_remembers_the_frequency_of_an_evicted_key() -> None:
-    policy = filled(TinyLFUPolicy(4), 1)
-    policy.touch(key(1))
-    policy.remove(key(1))
-    assert policy.frequency(key(1)) == 2
-
-
-def test_tinylfu_check_integrity_raises_on_a_key_in_both_spaces() -> None:
-    policy = filled(TinyLFUPolicy(8), 1, 2)  # key 1 has moved on to the main space, key 2 is in the window
-    policy._main[key(2)] = None
-    with pytest.raises(IntegrityError, match="partition"):
-        policy.check_integrity()
-
-
-def test_tinylfu_evicts_window_keys_behind_a_refused_one_when_main_keys_may_not_go() -> None:
-    policy = full_tinylfu(100)
-    scan(policy, 100, range(200, 203))  # the window holds 200-202 (and the one that entered before)
-    window = list(policy._window)
-    may_go = set(window[1:])
-    got = policy.victims(len(may_go), may_go.__contains__)
-    assert got is not None and set(got) == may_go
-    assert window[0] in policy
-    policy.check_integrity()
 
 
 def test_the_adaptive_policy_is_lru_until_it_follows_another_expert() -> None:

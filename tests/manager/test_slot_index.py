@@ -1,41 +1,17 @@
-"""The host tier index: lookups, pins, stores with eviction, failures, events, reset, integrity."""
+"""The host tier index: lookups, pins, stores with eviction, failures, events, reset, integrity (its model check:
+test_slot_index_model.py)."""
 
 from __future__ import annotations
 
-import random
 import tracemalloc
 
 import pytest
-from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from tests.manager.workloads import held, key, keys, stored
 
 from kvoffload.config import EvictionPolicy
-from kvoffload.keys import OffloadKey
 from kvoffload.manager.base import EventKind, IntegrityError, LookupResult, OffloadEvent, TierUsage
 from kvoffload.manager.slot_index import SlotIndex
 from kvoffload.specs import DiskBlocks, HostBlocks, Medium
-
-
-def key(i: int) -> OffloadKey:
-    return OffloadKey(i.to_bytes(4, "big"))
-
-
-def keys(*ids: int) -> list[OffloadKey]:
-    return [key(i) for i in ids]
-
-
-def stored(manager: SlotIndex, *ids: int) -> SlotIndex:
-    """Store ``ids`` successfully and clear the events that produced."""
-    out = manager.prepare_store(keys(*ids))
-    assert out is not None
-    manager.complete_store(out.keys_to_store)
-    manager.take_events()
-    return manager
-
-
-def held(manager: SlotIndex) -> int:
-    return manager.usage()[0].used_blocks
 
 
 def test_rejects_a_capacity_that_is_not_a_positive_integer() -> None:
@@ -254,171 +230,6 @@ def test_check_integrity_raises_on_corrupted_bookkeeping(corrupt, message) -> No
     corrupt(manager)
     with pytest.raises(IntegrityError, match=message):
         manager.check_integrity()
-
-
-# --- Randomized operations against a reference model -------------------------------------------------------
-
-
-class Model:
-    """What the index should hold: a state per key (``flight``, ``ready`` or ``doomed``) and pin counts."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.state: dict[OffloadKey, str] = {}
-        self.pins: dict[OffloadKey, int] = {}
-        self.announced: set[OffloadKey] = set()  # loadable according to the events seen so far
-
-    def ready(self) -> set[OffloadKey]:
-        return {k for k, s in self.state.items() if s == "ready"}
-
-    def expected_new(self, ks: list[OffloadKey]) -> list[OffloadKey]:
-        return [k for k in dict.fromkeys(ks) if k not in self.state]
-
-    def evictable(self, ks: list[OffloadKey]) -> set[OffloadKey]:
-        return {k for k in self.ready() if k not in self.pins and k not in ks}
-
-    def unpin(self, k: OffloadKey, success: bool) -> None:
-        self.pins[k] -= 1
-        if not success:
-            self.state[k] = "doomed"
-        if self.pins[k] == 0:
-            del self.pins[k]
-            if self.state[k] == "doomed":
-                del self.state[k]
-
-
-class HostTierMachine(RuleBasedStateMachine):
-    policy = EvictionPolicy.LRU
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.manager = SlotIndex(5, policy=self.policy)
-        self.model = Model(5)
-        self.stores: list[list[OffloadKey]] = []
-        self.loads: list[list[OffloadKey]] = []
-
-    @rule(ids=st.lists(st.integers(0, 7), max_size=5))
-    def store(self, ids: list[int]) -> None:
-        ks, model = keys(*ids), self.model
-        new, evictable = model.expected_new(ks), model.evictable(ks)
-        free = model.capacity - len(model.state)
-        out = self.manager.prepare_store(ks)
-        if len(new) > free + len(evictable):
-            assert out is None
-            return
-        assert out is not None and list(out.keys_to_store) == new
-        assert set(out.evicted_keys) <= evictable and len(out.evicted_keys) == max(0, len(new) - free)
-        for k in out.evicted_keys:
-            del model.state[k]
-        model.state.update(dict.fromkeys(new, "flight"))
-        self.stores.append(new)
-
-    @precondition(lambda self: self.stores)
-    @rule(pick=st.integers(0), success=st.booleans())
-    def complete_store(self, pick: int, success: bool) -> None:
-        ks = self.stores.pop(pick % len(self.stores))
-        self.manager.complete_store(ks, success)
-        for k in ks:
-            if success:
-                self.model.state[k] = "ready"
-            else:
-                del self.model.state[k]
-
-    @rule(start=st.integers(0, 7), n=st.integers(0, 4), load=st.booleans())
-    def lookup(self, start: int, n: int, load: bool) -> None:
-        # Runs of consecutive keys, like the prefixes a scheduler looks up, so that lookups often hit.
-        ks, model = keys(*range(start, start + n)), self.model
-        hits = next((i for i, k in enumerate(ks) if model.state.get(k) != "ready"), len(ks))
-        pending = hits < len(ks) and model.state.get(ks[hits]) == "flight"
-        assert self.manager.lookup(ks) == LookupResult(hits, pending)
-        if load and hits:
-            self.manager.prepare_load(ks[:hits])
-            for k in ks[:hits]:
-                model.pins[k] = model.pins.get(k, 0) + 1
-            self.loads.append(ks[:hits])
-
-    @precondition(lambda self: self.loads)
-    @rule(pick=st.integers(0), success=st.booleans())
-    def complete_load(self, pick: int, success: bool) -> None:
-        ks = self.loads.pop(pick % len(self.loads))
-        self.manager.complete_load(ks, success)
-        for k in ks:
-            self.model.unpin(k, success)
-
-    @rule(ids=st.lists(st.integers(0, 9), max_size=5))
-    def touch(self, ids: list[int]) -> None:
-        self.manager.touch(keys(*ids))
-
-    @rule()
-    def reset(self) -> None:
-        self.manager.reset()
-        for k in self.model.ready() - self.model.pins.keys():
-            del self.model.state[k]
-
-    @invariant()
-    def agrees_with_the_model(self) -> None:
-        self.manager.check_integrity()
-        model = self.model
-        assert held(self.manager) == len(model.state)
-        assert {k for k in keys(*range(12)) if self.manager.lookup([k]).hits} == model.ready()
-        for event in self.manager.take_events():
-            assert event.keys and event.medium == Medium.HOST
-            if event.kind is EventKind.STORED:
-                model.announced.update(event.keys)
-            else:
-                model.announced.difference_update(event.keys)
-        # Doomed keys stay announced until their slot is freed.
-        assert model.announced == {k for k, s in model.state.items() if s != "flight"}
-
-    def teardown(self) -> None:
-        while self.loads:
-            self.complete_load(0, True)
-        while self.stores:
-            self.complete_store(0, True)
-        self.manager.reset()
-        self.manager.check_integrity()
-        assert held(self.manager) == 0
-
-
-MACHINES = {kind: type(f"{kind.name}HostTierMachine", (HostTierMachine,), {"policy": kind})
-            for kind in EvictionPolicy}
-"""The randomized model check, once per eviction policy."""
-
-
-def drive(machine: HostTierMachine, rng: random.Random, steps: int) -> None:
-    """Weighted random operations: Hypothesis picks rules uniformly and resets too often to build up pins."""
-    for _ in range(steps):
-        op = rng.choices(["store", "complete_store", "lookup", "complete_load", "touch", "reset"],
-                         weights=[3, 3, 4, 3, 1, 0.3])[0]
-        if op == "store":
-            machine.store([rng.randrange(8) for _ in range(rng.randrange(5))])
-        elif op == "complete_store" and machine.stores:
-            machine.complete_store(rng.randrange(len(machine.stores)), rng.random() < 0.8)
-        elif op == "lookup":
-            machine.lookup(rng.randrange(8), rng.randrange(5), rng.random() < 0.7)
-        elif op == "complete_load" and machine.loads:
-            machine.complete_load(rng.randrange(len(machine.loads)), rng.random() < 0.7)
-        elif op == "touch":
-            machine.touch([rng.randrange(8) for _ in range(3)])
-        elif op == "reset":
-            machine.reset()
-        machine.agrees_with_the_model()
-    machine.teardown()
-
-
-@pytest.mark.parametrize("policy", list(EvictionPolicy), ids=lambda p: p.value)
-@pytest.mark.parametrize("seed", range(20))
-def test_random_operations_keep_the_index_consistent(policy: EvictionPolicy, seed: int) -> None:
-    drive(MACHINES[policy](), random.Random(seed), steps=150)
-
-
-_SETTINGS = settings(max_examples=25, stateful_step_count=30, deadline=None)
-TestHostTierLRU = MACHINES[EvictionPolicy.LRU].TestCase
-TestHostTierARC = MACHINES[EvictionPolicy.ARC].TestCase
-TestHostTierS3FIFO = MACHINES[EvictionPolicy.S3FIFO].TestCase
-TestHostTierTinyLFU = MACHINES[EvictionPolicy.TINYLFU].TestCase
-for _case in (TestHostTierLRU, TestHostTierARC, TestHostTierS3FIFO, TestHostTierTinyLFU):
-    _case.settings = _SETTINGS
 
 
 @pytest.mark.parametrize("policy", list(EvictionPolicy), ids=lambda p: p.value)
