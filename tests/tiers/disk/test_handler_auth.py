@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from tests.forgeries import FORGERIES, forge
-from tests.tiers.disk.test_handler import ENTRY, NS, keys, load, make_pool, run, store
+from tests.tiers.disk.handlers import ENTRY, NS, keys, load, make_pool, run, store
 
 from kvoffload.auth import TAG_BYTES, TierSecret
 from kvoffload.config import DiskTierConfig
