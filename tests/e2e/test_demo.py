@@ -1,6 +1,9 @@
 """``kvoffload demo --json`` end to end, at a tiny size: real vLLM (CPU) without and with kvoffload.
 
-Checks what the demo reports, not how fast it was (speed is the demo's and the benchmarks' business).
+One run proves what three did: the demo bound to one CPU (``--cpu-bind``) from a clean environment, as from a
+user's shell, with a remote tier on a redis-server it starts (``--remote-server``) under a host tier of a few blocks,
+so later turns load through both tiers. Checks what the demo reports, not how fast it was (speed is the demo's and
+the benchmarks' business); the binding's resolution without a flag is tests/tools/vllm/test_cpu_binding.py's.
 """
 
 from __future__ import annotations
@@ -23,16 +26,27 @@ TINY = [
     "--conversations", "2", "--turns", "3",
     "--system-tokens", "16", "--first-user-tokens", "96", "--user-tokens", "24", "--reply-tokens", "4",
     "--hidden-size", "128", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "32",
-    "--host-gib", "0.05",
+    "--host-gib", "0.0002",
 ]  # fmt: skip
+"""A host tier of 200 KiB: a few blocks, so most of what later turns load comes from the remote tier."""
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+def one_cpu() -> int:
+    return min(resolve().cpus)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory, one_cpu: int) -> tuple[dict[str, Any], Path]:
+    # In-process vLLM binds nothing itself: only the OpenMP variables the demo sets make the engines take one CPU.
+    # Started from a clean environment, as from a user's shell: the in-process engines of earlier tests leave
+    # vLLM's own settings in this process's environment (seen: a demo engine then computing with 2 threads).
     out = tmp_path_factory.mktemp("demo")
+    clean = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR", "VLLM_CPU_KVCACHE_SPACE")}
     proc = subprocess.run(
-        [sys.executable, "-m", "kvoffload.tools.cli", "demo", "--json", "--no-chart", "--out", str(out), *TINY],
-        capture_output=True, text=True, timeout=600, check=False,
+        [sys.executable, "-m", "kvoffload.tools.cli", "demo", "--json", "--no-chart", "--out", str(out),
+         "--cpu-bind", str(one_cpu), "--remote-server", *TINY],
+        capture_output=True, text=True, timeout=600, check=False, env=clean,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout), out  # stdout holds the JSON alone: vLLM's logs went to stderr
@@ -67,29 +81,14 @@ def test_run_without_kvoffload_moves_nothing(demo: tuple[dict[str, Any], Path]) 
     assert summary["off"]["bytes_loaded"] == summary["off"]["bytes_stored"] == 0
 
 
-def test_both_engines_computed_with_the_binding_the_demo_set(demo: tuple[dict[str, Any], Path]) -> None:
+def test_a_cpu_bind_of_one_cpu_gives_each_in_process_engine_one_thread(demo: tuple[dict[str, Any], Path],
+                                                                      one_cpu: int) -> None:
     summary, _ = demo
-    binding = resolve()  # what the demo resolves too: every allowed CPU, unless VLLM_CPU_OMP_THREADS_BIND says
+    binding = resolve(str(one_cpu))
     assert summary["cpu_binding"] == binding.as_json()
-    for run in ("off", "on"):
-        assert (summary[run]["cpu_bind"], summary[run]["omp_threads"]) == (binding.spec, binding.threads), run
-
-
-def test_a_cpu_bind_of_one_cpu_gives_each_in_process_engine_one_thread(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
-    # In-process vLLM binds nothing itself: only the OpenMP variables the demo sets make the engines take one CPU.
-    # Started from a clean environment, as from a user's shell: the in-process engines of earlier tests leave
-    # vLLM's own settings in this process's environment (seen: a demo engine then computing with 2 threads).
-    out = tmp_path_factory.mktemp("demo-one-cpu")
-    clean = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR", "VLLM_CPU_KVCACHE_SPACE")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvoffload.tools.cli", "demo", "--json", "--no-chart", "--out", str(out), "--cpu-bind",
-         str(min(resolve().cpus)), *TINY], capture_output=True, text=True, timeout=600, check=False, env=clean,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    summary = json.loads(proc.stdout)
     assert summary["cpu_binding"]["source"] == "--cpu-bind"
-    assert [summary[run]["omp_threads"] for run in ("off", "on")] == [1, 1]
+    for run in ("off", "on"):
+        assert (summary[run]["cpu_bind"], summary[run]["omp_threads"]) == (binding.spec, 1), run
 
 
 def test_details_file_lists_every_turn(demo: tuple[dict[str, Any], Path]) -> None:
@@ -101,15 +100,8 @@ def test_details_file_lists_every_turn(demo: tuple[dict[str, Any], Path]) -> Non
 
 
 def test_with_a_remote_tier_under_a_tiny_host_tier_later_turns_still_load_and_match(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
-    out = tmp_path_factory.mktemp("demo-remote")
-    tiny_host = [a if a != "0.05" else "0.0002" for a in TINY]  # 200 KiB: a host tier of a few blocks
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvoffload.tools.cli", "demo", "--json", "--no-chart", "--out", str(out),
-         "--remote-server", *tiny_host], capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    summary = json.loads(proc.stdout)
+        demo: tuple[dict[str, Any], Path]) -> None:
+    summary, _ = demo
     assert summary["engine"]["remote_tier"] is True
     assert summary["control"]["holds"] is True and summary["outputs_match"] is True
     assert summary["hit_turns"] > 0 and summary["on"]["bytes_loaded"] > 0

@@ -4,28 +4,35 @@ Every rank of a latent-attention model holds the same bytes, so the disk tier ke
 (``<world>/replicated/``) that only rank 0 writes and both ranks load (docs/mla.md). A host tier of 512 tokens per
 rank holds at most two of the four 200-token prefixes (the device cache computes two prompts at a time, both
 filling at once): the second round's hits come back from disk. The baseline is plain vLLM at TP=2 reusing its own
-cached KV, as in test_mla_model.py (CPU MLA turns vLLM's prefix caching off; the patch that leaves it on reaches
-the engine processes because they are forked here), with its control built the same way. Like test_mla_model.py,
-it runs on every MLA backend of ``tests.e2e.mla.mla_backends()``, each with its own block size.
+cached KV (``tests.e2e.mla.cached_baseline``: CPU MLA turns vLLM's prefix caching off; the patch that leaves it on
+reaches the engine processes because they are forked here), with its control built the same way. Like
+test_mla_model.py, it runs on every MLA backend of ``tests.e2e.mla.mla_backends()``, each with its own block size.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import vllm
-from tests.e2e.conftest import ROUNDS, Baseline, Result, assert_same_outputs, close, generate, make_llm, metric, prompts
-from tests.e2e.mla import MlaBackend, backend
-from tests.e2e.test_mla_model import SHAPE, cached_baseline, hit_tokens, latent_page
-from tests.e2e.test_tensor_parallel import TP, thread_binding
+from tests.e2e.conftest import (
+    ROUNDS,
+    TP,
+    Baseline,
+    Result,
+    assert_same_outputs,
+    close,
+    generate,
+    make_tp_llm,
+    metric,
+    prompts,
+)
+from tests.e2e.mla import SHAPE, MlaBackend, cached_baseline, hit_tokens, latent_page
 
 from kvoffload.tools.vllm.model import ModelFamily, write_tiny_model
 
 pytestmark = pytest.mark.e2e
-__all__ = ["backend"]  # the fixture: each test runs once per MLA backend
 
 HOST_TOKENS = 512
 """The host tier of each rank, in tokens: two of the four prefixes at most."""
@@ -41,11 +48,8 @@ def host_blocks(backend: MlaBackend) -> int:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def forked_bound_engines() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", thread_binding())
-        mp.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")  # the baseline's patch must reach the engine core
-        yield
+def forked_bound_engines(tp_threads: pytest.MonkeyPatch) -> None:
+    tp_threads.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")  # the baseline's patch must reach the engine core
 
 
 @pytest.fixture(scope="module")
@@ -53,16 +57,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-deepseek-v2-tp"), ModelFamily.DEEPSEEK_V2, SHAPE)
 
 
-def make_tp_llm(model_dir: Path, extra_config: dict[str, object] | None, backend: MlaBackend,
-                device_blocks: int) -> vllm.LLM:
-    engine = {**backend.engine_args(), "num_gpu_blocks_override": device_blocks}
-    return make_llm(model_dir, extra_config, multiprocess=True, tensor_parallel_size=TP,
-                    distributed_executor_backend="mp", **engine)
+def make_mla_tp_llm(model_dir: Path, extra_config: dict[str, object] | None, backend: MlaBackend,
+                    device_blocks: int) -> vllm.LLM:
+    return make_tp_llm(model_dir, extra_config, **{**backend.engine_args(), "num_gpu_blocks_override": device_blocks})
 
 
 @pytest.fixture(scope="module")
 def tp_baseline(model_dir: Path, backend: MlaBackend) -> Baseline:
-    return cached_baseline(lambda: make_tp_llm(model_dir, None, backend, 4 * backend.device_blocks), backend)
+    return cached_baseline(lambda: make_mla_tp_llm(model_dir, None, backend, 4 * backend.device_blocks), backend)
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class Run:
 def run(model_dir: Path, backend: MlaBackend, tmp_path_factory: pytest.TempPathFactory, tp_baseline: Baseline) -> Run:
     disk = tmp_path_factory.mktemp("mla-tp-disk")
     tiers = {"host_bytes": host_blocks(backend) * block_bytes(backend), "disk_path": str(disk)}
-    llm = make_tp_llm(model_dir, tiers, backend, backend.device_blocks)
+    llm = make_mla_tp_llm(model_dir, tiers, backend, backend.device_blocks)
     try:
         outputs = {name: generate(llm, prompts(tail)) for name, tail in ROUNDS.items()}
         counted = {d: metric(llm, "vllm:kvoffload_transfer_bytes", direction=d)

@@ -16,22 +16,20 @@ allowed CPUs by hand (``VLLM_CPU_OMP_THREADS_BIND``, docs/tensor-parallel.md).
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import vllm
 from tests.e2e.conftest import (
     BLOCK_SIZE,
+    TP,
     Baseline,
     Result,
     assert_same_outputs,
     close,
     generate,
-    make_llm,
+    make_tp_llm,
     metric,
     plain_baseline,
     prompts,
@@ -41,7 +39,6 @@ from kvoffload.tiers.lower.block_format import HEADER_BYTES
 
 pytestmark = pytest.mark.e2e
 
-TP = 2
 SLOT_BYTES = 8192
 """One rank's bytes per block of the tiny model: 2 layers x 1 of its 2 KV heads x 32 tokens x K and V x 32 x bf16."""
 FINGERPRINT = slice(16, 32)  # the namespace fingerprint in a block file's header (tiers/lower/block_format.py)
@@ -51,25 +48,9 @@ HOST_BLOCKS = 8
 """A host tier of 8 blocks per rank (a prefix is 6): each round's prefixes come back from the disk tier."""
 
 
-def thread_binding() -> str:
-    """Half of the allowed CPUs for each rank, as ``VLLM_CPU_OMP_THREADS_BIND`` wants it (``"0|1"`` on two)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < TP:
-        raise RuntimeError(f"tensor_parallel_size={TP} on the CPU backend needs {TP} CPUs; {len(cpus)} allowed")
-    half = len(cpus) // TP
-    return "|".join(",".join(map(str, cpus[r * half:(r + 1) * half])) for r in range(TP))
-
-
 @pytest.fixture(scope="module", autouse=True)
-def bound_threads() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", thread_binding())
-        yield
-
-
-def make_tp_llm(model_dir: Path, extra_config: dict[str, Any] | None) -> vllm.LLM:
-    return make_llm(model_dir, extra_config, multiprocess=True, tensor_parallel_size=TP,
-                    distributed_executor_backend="mp")
+def bound_threads(tp_threads: pytest.MonkeyPatch) -> None:
+    """Every engine here binds each rank to its half of the CPUs (before any of them starts)."""
 
 
 @pytest.fixture(scope="module")

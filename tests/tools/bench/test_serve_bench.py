@@ -164,6 +164,13 @@ def test_a_small_run_serves_both_sides_with_hits_and_leaves_nothing_behind(tmp_p
     log = (tmp_path / "kvoffload.log").read_text()
     assert re.search(r"\(\S+ pid=\d+\) INFO \d\d-\d\d [\d:]+ \[kvoffload\.integrations\.vllm\.connector:\d+\] "
                      r"kvoffload scheduler role", log)
+    # The connector was named alone (kvoffload's vllm.general_plugins entry point registers it in the server), and
+    # the server's /metrics shows blocks moved both ways.
+    after = runs["kvoffload"]["metrics_after"]
+    for direction in ("device_to_host", "host_to_device"):
+        moved = [v for series, v in after.items()
+                 if series.startswith("vllm:kvoffload_transfer_bytes_total{") and f'direction="{direction}"' in series]
+        assert moved and sum(moved) > 0, direction
     summary = serve.summarize([runs])
     plain, ours = summary["rows"]
     assert plain["completed"] == ours["completed"] == 9 and summary["failed_requests"] == 0
