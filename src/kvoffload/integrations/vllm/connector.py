@@ -97,6 +97,18 @@ class KVOffloadConnector(compat.VersionHooks, KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
 
+    # vLLM 0.33 added these two, called around sleep mode only (which compat.VersionHooks refuses); 0.34 also
+    # calls them without it, when its extensible KV cache releases the pages (release_kv_cache_memory, a process
+    # checkpoint, a weight update borrowing their memory). vLLM 0.31 and 0.32 never call them.
+
+    def unregister_kv_caches(self) -> None:
+        """Before the pages go (they still hold their bytes): no job reads or writes them after this returns."""
+        self.worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """Fresh pages at the same addresses: device jobs run again."""
+        self.worker.restore_kv_caches()
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         self.worker.handle_preemptions(_meta(kv_connector_metadata))
 

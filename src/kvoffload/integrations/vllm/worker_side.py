@@ -22,6 +22,9 @@ Failed loads: with one KV-cache group the failed device blocks go to vLLM (``inv
 recomputes from the first bad block. With several groups block ids are not unique across groups and vLLM
 refuses block-level errors, so the requests whose loads failed go out as ``failed_recving`` and are recomputed
 whole.
+
+A release of the KV cache's pages (vLLM 0.34): ``unregister_kv_caches`` and ``restore_kv_caches`` go to the core
+(``ConnectorWorker``); the jobs it fails there reach vLLM through the next step's polls, like any other failure.
 """
 
 from __future__ import annotations
@@ -56,6 +59,12 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         self.core.register_kv_caches(kv_caches)
+
+    def unregister_kv_caches(self) -> None:
+        self.core.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        self.core.restore_kv_caches()
 
     def handle_preemptions(self, meta: ConnectorMetadata) -> None:
         self.core.handle_preemptions(meta)

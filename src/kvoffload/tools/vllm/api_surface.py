@@ -121,6 +121,8 @@ CONNECTOR_BASE = ClassUse(_BASE, "KVConnectorBase_V1", every_hook=True, members=
     "__init__(self, vllm_config, role, kv_cache_config)",
     "@property requires_kv_delivery",
     "register_kv_caches(self, kv_caches)",
+    "unregister_kv_caches(self) [since 0.33]",  # 0.34's extensible KV cache calls them outside sleep mode too
+    "restore_kv_caches(self) [since 0.33]",
     "handle_preemptions(self, kv_connector_metadata)",
     "start_load_kv(self, forward_context, **kwargs)",
     "wait_for_layer_load(self, layer_name)",
@@ -153,8 +155,6 @@ CONNECTOR_BASE = ClassUse(_BASE, "KVConnectorBase_V1", every_hook=True, members=
     # 0.32: the groups a load restores (default: the prefix-cacheable ones, all that kvoffload stores) and the
     # tier a hit came from (default: unspecified).
     "get_loaded_kv_cache_group_ids [since 0.32]", "get_external_cache_hit_sources [since 0.32]",
-    # 0.33: sleep mode, which compat.VersionHooks.supports_sleep_mode refuses, so vLLM never calls these.
-    "unregister_kv_caches [since 0.33]", "restore_kv_caches [since 0.33]",
 ))
 
 CONNECTOR = (
