@@ -1,20 +1,19 @@
 """RemoteIndex against a real redis-server: lookups ask the server, the budget deletes only this engine's
-values, engines share values within a namespace, and a failing server is a miss, never an exception or a stall."""
+values, engines share values within a namespace, answers are remembered for the cache time only, and a cluster is
+asked by slot (a server that fails: test_index_faults.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
-import signal
 from typing import Any
 
 import pytest
+from tests.tiers.remote.indexes import NS, NS2, VALUE, Counting, config, exists, keys, make, removed, stored, write
 
 from kvoffload.auth import TierSecret
 from kvoffload.config import ConfigError, OffloadConfig, RemoteTierConfig
-from kvoffload.keys import Namespace, OffloadKey, offload_key
-from kvoffload.manager.base import EventKind, LookupResult, OffloadEvent
+from kvoffload.manager.base import EventKind, LookupResult
 from kvoffload.specs import Medium, RemoteBlocks
 from kvoffload.testing.redis_server import RedisServer
 from kvoffload.tiers.lower.block_format import PLAIN, BlockFormat
@@ -26,10 +25,6 @@ from kvoffload.tiers.spec import TierContext
 
 redis = pytest.importorskip("redis")
 
-NS = Namespace(model="m", dtype="bf16", layout="pages=64")
-NS2 = dataclasses.replace(NS, world_size=2)
-VALUE = 1000
-
 
 class FakeClock:
     def __init__(self) -> None:
@@ -37,77 +32,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-class Counting:
-    """A client that counts the commands sent through it (pipelined ones one by one)."""
-
-    def __init__(self, client: Any) -> None:
-        self._client = client
-        self.commands: list[str] = []
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._client, name)
-        if name in ("exists", "delete", "ping"):
-            def call(*args: Any) -> Any:
-                self.commands.append(name)
-                return attr(*args)
-            return call
-        return attr
-
-    def pipeline(self, transaction: bool = False) -> Any:
-        pipe = self._client.pipeline(transaction=transaction)
-        commands = self.commands
-        real_exists = pipe.exists
-
-        def exists(*args: Any) -> Any:
-            commands.append("exists (pipelined)")
-            return real_exists(*args)
-        pipe.exists = exists
-        return pipe
-
-
-def keys(n: int, salt: int = 0) -> list[OffloadKey]:
-    return [offload_key(bytes([salt, i % 256, i // 256]) * 4, 0) for i in range(n)]  # type: ignore[arg-type]
-
-
-def config(url: str, blocks: int = 8, **changes: Any) -> RemoteTierConfig:
-    return dataclasses.replace(RemoteTierConfig(urls=(url,), capacity_bytes=blocks * VALUE, breaker_errors=3,
-                                                breaker_cooldown_s=60.0), **changes)
-
-
-def make(url: str, blocks: int = 8, ns: Namespace = NS, client: Any = None, cache_s: float = 0.0,
-         clock: Any = None, **changes: Any) -> RemoteIndex:
-    m = RemoteIndex.create(config(url, blocks, **changes), ns, VALUE, client=client)
-    # ``create`` sets the production answer cache; most tests ask the server every time.
-    return RemoteIndex(m.probe, m.capacity, cache_s=cache_s, **({"clock": clock} if clock else {}))
-
-
-def write(client: Any, ks: list[OffloadKey], ns: Namespace = NS, ranks: range | None = None,
-          fmt: BlockFormat = PLAIN) -> None:
-    """What the workers' stores leave on the server: one value per rank."""
-    pipe = client.pipeline()  # one value per command: a cluster client sends each to its slot's node
-    for key in ks:
-        for rank in ranks if ranks is not None else range(ns.world_size):
-            pipe.set(value_name(ns, fmt, key, rank), b"v")
-    pipe.execute()
-
-
-def stored(m: RemoteIndex, client: Any, ks: list[OffloadKey], ns: Namespace = NS) -> list[OffloadKey]:
-    """A write-through as the connector runs it: reserve, the workers write their values, complete."""
-    out = m.prepare_store(ks)
-    assert out is not None
-    write(client, list(out.keys_to_store), ns)
-    m.complete_store(out.keys_to_store)
-    return list(out.keys_to_store)
-
-
-def exists(client: Any, key: OffloadKey, ns: Namespace = NS, rank: int = 0) -> bool:
-    return bool(client.exists(value_name(ns, PLAIN, key, rank)))
-
-
-def removed(events: list[OffloadEvent]) -> list[OffloadKey]:
-    return [k for e in events if e.kind is EventKind.REMOVED for k in e.keys]
 
 
 @pytest.fixture
@@ -345,54 +269,6 @@ def test_the_answer_cache_is_bounded(url: str, redis_client: Any, monkeypatch: p
     assert m.lookup(ks).hits == 300
     assert len(m._seen) == 100
     m.check_integrity()
-
-
-# ---- a failing server ---------------------------------------------------------------------------------------
-
-
-def test_a_dead_server_is_a_miss_then_off_without_asking(own_server: RedisServer) -> None:
-    client = Counting(redis.Redis.from_url(own_server.url))
-    m = make(own_server.url, client=client)
-    ks = keys(2)
-    write(redis.Redis.from_url(own_server.url), ks)
-    assert m.lookup(ks).hits == 2
-    own_server.kill()
-    for _ in range(3):  # breaker_errors
-        assert m.lookup(ks) == LookupResult(0)
-    assert m.probe.breaker.is_open
-    client.commands.clear()
-    assert m.lookup(ks) == LookupResult(0) and m.prepare_store(keys(1, salt=1)) is None
-    m.complete_store(ks, success=False)
-    m.reset()
-    assert client.commands == []  # off: nothing is sent
-    m.check_integrity()
-
-
-def test_a_stalled_server_is_a_miss_at_the_timeout_and_off_at_once(own_server: RedisServer) -> None:
-    m = make(own_server.url, timeout_s=0.2)
-    ks = keys(2)
-    write(redis.Redis.from_url(own_server.url), ks)
-    assert own_server.process is not None
-    os.kill(own_server.process.pid, signal.SIGSTOP)
-    try:
-        assert m.lookup(ks) == LookupResult(0)
-    finally:
-        os.kill(own_server.process.pid, signal.SIGCONT)
-    assert m.probe.breaker.trips == 1  # one timeout is enough: each next one would cost the scheduler as long
-
-
-def test_a_server_down_at_start_up_leaves_the_tier_off_for_a_cool_down(caplog: pytest.LogCaptureFixture) -> None:
-    with RedisServer() as server:
-        dead = server.url
-    m = RemoteIndex.create(config(dead), NS, VALUE)
-    assert m.probe.breaker.is_open and m.lookup(keys(1)) == LookupResult(0)
-    assert "does not answer" in caplog.text
-
-
-def test_a_wrong_password_is_a_miss_not_an_exception() -> None:
-    with RedisServer({"requirepass": "right-password-1"}) as server:
-        m = make(server.url, password=TierSecret("test", b"wrong-password"))
-        assert m.lookup(keys(1)) == LookupResult(0) and m.probe.breaker.is_open
 
 
 def test_remote_bytes_below_one_value_is_a_config_error_naming_it() -> None:
