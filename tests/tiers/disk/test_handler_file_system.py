@@ -35,7 +35,6 @@ from kvoffload.tiers.disk.handler import DiskHandler
 from kvoffload.tiers.disk.index import DiskIndex
 from kvoffload.transfer.base import TransferResult
 
-
 # ---- reads that never return ----------------------------------------------------------------------------------
 
 def finishes(handler: DiskHandler, job: TransferJob, within_s: float = 30.0) -> TransferResult | None:
