@@ -35,7 +35,7 @@ def start_engine(model_dir: Path, node_path: Path, log: IO[str], rounds: list[tu
     extra = {"host_bytes": 64 * 32 << 10, "host_scope": "node", "node_path": str(node_path)}
     request = json.dumps({"extra_config": extra, "rounds": rounds, **spec})
     return subprocess.Popen([sys.executable, "-m", "tests.e2e.tier_engine", str(model_dir), request], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=log, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
 
 
 def read_result(engine: subprocess.Popen[str]) -> dict[str, Any]:
@@ -62,19 +62,23 @@ def test_engine_b_loads_engine_a_prefixes_from_the_node_pool_and_survives_a_kill
         model_dir: Path, baseline: Baseline, node_path: Path, tmp_path: Path) -> None:
     with open(tmp_path / "engines.log", "w") as log:
         a = start_engine(model_dir, node_path, log, [ROUNDS["first"]], loop=True)
+        # B starts beside A (the start-ups overlap) and serves once A has served its first round.
+        b = start_engine(model_dir, node_path, log, [ROUNDS["second"]], announce=True, hold=True)
         try:
             first = results(read_result(a)["rounds"][0])
             assert_same_outputs(first, baseline["first"])
 
-            b = start_engine(model_dir, node_path, log, [ROUNDS["second"]], announce=True)
-            assert b.stdout is not None and b.stdout.readline() == "serving\n"
+            assert b.stdin is not None and b.stdout is not None and b.stdout.readline() == "serving\n"
             os.kill(a.pid, signal.SIGKILL)  # mid-loop: its pins, stores and attachment are left behind
             a.wait()
+            b.stdin.write("go\n")
+            b.stdin.flush()
             b_result = read_result(b)
             second = results(b_result["rounds"][0])
             assert b.wait(timeout=300) == 0
         finally:
             a.kill()
+            b.kill()  # once it has exited (checked above), a no-op
         assert_same_outputs(second, baseline["second"])
         assert sum(r.cached_tokens for r in second) > 0  # B loaded what A stored, in B's fresh process
         assert b_result["counters"]["node_cross_hits"] > 0  # and its /metrics says so

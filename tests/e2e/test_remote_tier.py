@@ -12,7 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 from tests.e2e.conftest import BLOCK_SIZE, PREFIX_TOKENS, ROUNDS, Baseline, Result, assert_same_outputs
@@ -31,13 +31,19 @@ def server() -> Iterator[RedisServer]:
         yield s
 
 
-def run_engine(model_dir: Path, url: str, rounds: list[tuple[int, ...]]) -> dict[str, Any]:
+def start_engine(model_dir: Path, url: str, rounds: list[tuple[int, ...]], log: IO[str],
+                 **spec: Any) -> subprocess.Popen[str]:
     # A host tier of 16 blocks (32 KiB each), smaller than the 24 the first round stores: the remote tier holds all.
-    spec = {"extra_config": {"host_bytes": 16 * 32 << 10, "remote_url": url}, "rounds": rounds}
-    proc = subprocess.run([sys.executable, "-m", "tests.e2e.tier_engine", str(model_dir), json.dumps(spec)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    request = {"extra_config": {"host_bytes": 16 * 32 << 10, "remote_url": url}, "rounds": rounds, **spec}
+    return subprocess.Popen([sys.executable, "-m", "tests.e2e.tier_engine", str(model_dir), json.dumps(request)],
+                            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
+
+
+def finish(engine: subprocess.Popen[str]) -> dict[str, Any]:
+    """The engine's result line, once it exited cleanly."""
+    out, _ = engine.communicate(timeout=600)
+    assert engine.returncode == 0, f"the engine exited with {engine.returncode} (see its log)"
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     return result
 
 
@@ -47,9 +53,20 @@ def results(round_: list[dict[str, Any]]) -> list[Result]:
 
 
 def test_engine_b_loads_engine_a_prefixes_from_the_remote_tier_with_plain_vllm_outputs(
-        model_dir: Path, baseline: Baseline, server: RedisServer) -> None:
-    a = run_engine(model_dir, server.url, [ROUNDS["first"]])
-    b = run_engine(model_dir, server.url, [ROUNDS["second"]])
+        model_dir: Path, baseline: Baseline, server: RedisServer, tmp_path: Path) -> None:
+    with open(tmp_path / "engines.log", "w") as log:
+        a_engine = start_engine(model_dir, server.url, [ROUNDS["first"]], log)
+        # B starts beside A (the start-ups overlap) and serves once A is done.
+        b_engine = start_engine(model_dir, server.url, [ROUNDS["second"]], log, announce=True, hold=True)
+        try:
+            a = finish(a_engine)
+            assert b_engine.stdin is not None and b_engine.stdout is not None
+            assert b_engine.stdout.readline() == "serving\n"
+            b_engine.stdin.write("go\n")
+            b = finish(b_engine)
+        finally:
+            a_engine.kill()
+            b_engine.kill()  # once it has exited (checked above), a no-op
 
     assert_same_outputs(results(a["rounds"][0]), baseline["first"])
     assert a["counters"]["host_to_remote"] > 0

@@ -5,8 +5,10 @@ Run as ``python -m tests.e2e.tier_engine MODEL_DIR REQUEST_JSON``: it builds an 
 model with ``kv_connector_extra_config`` from the request, serves the request's rounds of prompts (one request at
 a time, the device prefix cache reset before each round), and prints one JSON line: per round the generated
 tokens, top logprobs and cached tokens of each prompt, and kvoffload's counters. With ``"announce": true`` it
-prints ``serving`` first, once the engine is up; with ``"loop": true`` it then serves its rounds again and again
-(loads, pins and stores without end) until it is killed.
+prints ``serving`` first, once the engine is up; with ``"hold": true`` too, it then waits for a line on its stdin
+before serving (so a test starts it beside another engine, overlapping the start-ups, and lets it serve when the
+other is done); with ``"loop": true`` it then serves its rounds again and again (loads, pins and stores without end)
+until it is killed.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ def main(model_dir: str, request: str) -> None:
     llm = make_llm(Path(model_dir), spec["extra_config"])
     if spec.get("announce"):
         os.write(result_fd, b"serving\n")
+    if spec.get("hold"):
+        sys.stdin.readline()
     rounds = []
     for tail in spec["rounds"]:
         assert llm.reset_prefix_cache()
