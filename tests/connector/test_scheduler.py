@@ -1,51 +1,14 @@
 """The scheduler half on its own: jobs it builds, completions it counts, fences it raises. No tensors."""
 
-from dataclasses import dataclass, field
+from tests.connector.schedulers import BLOCK, SPEC, Req, complete, make_scheduler, run_prefill
 
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.metadata import ConnectorMetadata, WorkerMetadata
 from kvoffload.connector.requests import ScheduledRequest, StepSchedule
 from kvoffload.connector.scheduler import ConnectorScheduler
 from kvoffload.keys import Namespace
-from kvoffload.layout import AttentionSpec, KVCacheLayout, KVGroup, StateSpec
+from kvoffload.layout import KVCacheLayout, KVGroup, StateSpec
 from kvoffload.specs import NO_BLOCK, DeviceBlocks, HostBlocks
-
-BLOCK = 16
-SPEC = AttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype="float16")  # 1 KiB pages
-
-
-@dataclass
-class Req:
-    request_id: str
-    all_token_ids: list[int]
-    extra_keys: tuple[str, ...] = ()
-    blocks: list[int] = field(default_factory=list)
-
-
-def make_scheduler(factor=1, groups=1, world_size=1, host_blocks=64):
-    layout = KVCacheLayout(num_blocks=128, groups=tuple(KVGroup.uniform([f"g{g}.l0"], SPEC) for g in range(groups)))
-    config = OffloadConfig.from_dict({"offload_block_tokens": factor * BLOCK,
-                                      "host_bytes": host_blocks * factor * SPEC.page_bytes})
-    return ConnectorScheduler(config, layout, BLOCK, Namespace("m", "fp16", layout.describe(),
-                                                               world_size=world_size))
-
-
-def run_prefill(sched, req, first_block=0, num_groups=1):
-    """Admit ``req`` with no hit and compute its whole prompt in one step; returns the step's metadata."""
-    n_blocks = -(-len(req.all_token_ids) // BLOCK)
-    req.blocks = list(range(first_block, first_block + n_blocks))
-    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
-    ids = [req.blocks] * num_groups
-    sched.update_state_after_alloc(req, ids, 0)
-    step = StepSchedule.of((ScheduledRequest(req.request_id, tuple(map(tuple, ids)), len(req.all_token_ids)),))
-    return sched.build_connector_meta(step)
-
-
-def complete(sched, meta, world_size=1, failed=()):
-    jobs = [j.job_id for j in meta.store_jobs] + [lj.job.job_id for lj in meta.load_jobs]
-    for _ in range(world_size):
-        sched.update_connector_output(WorkerMetadata.of([j for j in jobs if j not in failed],
-                                                        [j for j in jobs if j in failed]))
 
 
 def test_full_blocks_are_stored_after_the_step_that_fills_them():
