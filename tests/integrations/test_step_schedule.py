@@ -1,6 +1,7 @@
 """adapters.step_schedule: vLLM's SchedulerOutput as columns, new requests first, with the tokens computed after
-the step (decode, chunked prefill, speculative tokens left out, resumed and preempted requests, and new requests
-never taken for either)."""
+the step (decode, chunked prefill, speculative tokens left out), and which requests bring their whole block table
+(every new request, vLLM 0.34's resumed ones among them, and up to 0.33 the resumed running ones) or were
+preempted."""
 
 from __future__ import annotations
 
@@ -71,10 +72,10 @@ def yield_req_data_033(out: SchedulerOutput) -> Iterator[tuple[str, Any, bool]]:
 
 
 @pytest.mark.parametrize("helper", ["installed", "0.33"])
-def test_a_new_request_is_neither_resumed_nor_preempted_whatever_vllms_helper_says(
+def test_a_new_request_brings_its_whole_table_and_is_not_preempted_whatever_vllms_helper_says(
         monkeypatch: pytest.MonkeyPatch, helper: str) -> None:
     # The adapter reads resumed_req_ids and preempted_req_ids, never yield_req_data (api_surface.AVOIDED): a new
-    # request's block ids are its whole table too, and it must not be fenced or treated as resumed.
+    # request's block ids are its whole table, and it must not be fenced.
     if helper == "0.33":
         monkeypatch.setattr(kv_connector_utils, "yield_req_data", yield_req_data_033)
     out = output([("n", 0, 32)], [("a", 40, 1), ("b", 10, 1)])
@@ -84,5 +85,16 @@ def test_a_new_request_is_neither_resumed_nor_preempted_whatever_vllms_helper_sa
     step = adapters.step_schedule(out)
 
     assert list(step.req_ids) == ["n", "a", "b"]
-    assert step.resumed == {"b"}
+    assert step.resumed == {"n", "b"}
     assert step.preempted_req_ids == {"c"}
+
+
+def test_without_resumed_req_ids_a_request_re_sent_in_full_replaces_its_old_table() -> None:
+    # vLLM 0.34: CachedRequestData has no resumed_req_ids; a resumed request comes back among the new ones.
+    out = output([("r", 0, 64)], [("a", 40, 1)])
+    del out.scheduled_cached_reqs.resumed_req_ids
+
+    step = adapters.step_schedule(out)
+
+    assert step.resumed == {"r"}
+    assert list(step.req_ids) == ["r", "a"] and list(step.new_block_ids)[0] == ([0, 1],)

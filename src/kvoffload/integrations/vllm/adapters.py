@@ -27,6 +27,7 @@ from vllm.v1 import kv_cache_interface as vkv
 
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.requests import StepSchedule
+from kvoffload.integrations.vllm import compat
 from kvoffload.keys import Namespace, extra_key
 from kvoffload.layout import (
     AttentionSpec,
@@ -345,31 +346,35 @@ def step_schedule(out: SchedulerOutput) -> StepSchedule:
 
     The running requests' columns are vLLM's own lists (``CachedRequestData``), not copied per request; their
     new blocks are vLLM's per-group lists, or None. Speculative tokens are left out of the computed count: the
-    engine may reject them. Resumed requests are ``resumed_req_ids`` and preempted ones ``preempted_req_ids``;
-    a new request is neither, though it too brings its whole block table. Never vLLM's ``yield_req_data``: its
-    flag meant "resumed" up to 0.32 and means "whole block table" (new requests too) from 0.33 on
-    (``AVOIDED`` in tools/vllm/api_surface.py).
+    engine may reject them. ``StepSchedule.resumed`` names every request whose blocks are its whole block table:
+    each new request (vLLM 0.34 re-sends a resumed request in full among them, with its new table) and the
+    running requests of ``resumed_req_ids`` (up to 0.33); preempted ones are ``preempted_req_ids``. Never vLLM's
+    ``yield_req_data``: its flag meant "resumed" up to 0.32 and means "whole block table" (new requests too) from
+    0.33 on (``AVOIDED`` in tools/vllm/api_surface.py).
     """
     new, cached = out.scheduled_new_reqs, out.scheduled_cached_reqs
     req_ids: list[str] = cached.req_ids
     new_block_ids: list[Any] = cached.new_block_ids
     before: list[int] = cached.num_computed_tokens
+    resumed = compat.resumed_req_ids(cached)
+    whole_table = frozenset(resumed) if resumed else _NONE
     if new:
-        req_ids = [r.req_id for r in new] + req_ids
+        new_ids = [r.req_id for r in new]
+        whole_table = whole_table.union(new_ids)
+        req_ids = new_ids + req_ids
         new_block_ids = [r.block_ids for r in new] + new_block_ids
         before = [r.num_computed_tokens for r in new] + before
-    resumed = frozenset(cached.resumed_req_ids) if cached.resumed_req_ids else _NONE
     preempted = frozenset(out.preempted_req_ids) if out.preempted_req_ids else _NONE
     if out.total_num_scheduled_tokens == len(req_ids) and not out.scheduled_spec_decode_tokens:
         # Every request got one token (each gets at least one): a decode step. vLLM's list goes as it is.
-        return StepSchedule(req_ids, new_block_ids, before, 1, resumed, preempted)
+        return StepSchedule(req_ids, new_block_ids, before, 1, whole_table, preempted)
     scheduled = out.num_scheduled_tokens
     computed = [n + scheduled[r] for n, r in zip(before, req_ids, strict=True)]
     if out.scheduled_spec_decode_tokens:
         row = {r: i for i, r in enumerate(req_ids)}
         for req_id, spec in out.scheduled_spec_decode_tokens.items():
             computed[row[req_id]] -= len(spec)
-    return StepSchedule(req_ids, new_block_ids, computed, 0, resumed, preempted)
+    return StepSchedule(req_ids, new_block_ids, computed, 0, whole_table, preempted)
 
 
 # ---- KV events ---------------------------------------------------------------------------------------------

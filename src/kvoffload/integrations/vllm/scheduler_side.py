@@ -18,7 +18,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.scheduler import NO_JOBS as CORE_NO_JOBS
 from kvoffload.connector.scheduler import ConnectorScheduler
-from kvoffload.integrations.vllm import adapters
+from kvoffload.integrations.vllm import adapters, compat
 from kvoffload.integrations.vllm.messages import KVOffloadMetadata, KVOffloadWorkerMetadata
 from kvoffload.integrations.vllm.metrics import KVOffloadStats
 from kvoffload.keys import Namespace
@@ -54,7 +54,8 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        if not adapters.is_offloadable(request):
+        if not adapters.is_offloadable(request) or compat.skips_external_kv(request):
+            # vLLM would drop the hit (prompt logprobs): no lookup, so no promotion is started for nothing.
             return 0, False
         engine_request = adapters.VllmRequest(request)
         if self.prompt_blocks_only:
