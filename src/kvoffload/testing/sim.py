@@ -365,8 +365,8 @@ class SimEngine:
             req = self.requests.get(req_id)
             if req is None or req.status is not Status.LOADING:
                 continue  # aborted while loading
-            first = req.num_computed_tokens // self.block_size
-            last = (req.num_computed_tokens + req.pending_load_tokens) // self.block_size
+            first, stop = req.num_computed_tokens // self.block_size, req.num_computed_tokens + req.pending_load_tokens
+            last = -(-stop // self.block_size)  # a full-prompt hit loads its last block too (the last token's)
             ok = first
             while ok < last and not any(req.block_ids[g][ok] in self._load_errors for g in range(self.num_groups)):
                 ok += 1
@@ -381,8 +381,8 @@ class SimEngine:
                 self._release(req, valid=False)
                 req.num_computed_tokens = 0
                 continue
-            req.loaded_tokens += (ok - first) * self.block_size
-            req.num_computed_tokens = ok * self.block_size
+            req.loaded_tokens += min(ok * self.block_size, stop) - req.num_computed_tokens
+            req.num_computed_tokens = min(ok * self.block_size, stop)
 
     def _verify_loaded(self, req: SimRequest, first: int, end: int) -> None:
         """Check every loaded block, on every worker, against the bytes its tokens must produce."""
