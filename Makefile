@@ -10,6 +10,14 @@ LMCACHE_STAMP := $(LMCACHE_VENV)/.kvoffload-lmcache-installed
 VLLM031_VENV  := .venv-vllm031
 VLLM031_BIN   := $(VLLM031_VENV)/bin
 VLLM031_STAMP := $(VLLM031_VENV)/.kvoffload-vllm031-installed
+# vLLM 0.33 and 0.34 have no CPU build: their CUDA wheels' Python (scheduler, config, connector API) on the CPU
+# torch, one venv each; no engine runs there (requirements-vllm033.txt says why).
+VLLM033_VENV  := .venv-vllm033
+VLLM033_BIN   := $(VLLM033_VENV)/bin
+VLLM033_STAMP := $(VLLM033_VENV)/.kvoffload-vllm033-installed
+VLLM034_VENV  := .venv-vllm034
+VLLM034_BIN   := $(VLLM034_VENV)/bin
+VLLM034_STAMP := $(VLLM034_VENV)/.kvoffload-vllm034-installed
 # Downloads that should outlive a clone (CI tests a fresh clone every run): the newest vLLM wheel for the API check.
 KVOFFLOAD_CACHE ?= $(HOME)/.cache/kvoffload
 VLLM_NEXT     ?= 0.33.0
@@ -18,7 +26,8 @@ VLLM_NEXT_DIR := $(KVOFFLOAD_CACHE)/vllm-$(VLLM_NEXT)
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: machine-facts setup setup-vllm setup-redis setup-lmcache setup-vllm031 test-vllm031 test-vllm031-smoke \
-	test-vllm031-full vllm-api-check demo check test test-main test-full lint bench gpu-check gpu-wheels clean
+	test-vllm031-full setup-vllm033 setup-vllm034 test-vllm033 test-vllm034 vllm-api-check demo check test test-main \
+	test-full lint bench gpu-check gpu-wheels clean
 
 setup: $(STAMP) setup-redis
 
@@ -84,6 +93,29 @@ $(VLLM031_STAMP): $(STAMP) requirements-vllm031.txt
 	$(VLLM031_BIN)/python -c "import vllm, transformers, kvoffload._blockcopy; assert vllm.__version__.startswith('0.31.'), vllm.__version__"
 	touch $@
 
+# vLLM 0.33 / 0.34 as 0.31 above (torch first, the pinned closure --no-deps, kvoffload editable), from their CUDA
+# wheels less the CUDA-only packages; the check imports what the adapter tests need, since no engine can start.
+# $(1): the venv, $(2): its requirements file, $(3): the version prefix vLLM must report.
+define setup_vllm_python_only
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install -q --no-deps "$$(grep '^torch==' $(2))" 2>/dev/null \
+	|| $(1)/bin/python -m pip install -q --no-deps --extra-index-url $(TORCH_CPU_INDEX) "$$(grep '^torch==' $(2))"
+	$(1)/bin/python -m pip install -q --no-deps -r $(2)
+	$(1)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(1)/bin/python -c "import vllm, vllm.v1.core.sched.scheduler, vllm.distributed.kv_transfer.kv_connector.v1.base, \
+	kvoffload._blockcopy; from vllm.config import VllmConfig; assert vllm.__version__.startswith('$(3)'), vllm.__version__"
+	touch $@
+endef
+
+setup-vllm033: $(VLLM033_STAMP)
+setup-vllm034: $(VLLM034_STAMP)
+
+$(VLLM033_STAMP): $(STAMP) requirements-vllm033.txt
+	$(call setup_vllm_python_only,$(VLLM033_VENV),requirements-vllm033.txt,0.33.)
+
+$(VLLM034_STAMP): $(STAMP) requirements-vllm034.txt
+	$(call setup_vllm_python_only,$(VLLM034_VENV),requirements-vllm034.txt,0.34.)
+
 # pytest's flags in every target: the 25 slowest tests, so a run that got slower says where.
 PYTEST := -m pytest -q --durations=25
 
@@ -103,6 +135,13 @@ test-vllm031: setup-vllm031
 
 test-vllm031-smoke: setup-vllm031
 	$(VLLM031_BIN)/python $(PYTEST) $(VLLM031_ADAPTER) $(VLLM031_SMOKE)
+
+# vLLM 0.33 and 0.34: the adapter tests, as on 0.31 (no e2e: neither can start an engine on CPU).
+test-vllm033: setup-vllm033
+	$(VLLM033_BIN)/python $(PYTEST) $(VLLM031_ADAPTER)
+
+test-vllm034: setup-vllm034
+	$(VLLM034_BIN)/python $(PYTEST) $(VLLM031_ADAPTER)
 
 # Every e2e and adapter test on vLLM 0.31. Not test_state_model.py: plain
 # vLLM 0.31 cannot run LFM2's ShortConv on this CPU backend (conv width 3: "causal_conv1d_weight_pack: support only
@@ -168,4 +207,4 @@ gpu-wheels: setup
 		--python-version 3.10.12 -d build/gpu-wheels $(GPU_TEST_WHEELS)
 
 clean:
-	rm -rf $(VENV) $(VLLM031_VENV) build dist src/*.egg-info
+	rm -rf $(VENV) $(VLLM031_VENV) $(VLLM033_VENV) $(VLLM034_VENV) build dist src/*.egg-info
