@@ -21,6 +21,7 @@ are the same on every engine and machine), inside ``get_num_new_matched_tokens``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -251,9 +252,11 @@ def _model_output(scheduler: Any, out: Any) -> Any:
 
     req_ids = list(out.num_scheduled_tokens)
     sampled = [[7] if _samples(scheduler.requests[r], out) else [] for r in req_ids]
-    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                             sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
-                             prompt_token_id_logprobs_dict={})
+    index: dict[str, Any] = {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}}  # 0.34 dropped the field
+    if "req_id_to_index" not in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
+        index = {}
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+                             prompt_token_id_logprobs_dict={}, **index)
 
 
 TARGET_DECODE_US = 50.0

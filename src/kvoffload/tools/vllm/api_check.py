@@ -200,7 +200,7 @@ def _is_due(member: Member, release: tuple[int, int, int] | None) -> bool:
 
 
 def _check_module(resolver: Resolver, use: ModuleUse, release: tuple[int, int, int] | None) -> list[Drift]:
-    if not _in_range(use.since, None, release):
+    if not _in_range(use.since, use.until, release):
         return []
     tree = resolver.source.module(use.module)
     if tree is None:
@@ -227,6 +227,8 @@ def _not_defined(source: VllmSource, name: str, kind: str) -> str:
 
 
 def _check_class(resolver: Resolver, use: ClassUse, release: tuple[int, int, int] | None) -> list[Drift]:
+    if not _in_range(use.since, None, release):
+        return []
     where = f"{use.module}.{use.name}"
     found_cls = resolver.find_class(use.module, use.name)
     if found_cls is None:
@@ -271,7 +273,7 @@ def _compare(where: str, member: Member, found: Found) -> list[Drift]:
 
 def _check_order(resolver: Resolver, order: CallOrder, hooks: frozenset[str],
                  release: tuple[int, int, int] | None) -> list[Drift]:
-    if not _in_range(order.since, None, release):
+    if not _in_range(order.since, order.until, release):
         return []
     where = f"{order.module}.{order.function}"
     fn = _function(resolver, order.module, order.function)

@@ -57,6 +57,8 @@ class ClassUse:
     implement, is drift (a new hook with a default that may be wrong for kvoffload)."""
     constructs: bool = False
     """The adapter builds instances by keyword: a required field it does not pass is drift."""
+    since: Release | None = None
+    """The first release with the class (older sources may lack it)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,8 @@ class ModuleUse:
     """Module-level functions the adapter calls (``Use.CALL``)."""
     since: Release | None = None
     """The first release with the module (older sources may lack it and every name in it)."""
+    until: Release | None = None
+    """The last release whose module the adapter reads these names from (newer sources may lack them)."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,8 @@ class CallOrder:
     why: str
     """What the adapter relies on in this order (shown with the drift)."""
     since: Release | None = None
+    until: Release | None = None
+    """The last release with the function (vLLM 0.34 removed Model Runner V1: newer sources may lack it)."""
 
 
 _ENTRY = re.compile(r"^(?:@\w+ )?(\w+)(?:\(.*\))?$")
@@ -144,6 +150,8 @@ CONNECTOR_BASE = ClassUse(_BASE, "KVConnectorBase_V1", every_hook=True, members=
     "@classmethod build_kv_connector_stats(cls, data=...)",
     "@classmethod build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues)",
     "@classmethod supports_sleep_mode(cls, kv_transfer_config) [since 0.33]",  # compat.VersionHooks
+    "@classmethod supports_lookahead_block_hashes(cls, kv_transfer_config) [since 0.34]",
+    "@classmethod kv_cache_access(cls, kv_transfer_config) [since 0.34]",
 ) + uses(Use.CALL, "_get_connector_metadata(self)") + uses(Use.READ, "_kv_transfer_config") + uses(
     Use.INHERIT,
     "supports_divergent_local_hybrid_hits", "role", "get_mem_pool_context", "bind_connector_metadata",
@@ -168,6 +176,8 @@ CONNECTOR = (
     ClassUse(_BASE, "KVConnectorTransferResults", constructs=True,
              members=uses(Use.READ, "finished_recving", "failed_recving")),
     ClassUse(_BASE, "KVConnectorRole", members=uses(Use.READ, "SCHEDULER")),
+    ModuleUse("vllm.config.kv_transfer", names=("KVCacheAccess",), since=(0, 34)),  # compat.VersionHooks
+    ClassUse("vllm.config.kv_transfer", "KVCacheAccess", members=uses(Use.READ, "IN_PROCESS"), since=(0, 34)),
     ModuleUse("vllm.distributed.kv_transfer.kv_connector.factory", names=("KVConnectorFactory",)),
     ClassUse("vllm.distributed.kv_transfer.kv_connector.factory", "KVConnectorFactory",
              members=uses(Use.CALL, "@classmethod register_connector(cls, name, module_path, class_name)")),
@@ -175,7 +185,9 @@ CONNECTOR = (
     ClassUse("vllm.distributed.parallel_state", "GroupCoordinator", members=uses(Use.READ, "rank_in_group")),
     ModuleUse("vllm", names=("__version__", "LLM", "SamplingParams", "TokensPrompt")),
     ModuleUse("vllm.triton_utils", names=("dispatcher",)),
-    ModuleUse("vllm.triton_utils.dispatcher", names=("_rebind_kernels",)),  # peer_lmcache.guard_kernel_rebind
+    # peer_lmcache.guard_kernel_rebind: the module whose namespace scan it guards, by the scan's name in each release
+    ModuleUse("vllm.triton_utils.dispatcher", names=("_rebind_kernels",), until=(0, 33)),
+    ModuleUse("vllm.triton_utils.dispatcher", names=("_rebind_impls",), since=(0, 34)),
 )
 
 METRICS = (
@@ -229,7 +241,7 @@ SCHEDULER_OUTPUT = (
         "scheduled_spec_decode_tokens", "preempted_req_ids")),
     ClassUse(_SCHED_OUTPUT, "NewRequestData", members=uses(Use.READ, "req_id", "block_ids", "num_computed_tokens")),
     ClassUse(_SCHED_OUTPUT, "CachedRequestData", members=uses(
-        Use.READ, "req_ids", "resumed_req_ids", "new_block_ids", "num_computed_tokens")),
+        Use.READ, "req_ids", "resumed_req_ids [until 0.33]", "new_block_ids", "num_computed_tokens")),
     ModuleUse("vllm.v1.outputs", names=("KVConnectorOutput",)),
     ClassUse("vllm.v1.outputs", "KVConnectorOutput", members=uses(Use.READ, "kv_connector_worker_meta")),
 )
@@ -283,6 +295,16 @@ BENCH = (
     ModuleUse("vllm.distributed.kv_transfer.kv_connector.v1.offloading.common", names=("OffloadingWorkerMetadata",)),
     ModuleUse("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector", names=("OffloadingConnector",)),
     ModuleUse("vllm.v1.outputs", names=("ModelRunnerOutput",)),
+    ClassUse("vllm.v1.outputs", "ModelRunnerOutput", constructs=True, members=uses(
+        Use.READ, "req_ids", "req_id_to_index [until 0.33]", "sampled_token_ids", "logprobs", "prompt_logprobs_dict",
+        "prompt_token_id_logprobs_dict")),
+    # tools/bench/manager.py drives vLLM's own CPUOffloadingManager beside ours (0.34 records accesses in lookup
+    # and prepare_load and has no touch: the bench leaves that row out there).
+    ClassUse("vllm.v1.kv_offload.cpu.manager", "CPUOffloadingManager", members=uses(
+        Use.CALL, "lookup(self, key, req_context)", "touch(self, keys, req_context) [until 0.33]",
+        "prepare_load(self, keys, req_context)", "complete_load(self, keys, req_context)",
+        "prepare_store(self, keys, req_context)", "complete_store(self, keys, req_context, success=...)",
+        "take_events(self)")),
     ModuleUse("vllm.sampling_params", names=("SamplingParams",)),
     ModuleUse("vllm.utils.hashing", names=("get_hash_fn_by_name",)),
     ModuleUse(_UTILS, names=("get_request_block_hasher", "init_none_hash")),
@@ -307,13 +329,14 @@ _REPORT_FIRST = ("with speculative decoding wait_for_save runs after the step's 
 CALL_ORDERS: tuple[CallOrder, ...] = (
     CallOrder(_V1_RUNNER, "GPUModelRunner.execute_model",
               ("handle_preemptions", "kv_connector_no_forward", "maybe_get_kv_connector_output"),
-              "handle_preemptions (submit last step's deferred stores, fence) comes first, also without a forward"),
+              "handle_preemptions (submit last step's deferred stores, fence) comes first, also without a forward",
+              until=(0, 33)),
     CallOrder(_MIXIN, "KVConnectorModelRunnerMixin._get_kv_connector_output",
               ("bind_connector_metadata", "start_load_kv", "start_load_kv", *_AFTER_FORWARD),
               "without speculative decoding wait_for_save runs before the step's reports "
-              "(sim.HookOrder.SAVE_FIRST); with it, finalize_kv_connector calls it"),
-    CallOrder(_MIXIN, "KVConnectorModelRunnerMixin.finalize_kv_connector", _FINALIZE, _REPORT_FIRST),
-    CallOrder(_V1_RUNNER, "GPUModelRunner.sample_tokens", ("finalize_kv_connector",), _REPORT_FIRST),
+              "(sim.HookOrder.SAVE_FIRST); with it, finalize_kv_connector calls it", until=(0, 33)),
+    CallOrder(_MIXIN, "KVConnectorModelRunnerMixin.finalize_kv_connector", _FINALIZE, _REPORT_FIRST, until=(0, 33)),
+    CallOrder(_V1_RUNNER, "GPUModelRunner.sample_tokens", ("finalize_kv_connector",), _REPORT_FIRST, until=(0, 33)),
     CallOrder(_V2_CONNECTOR, "ActiveKVConnector.pre_forward", ("handle_preemptions", "bind_connector_metadata"),
               "Model Runner V2: handle_preemptions comes first"),
     CallOrder(_V2_CONNECTOR, "ActiveKVConnector.post_forward", _AFTER_FORWARD,
@@ -321,6 +344,11 @@ CALL_ORDERS: tuple[CallOrder, ...] = (
     CallOrder(_V2_CONNECTOR, "ActiveKVConnector.finalize_step", _FINALIZE, _REPORT_FIRST, since=(0, 33)),
     CallOrder("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.sample_tokens",
               ("post_forward", "post_forward", "finalize_step"), _REPORT_FIRST, since=(0, 33)),
+    CallOrder("vllm.v1.worker.cpu.kv_connector", "ActiveKVConnector.pre_forward",
+              ("handle_preemptions", "bind_connector_metadata", "_start_load_kv"),
+              "the x86 CPU's standalone Model Runner V2: handle_preemptions comes first", since=(0, 34)),
+    CallOrder("vllm.v1.worker.cpu.kv_connector", "ActiveKVConnector.post_forward", _AFTER_FORWARD,
+              "the x86 CPU's standalone Model Runner V2: wait_for_save before the reports", since=(0, 34)),
     CallOrder("vllm.config.vllm", "VllmConfig._verify_kv_transfer_compat", ("supports_sleep_mode",),
               "vLLM asks before it enables sleep mode (its default says yes); compat.VersionHooks says no",
               since=(0, 33)),

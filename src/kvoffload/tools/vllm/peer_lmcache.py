@@ -121,8 +121,8 @@ def guard_kernel_rebind() -> None:
     holds no kernel), and changes nothing for any other value."""
     from vllm.triton_utils import dispatcher
 
-    if not hasattr(dispatcher, "_rebind_kernels"):
-        return  # another vLLM release: nothing to guard
+    if not hasattr(dispatcher, "_rebind_kernels") and not hasattr(dispatcher, "_rebind_impls"):
+        return  # another vLLM release (the scan is _rebind_kernels up to 0.33, _rebind_impls in 0.34)
 
     def safe_vars(obj: Any) -> Any:
         namespace = getattr(obj, "__dict__", None)
