@@ -26,7 +26,7 @@ def test_a_stored_prefix_is_a_hit_for_the_next_request_but_not_its_last_token():
     b = Req("b", [*list(range(64)), 9, 9])
     assert sched.get_num_new_matched_tokens(b, 0) == (64, True)
     same = Req("c", list(range(64)))
-    assert sched.get_num_new_matched_tokens(same, 0) == (48, True)  # the last token must be computed
+    assert sched.get_num_new_matched_tokens(same, 0) == (63, True)  # the last token must be computed
 
 
 def test_load_job_fills_the_allocated_blocks_beyond_the_engine_prefix():

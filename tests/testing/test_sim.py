@@ -4,6 +4,7 @@ tokens, bookkeeping holds after every step, and preemption, abort and failed loa
 import random
 
 import pytest
+import torch
 
 from kvoffload.layout import StateSpec
 from kvoffload.testing import layouts, sim_workload
@@ -234,3 +235,54 @@ def test_a_failed_sliding_window_load_is_recomputed_whole_without_writing_the_nu
     assert b.loaded_tokens == 0 and b.status is Status.FINISHED
     assert engine.null_block_intact()
     assert_drained(engine)
+
+
+
+def block_bytes(engine, blocks):
+    """The bytes of engine block ``blocks[g]`` of every group ``g``, on every worker (copies)."""
+    return [kv.views[ref.view][blocks[g], :ref.nbytes].clone()
+            for kv in engine.kvs for g in range(engine.num_groups) for ref in kv.group_refs[g]]
+
+
+@pytest.mark.parametrize("factor", [1, 4])
+@pytest.mark.parametrize("layout", ["attention", "multi_group", "cross_layer", "mamba", "gdn"])
+def test_a_block_aligned_prompt_hits_fully_and_its_loaded_last_block_is_what_recomputing_writes(layout, factor):
+    engine = make_engine(layout, factor)
+    prompt = tokens(48, seed=11)  # 12 engine blocks: 12 or 3 offload blocks
+    engine.add_request("a", prompt)
+    run_checked(engine)
+    engine.pool.drop_cache()
+    b = engine.add_request("b", prompt)
+    last: list = []  # b's last blocks, and their bytes once loaded, before the engine computes the last token
+
+    def on_step(e):
+        e.check_all()
+        if b.status is Status.WAITING and b.loaded_tokens and not last:
+            last.append([ids[-1] for ids in b.block_ids])
+            last.append(block_bytes(e, last[0]))
+
+    engine.run(on_step=on_step)
+    assert b.status is Status.FINISHED and engine.corrupt_blocks == []
+    if engine.layout.state_groups:
+        # The last block's state is the state after all 48 tokens, and the engine computes token 48 again: a
+        # model with state groups loads up to the block before, and computes the last block's tokens.
+        assert b.loaded_tokens == 48 - factor * BLOCK
+        return
+    assert b.device_hit_tokens + b.loaded_tokens == 47  # vLLM's cached tokens: all but the last token
+    assert engine.verified_blocks == 12  # every loaded block checked bit for bit, the last one included
+    # The engine then computed the last token into the loaded last block: the same bytes as loaded.
+    (blocks, loaded) = last
+    assert all(map(torch.equal, loaded, block_bytes(engine, blocks)))
+
+
+def test_a_wrong_last_block_of_a_full_prompt_hit_is_caught():
+    # The control for the test above: the device cache holds every block but the last (it never serves a prompt's
+    # last token), so kvoffload loads only the last block, and the load corrupts it.
+    engine = make_engine(inject_load_corruption=1)
+    prompt = tokens(48, seed=11)
+    engine.add_request("a", prompt)
+    run_checked(engine)
+    b = engine.add_request("b", prompt)
+    run_checked(engine)
+    assert (b.device_hit_tokens, b.loaded_tokens) == (44, 3)
+    assert engine.corrupt_blocks == [("b", 11)]

@@ -83,7 +83,7 @@ def test_the_check_fails_when_admission_is_ignored(monkeypatch: pytest.MonkeyPat
 def test_store_all_counts_every_computed_block_as_admitted() -> None:
     (_a, stats, held), (b, _, _), _ = three_requests(make_engine("all"))
     assert held == COMPUTED_BLOCKS and stats.admitted_blocks == COMPUTED_BLOCKS and stats.declined_blocks == 0
-    assert b.loaded_tokens == (PROMPT - 1) // BLOCK * BLOCK
+    assert b.loaded_tokens == PROMPT - 1  # every block of b's prompt, all but its last token
 
 
 def test_blocks_found_in_the_device_cache_are_reuses_and_stored_without_asking() -> None:
@@ -123,8 +123,8 @@ def test_adaptive_admission_sees_each_prompt_once_and_stores_every_block_at_firs
     assert isinstance(rule, AdaptiveAdmission) and rule.admits_all  # no evidence yet: every block
     (_, a_stats, a_held), (b, _, _), _ = three_requests(engine)
     assert a_stats.admitted_blocks == COMPUTED_BLOCKS and a_held == COMPUTED_BLOCKS
-    assert b.loaded_tokens == (PROMPT - 1) // BLOCK * BLOCK  # b hits what a stored
-    assert seen == [(PROMPT - 1) // BLOCK] * 2 + [(PROMPT + NEW_TOKENS - 1) // BLOCK]  # once per request
+    assert b.loaded_tokens == PROMPT - 1  # b hits what a stored: every block, all but the last token
+    assert seen == [PROMPT // BLOCK] * 2 + [(PROMPT + NEW_TOKENS) // BLOCK]  # each prompt's full blocks, once
 
 
 def test_adaptive_eviction_is_steered_by_the_rule_the_scheduler_builds() -> None:
@@ -138,4 +138,4 @@ def test_adaptive_eviction_is_steered_by_the_rule_the_scheduler_builds() -> None
     assert policy.live is EvictionPolicy.LRU and rule.admits_all  # behind store_admission all: every block
     (_, a_stats, a_held), (b, _, _), _ = three_requests(engine)
     assert a_stats.admitted_blocks == COMPUTED_BLOCKS and a_held == COMPUTED_BLOCKS
-    assert b.loaded_tokens == (PROMPT - 1) // BLOCK * BLOCK
+    assert b.loaded_tokens == PROMPT - 1  # every block of b's prompt, all but its last token

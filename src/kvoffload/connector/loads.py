@@ -58,8 +58,7 @@ class LoadPlanner:
         state.query_tokens = max(0, num_tokens - num_computed_tokens)
         if state.ambiguous:
             return 0, False
-        # The engine must compute at least the last prompt token itself, to sample from its logits.
-        end = (num_tokens - 1) // self._offload_tokens
+        end = self._loadable_blocks(num_tokens)
         self._admission.looked_up(state, end)
         first = num_computed_tokens // self._offload_tokens
         if first >= end:
@@ -79,14 +78,38 @@ class LoadPlanner:
             return None, False
         if self._state_groups:
             hits = self._state_hit(state, first, hits)
-        hit_tokens = (first + hits) * self._offload_tokens - num_computed_tokens
+        # The engine computes the last prompt token itself, to sample from its logits: the hit stops before it.
+        stop = min((first + hits) * self._offload_tokens, num_tokens - 1)
+        hit_tokens = stop - num_computed_tokens
         if hits == 0 or hit_tokens <= 0:
             return 0, False
         planned_keys = tuple(k for g in range(self._num_groups)
                              for k in (state.keys(first + hits - 1, first + hits, g) if g in self._state_groups
                                        else group_keys[g][:hits]))
-        state.planned_load = PlannedLoad(first, first + hits, planned_keys)
+        state.planned_load = PlannedLoad(first, first + hits, planned_keys, num_computed_tokens, stop)
         return hit_tokens, True
+
+    def _loadable_blocks(self, num_tokens: int) -> int:
+        """How many leading offload blocks of a ``num_tokens``-token prompt a hit may load.
+
+        Every block the prompt fills, the one holding its last token included: the hit then ends at
+        ``num_tokens - 1``, and vLLM allocates the engine blocks of the computed and external tokens and passes
+        them to ``update_state_after_alloc``. That covers every engine block of the last offload block, whatever
+        the offload factor, as token ``num_tokens - 2`` lies in its last engine block whenever an engine block
+        holds more than one token (with one-token blocks, ``_device_side`` leaves the unallocated one a hole).
+        The load writes the block whole; the engine then computes the last token and writes its KV over the
+        loaded copy of the same values. vLLM's own offloading connector loads the same blocks. An offload block
+        the prompt does not fill is in no hit (only full blocks are stored).
+
+        Not with state groups (Mamba-style layers): a state block is the state after all of its tokens, so
+        loading the last one would give the engine the state after the last token, which it would then compute
+        again on top of it (that token counted twice). One hit counts for every group, so such a model's hit stops
+        before the block holding the last token, in every group, as vLLM's own connector stops at its state
+        alignment; the engine computes that block's tokens.
+        """
+        if self._state_groups:
+            return (num_tokens - 1) // self._offload_tokens
+        return num_tokens // self._offload_tokens
 
     def _state_hit(self, state: RequestState, first: int, hits: int) -> int:
         """The longest run, at most ``hits`` blocks from ``first``, whose last block every state group holds.
@@ -115,26 +138,53 @@ class LoadPlanner:
         if num_external_tokens == 0 or plan is None:
             return
         req_id = state.request.request_id
-        computed = plan.end * self._offload_tokens - num_external_tokens
-        skip = computed // self._engine_block_size - plan.first * self._factor
-        flat_keys = plan.keys
+        stop = plan.computed + num_external_tokens
+        end = self._accepted_end(req_id, plan, stop)
+        ebs = self._engine_block_size
+        skip = plan.computed // ebs - plan.first * self._factor
+        flat_keys = plan.keys if end == plan.end else tuple(
+            k for g in range(self._num_groups) for k in state.keys(plan.first, end, g))
         src = self._manager.prepare_load(flat_keys)
         self._manager.touch(flat_keys)
-        n = plan.end - plan.first
-        dst = self._device_side(state, computed // self._engine_block_size, plan.end * self._factor)
+        n = end - plan.first
+        # Written: the engine blocks holding tokens the engine now counts as computed (-(-a // b): a / b rounded up).
+        dst = self._device_side(state, plan.computed // ebs, end * self._factor, -(-stop // ebs))
         job = self._jobs.new_job(JobKind.LOAD, (req_id,), flat_keys, blocks=n)
-        self._admission.reused(req_id, plan.end)
+        self._admission.reused(req_id, end)
         src = self._load_source(src, n, skip)
         self.new_loads.append(LoadJob(req_id, TransferJob(job, src, dst)))
         state.jobs.add(job)
         self._stats.hit_tokens += num_external_tokens
 
-    def _device_side(self, state: RequestState, first_engine_block: int, last_engine_block: int) -> DeviceBlocks:
+    def _accepted_end(self, req_id: str, plan: PlannedLoad, stop: int) -> int:
+        """Where the load ends, in offload blocks, when the engine took the hit up to token ``stop``.
+
+        vLLM takes the hit as offered, or cut back to an engine block boundary (DeepSeek V4's bounded replay):
+        the load then covers only the blocks that hold the tokens it took. A state block is the state after all
+        of the run's tokens, so with state groups only the whole hit can be served.
+
+        Raises:
+            ValueError: the engine took more tokens than the hit offered, or part of a hit with state groups.
+        """
+        if stop > plan.stop or (self._state_groups and stop != plan.stop):
+            raise ValueError(f"request {req_id!r}: the engine took {stop - plan.computed} external tokens of a "
+                             f"hit of {plan.stop - plan.computed}")
+        return -(-stop // self._offload_tokens)
+
+    def _device_side(self, state: RequestState, first_engine_block: int, last_engine_block: int,
+                     written_end: int) -> DeviceBlocks:
         """The device blocks ``[first_engine_block, last_engine_block)`` of every group that a load writes, with
-        holes (``NO_BLOCK``) where nothing may be written."""
+        holes (``NO_BLOCK``) where nothing may be written: from ``written_end`` on (blocks holding no token the
+        engine counts as loaded; with one-token engine blocks, the last token's is not even allocated), and where
+        the engine's null block stands."""
         f = self._factor
         per_group = last_engine_block - first_engine_block
-        device_ids = [b for ids in state.block_ids for b in ids[first_engine_block:last_engine_block]]
+        written = min(written_end, last_engine_block)
+        device_ids: list[int] = []
+        for ids in state.block_ids:
+            row = ids[first_engine_block:written]
+            device_ids.extend(row)
+            device_ids.extend([NO_BLOCK] * (per_group - len(row)))
         for g in self._state_groups:  # only the run's last block holds a state worth loading
             start = g * per_group
             device_ids[start:start + max(0, per_group - f)] = [NO_BLOCK] * max(0, per_group - f)

@@ -89,11 +89,15 @@ class StepSchedule(NamedTuple):
 @dataclass(frozen=True)
 class PlannedLoad:
     """A hit found by ``get_num_new_matched_tokens``: offload blocks ``[first, end)`` and their keys, group 0's
-    first, a state group's being only block ``end - 1`` (kept so the load does not hash them again)."""
+    first, a state group's being only block ``end - 1`` (kept so the load does not hash them again). The engine
+    held ``computed`` tokens; the hit supplies them up to token ``stop``: ``end`` blocks' tokens, or one token
+    fewer when the run's last block holds the prompt's last token (the engine computes that one)."""
 
     first: int
     end: int
     keys: tuple[OffloadKey, ...]
+    computed: int
+    stop: int
 
 
 @dataclass
