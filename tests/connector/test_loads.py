@@ -122,3 +122,14 @@ def test_one_token_engine_blocks_leave_the_unallocated_last_one_a_hole():
     # 7 tokens take 7 one-token blocks: the eighth, holding only the last token, was never allocated.
     job = load_of(sched, b, [list(range(20, 27))], 7)
     assert job.dst == DeviceBlocks((*range(20, 27), NO_BLOCK), (8,))
+
+
+def test_a_failed_load_counts_the_tokens_the_engine_recomputes():
+    sched = stored(make_scheduler(factor=4), list(range(128)))
+    b = Req("b", list(range(128)))
+    assert sched.get_num_new_matched_tokens(b, 32) == (95, True)  # 2 sub-blocks held, the last token computed
+    sched.update_state_after_alloc(b, [list(range(20, 28))], 95)
+    meta = sched.build_connector_meta(StepSchedule.of(()))
+    complete(sched, meta, failed={meta.load_jobs[0].job.job_id})
+    stats = sched.take_stats()
+    assert stats.hit_tokens == stats.failed_load_tokens == 95  # not the two offload blocks' 128

@@ -39,8 +39,8 @@ class _PendingJob:
     req_ids: tuple[str, ...]
     keys: tuple[OffloadKey, ...] = ()
     transfer_id: int = -1
-    blocks: int = 0
-    """A load's offload blocks per group (its tokens, once multiplied by the offload block size)."""
+    tokens: int = 0
+    """A load's tokens: those the engine counts as loaded by it (recomputed if it fails)."""
     ok: int = 0
     failed: int = 0
 
@@ -53,14 +53,13 @@ class JobBook:
     """
 
     def __init__(self, manager: ResidencyManager, requests: dict[str, RequestState], stats: SchedulerStats,
-                 load_cost: LoadCost, world_size: int, offload_tokens: int, clock: Callable[[], float]) -> None:
+                 load_cost: LoadCost, world_size: int, clock: Callable[[], float]) -> None:
         self._manager = manager
         self._requests = requests
         self._stats = stats
         self._load_cost = load_cost
         self.world_size = world_size
         """Workers that report each job."""
-        self._offload_tokens = offload_tokens
         self._clock = clock
         self._jobs: dict[JobId, _PendingJob] = {}
         self._job_ids = itertools.count()
@@ -74,10 +73,11 @@ class JobBook:
         return len(self._jobs)
 
     def new_job(self, kind: JobKind, req_ids: tuple[str, ...], keys: tuple[OffloadKey, ...],
-                transfer_id: int = -1, blocks: int = 0) -> JobId:
-        """Open a job of ``kind`` that reads or writes the device blocks of ``req_ids``; returns its id."""
+                transfer_id: int = -1, tokens: int = 0) -> JobId:
+        """Open a job of ``kind`` that reads or writes the device blocks of ``req_ids`` (a load: ``tokens`` of
+        them); returns its id."""
         job_id = JobId(next(self._job_ids))
-        self._jobs[job_id] = _PendingJob(kind, req_ids, tuple(keys), transfer_id, blocks=blocks)
+        self._jobs[job_id] = _PendingJob(kind, req_ids, tuple(keys), transfer_id, tokens=tokens)
         return job_id
 
     def tier_job(self, transfer: TierTransfer) -> TransferJob:
@@ -132,7 +132,7 @@ class JobBook:
         if job.kind is JobKind.LOAD:
             self._manager.complete_load(job.keys, success)
             if not success:
-                self._stats.failed_load_tokens += job.blocks * self._offload_tokens
+                self._stats.failed_load_tokens += job.tokens
         elif job.kind is JobKind.STORE:
             self._manager.complete_store(job.keys, success)
         else:

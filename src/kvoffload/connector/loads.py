@@ -149,7 +149,7 @@ class LoadPlanner:
         n = end - plan.first
         # Written: the engine blocks holding tokens the engine now counts as computed (-(-a // b): a / b rounded up).
         dst = self._device_side(state, plan.computed // ebs, end * self._factor, -(-stop // ebs))
-        job = self._jobs.new_job(JobKind.LOAD, (req_id,), flat_keys, blocks=n)
+        job = self._jobs.new_job(JobKind.LOAD, (req_id,), flat_keys, tokens=num_external_tokens)
         self._admission.reused(req_id, end)
         src = self._load_source(src, n, skip)
         self.new_loads.append(LoadJob(req_id, TransferJob(job, src, dst)))

@@ -78,8 +78,7 @@ class ConnectorScheduler:
                                                                          clock)
         host = next(u for u in self.manager.usage() if u.medium == Medium.HOST)
         self.admission = make_admission(config.store_admission, host.capacity_blocks, self.manager.host_policy)
-        self._jobs = JobBook(self.manager, self._requests, self._stats, self.load_cost, namespace.world_size,
-                             self.offload_tokens, clock)
+        self._jobs = JobBook(self.manager, self._requests, self._stats, self.load_cost, namespace.world_size, clock)
         self._admitter = StoreAdmitter(self.admission, self._stats)
         self._loads = LoadPlanner(self.manager, self._jobs, self._admitter, self._stats, self.factor,
                                   engine_block_size, self.num_groups, self.state_groups, null_block_id)
