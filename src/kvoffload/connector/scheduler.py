@@ -115,6 +115,24 @@ class ConnectorScheduler:
         self._usage_moved = True  # a lookup may reserve host room for a promotion
         return self._loads.lookup(request, state, num_computed_tokens)
 
+    def may_hit(self, request: EngineRequest) -> bool:
+        """Whether a lookup of ``request`` now would find (or wait for) its first offload block in every group that
+        loads by runs: then ``get_num_new_matched_tokens`` will most likely answer with an asynchronous load.
+
+        Cheap (one block hashed, once per request; one key per group looked up), for engines that sort waiting
+        requests by whether they will load (vLLM's ``may_load_async``). A lookup may start the block's promotion
+        from a lower tier, as the lookup that follows would.
+        """
+        state = self._state(request)
+        if state.ambiguous or len(request.all_token_ids) <= self.offload_tokens:
+            return False  # no full block before the last token, which the engine computes itself
+        groups = [g for g in range(self.num_groups) if g not in self.state_groups] or [0]
+        for group in groups:
+            result = self.manager.lookup(state.keys(0, 1, group))
+            if result.hits == 0 and not result.pending:
+                return False
+        return True
+
     def update_state_after_alloc(self, request: EngineRequest, block_ids: Sequence[Sequence[int]],
                                  num_external_tokens: int) -> None:
         """The engine allocated ``block_ids`` (all of the request's blocks, per group): start the planned load."""

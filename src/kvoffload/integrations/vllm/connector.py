@@ -156,6 +156,13 @@ class KVOffloadConnector(compat.VersionHooks, KVConnectorBase_V1, SupportsHMA):
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def may_load_async(self, request: Request) -> bool:
+        # vLLM 0.34, with --max-num-inflight-kv-loads only: a request said to load asynchronously waits in vLLM's
+        # queue of such requests, where a load past the cap holds back only that queue; one said not to, whose
+        # lookup then hits, ends the whole waiting scan of the step when past the cap. So yes exactly when its
+        # first block is in a tier now (SchedulerSide.may_load_async); older vLLMs never ask.
+        return self.scheduler.may_load_async(request)
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)

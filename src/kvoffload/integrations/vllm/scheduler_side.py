@@ -62,6 +62,11 @@ class SchedulerSide:
             self.core.limit_stores(engine_request, request.num_prompt_tokens)
         return self.core.get_num_new_matched_tokens(engine_request, num_computed_tokens)
 
+    def may_load_async(self, request: Request) -> bool:
+        if not adapters.is_offloadable(request) or compat.skips_external_kv(request):
+            return False
+        return self.core.may_hit(adapters.VllmRequest(request))
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         if not adapters.is_offloadable(request):

@@ -152,6 +152,7 @@ CONNECTOR_BASE = ClassUse(_BASE, "KVConnectorBase_V1", every_hook=True, members=
     "@classmethod supports_sleep_mode(cls, kv_transfer_config) [since 0.33]",  # compat.VersionHooks
     "@classmethod supports_lookahead_block_hashes(cls, kv_transfer_config) [since 0.34]",
     "@classmethod kv_cache_access(cls, kv_transfer_config) [since 0.34]",
+    "may_load_async(self, request) [since 0.34]",
 ) + uses(Use.CALL, "_get_connector_metadata(self)") + uses(Use.READ, "_kv_transfer_config") + uses(
     Use.INHERIT,
     "supports_divergent_local_hybrid_hits", "role", "get_mem_pool_context", "bind_connector_metadata",
