@@ -34,7 +34,7 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec, MambaSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -104,6 +104,52 @@ def make_vllm_config(model: Path, *, block_size: int = 16, num_blocks: int = 64,
                         kv_transfer_config=transfer, speculative_config=spec_config)
     config.cache_config.kv_cache_layout = "LBNHC"  # what the CPU backend resolves; no worker runs to resolve it
     return config
+
+
+def full_attention(num_layers: int, block_size: int = 16) -> dict[str, KVCacheSpec]:
+    """Llama-style layers: every one full attention, float32."""
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    return {f"model.layers.{i}.self_attn.attn": spec for i in range(num_layers)}
+
+
+def make_engine(model: Path, specs: Mapping[str, KVCacheSpec], **config: Any) -> Engine:
+    """An ``Engine`` for layers ``specs`` (their block size is the engine's); ``config``: ``make_vllm_config``'s."""
+    block_size = next(iter(specs.values())).block_size
+    vllm_config = make_vllm_config(model, block_size=block_size, **config)
+    if len({type(spec) for spec in specs.values()}) > 1:
+        # Several KV-cache groups need vLLM's hybrid manager, which VllmConfig turns off on a platform it does not
+        # know (0.33 and 0.34 here, without a CPU build, see none); the scheduler's side of it needs no device.
+        vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    if any(isinstance(spec, MambaSpec) for spec in specs.values()):
+        vllm_config.cache_config.mamba_cache_mode = "align"  # what vLLM picks with prefix caching on
+    return Engine(vllm_config, plan_kv_cache(vllm_config, specs))
+
+
+def hybrid_window(num_layers: int, window: int, block_size: int = 16) -> dict[str, KVCacheSpec]:
+    """Gemma-style layers: sliding-window layers with every other one full attention (two KV-cache groups)."""
+    full = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    win = SlidingWindowSpec(block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.float32,
+                            sliding_window=window)
+    return {f"model.layers.{i}.self_attn.attn": full if i % 2 else win for i in range(num_layers)}
+
+
+def hybrid_state(num_layers: int) -> dict[str, KVCacheSpec]:
+    """LFM2-style layers: ShortConv state layers ("align" mode) alternating with full attention, the state page
+    padded to the attention page and the block size the smallest multiple of 32 whose page holds the state, as
+    vLLM sizes them for such models."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    shapes = MambaStateShapeCalculator.short_conv_state_shape(tp_world_size=1, intermediate_size=64, conv_kernel=3)
+    dtypes = MambaStateDtypeCalculator.short_conv_state_dtype(torch.float32, "auto")
+    state = MambaSpec(block_size=1, shapes=shapes, dtypes=dtypes, mamba_type=MambaAttentionBackendEnum.SHORT_CONV)
+    per_token = FullAttentionSpec(block_size=1, num_kv_heads=2, head_size=32, dtype=torch.float32).page_size_bytes
+    block_size = 32 * -(-state.page_size_bytes // (32 * per_token))
+    attn = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    padded = dataclasses.replace(state, block_size=block_size, page_size_padded=attn.page_size_bytes,
+                                 mamba_cache_mode="align")
+    return {f"model.layers.{i}.{'attn' if i % 2 else 'mixer'}": attn if i % 2 else padded
+            for i in range(num_layers)}
 
 
 def plan_kv_cache(config: VllmConfig, specs: Mapping[str, KVCacheSpec]) -> KVCacheConfig:
@@ -226,7 +272,7 @@ class StandInModel:
                 lo, written = max(0, start - 1), range(end - 1, end)
             else:
                 lo, written = (0 if layer.window is None else max(0, start - layer.window + 1)), range(start, end)
-            read = self._check(req_id, layer, table, range(lo, start), hashes, wrong)
+            read = self.check(req_id, layer, table, range(lo, start), hashes, wrong)
             blocks, offsets = self._slots(layer, table, written)
             for i in (blocks == NULL_BLOCK).nonzero().flatten().tolist():
                 wrong.append(WrongKV(req_id, layer.name, written[i], NULL_BLOCK, "write to null block"))
@@ -236,7 +282,7 @@ class StandInModel:
                 digests.append((layer, lo, self.digest(torch.cat([read, rows]))))
         return self._sample(tokens, known, start, end, hashes, digests)
 
-    def _check(self, req_id: str, layer: LayerKV, table: Sequence[int], positions: range, hashes: torch.Tensor,
+    def check(self, req_id: str, layer: LayerKV, table: Sequence[int], positions: range, hashes: torch.Tensor,
                wrong: list[WrongKV]) -> torch.Tensor:
         """Read ``positions`` of ``layer``; record every one that differs from recomputing or sits in the null
         block."""
@@ -318,6 +364,10 @@ class Engine:
         self.external_hits = 0
         """vLLM's count of tokens loaded through the connector (``connector_prefix_cache_stats``), resumed
         requests included."""
+        self.preempted: set[str] = set()
+        """Every request vLLM preempted (``preempted_req_ids`` of any step)."""
+        self.drafts = [0, 0]
+        """Draft tokens verified and accepted (vLLM's ``spec_decoding_stats``)."""
         self.drafter: Any = None
         """With speculative decoding: ``(engine, req_id) -> draft tokens``, run after each step."""
         self.steps = 0
@@ -341,7 +391,7 @@ class Engine:
         if not self.scheduler.reset_prefix_cache(reset_running_requests=preempt_running):
             raise RuntimeError("vLLM did not reset its prefix cache: a request still holds blocks")
 
-    def run(self, max_steps: int = 500) -> None:
+    def run(self, max_steps: int = 10_000) -> None:
         """Step until the scheduler has nothing left (``EngineCore``'s loop)."""
         for _ in range(max_steps):
             if not self.scheduler.has_requests():
@@ -349,10 +399,22 @@ class Engine:
             self.step()
         raise AssertionError(f"not idle after {max_steps} steps")
 
-    def idle_steps(self, count: int) -> None:
-        """Steps with nothing scheduled, as an engine takes while waiting for loads or new requests."""
+    def run_steps(self, count: int) -> None:
+        """Exactly ``count`` engine steps, whether or not anything is scheduled (an engine steps with nothing
+        scheduled while loads are in flight)."""
         for _ in range(count):
             self.step()
+
+    def kv_differences(self, req_id: str, positions: range) -> list[WrongKV]:
+        """Positions of a running request whose device KV differs from what recomputing its known tokens writes
+        (a rejected draft token's KV, until a later step recomputes the position)."""
+        known = list(self.scheduler.requests[req_id].all_token_ids)
+        hashes = torch.tensor(prefix_hashes(known[:positions.stop]), dtype=torch.int64)
+        found: list[WrongKV] = []
+        for layer in self.model.layers:
+            if not layer.state:
+                self.model.check(req_id, layer, self.tables[req_id][layer.group], positions, hashes, found)
+        return found
 
     def expected(self, req_id: str) -> list[int]:
         record = self.records[req_id]
@@ -362,6 +424,7 @@ class Engine:
 
     def step(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
+        self.preempted.update(out.preempted_req_ids or ())
         runner_output = self.run_worker_step(out)
         for client_outputs in self.scheduler.update_from_output(out, runner_output).values():
             self._collect(client_outputs)
@@ -445,6 +508,9 @@ class Engine:
             return
         if stats.kv_connector_stats:
             self.stats = self.stats.aggregate(KVOffloadStats(data=dict(stats.kv_connector_stats)))
+        if stats.spec_decoding_stats is not None:
+            self.drafts[0] += stats.spec_decoding_stats.num_draft_tokens
+            self.drafts[1] += stats.spec_decoding_stats.num_accepted_tokens
         if stats.connector_prefix_cache_stats is not None:
             self.external_hits += stats.connector_prefix_cache_stats.hits
             self.external_hits += stats.connector_prefix_cache_stats.preempted_hits
@@ -452,3 +518,44 @@ class Engine:
     def shutdown(self) -> None:
         self.worker.shutdown()
         self.scheduler.shutdown()
+
+
+# ---- for the tests -------------------------------------------------------------------------------------------
+
+
+class Engines:
+    """Builds a test's engines (``make_engine`` over one model directory) and shuts them all down (``close``)."""
+
+    def __init__(self, model: Path) -> None:
+        self.model = model
+        self.made: list[Engine] = []
+
+    def __call__(self, specs: Mapping[str, KVCacheSpec] | None = None, **config: Any) -> Engine:
+        self.made.append(make_engine(self.model, specs or full_attention(2), **config))
+        return self.made[-1]
+
+    def close(self) -> None:
+        for engine in self.made:
+            engine.shutdown()
+
+
+def tokens(seed: int, count: int) -> list[int]:
+    """``count`` deterministic token ids; different seeds share no prefix."""
+    return [mix(seed, i) % VOCAB for i in range(count)]
+
+
+def assert_served_right(engine: Engine, *req_ids: str) -> None:
+    """Every byte read back was what recomputing writes, and each request finished with the reference output."""
+    assert engine.wrong == []
+    for req_id in req_ids:
+        record = engine.records[req_id]
+        assert record.finish_reason is not None, req_id
+        assert record.output == engine.expected(req_id), req_id
+
+
+def store_then_reset(engine: Engine, prompts: Mapping[str, Sequence[int]], max_tokens: int = 6) -> None:
+    """Serve ``prompts`` (kvoffload stores their blocks), then empty vLLM's device prefix cache."""
+    for req_id, prompt in prompts.items():
+        engine.add_request(req_id, prompt, max_tokens)
+    engine.run()
+    engine.reset_prefix_cache()

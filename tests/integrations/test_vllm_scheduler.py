@@ -1,0 +1,166 @@
+"""kvoffload under vLLM's real scheduler (scheduler_harness.py): prefix hits after vLLM's own prefix cache is
+emptied, preemption and resumption, aborts while a load or a store is in flight, and the control that proves the
+byte comparison can fail. Every test checks the hits (vLLM's ``num_external_cached_tokens``, kvoffload's stats),
+that every byte the stand-in forward pass read back is what recomputing would have written, and the outputs.
+
+No engine and no model run; the same file runs on vLLM 0.32 (the CPU build) and on 0.33 and 0.34, which have no
+CPU build (``.venv-vllm033/bin/python -m pytest tests/integrations/test_vllm_scheduler.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.integrations.scheduler_harness import (
+    Engines,
+    assert_served_right,
+    store_then_reset,
+    tokens,
+    write_model_config,
+)
+from vllm.v1.request import RequestStatus
+
+from kvoffload.integrations.vllm import compat
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model_config(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture
+def build(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Engines]:
+    """Engines on vLLM's scheduler, shut down after the test (also on releases the adapter does not yet declare
+    tested: that refusal is compat.py's business, not this test's)."""
+    monkeypatch.setenv(compat.ALLOW_UNTESTED_ENV, "1")
+    engines = Engines(model_dir)
+    yield engines
+    engines.close()
+
+
+# ---- hits ------------------------------------------------------------------------------------------------------
+
+
+def test_a_prefix_stored_by_one_request_is_loaded_for_the_next_once_vllms_prefix_cache_is_emptied(
+        build: Engines) -> None:
+    engine = build()
+    first = tokens(1, 70)
+    store_then_reset(engine, {"a": first})
+    engine.add_request("b", first[:64] + tokens(2, 9), 6)
+    engine.run()
+    assert engine.records["b"].external_cached_tokens == 64  # four full blocks, from kvoffload's host tier
+    assert engine.records["b"].local_cached_tokens == 0
+    assert engine.stats.lookups.hit_tokens == engine.external_hits == 64
+    assert engine.stats.transfers.by_type["host_to_device"].bytes > 0
+    assert_served_right(engine, "a", "b")
+
+
+def test_requests_admitted_together_share_the_loaded_prefix(build: Engines) -> None:
+    engine = build(max_num_seqs=4)
+    shared = tokens(3, 48)
+    store_then_reset(engine, {"a": shared + tokens(4, 20)})
+    for i in range(4):
+        engine.add_request(f"r{i}", shared + tokens(10 + i, 5 + i), 5)
+    engine.run()
+    assert all(engine.records[f"r{i}"].external_cached_tokens == 48 for i in range(4))
+    assert_served_right(engine, "a", *(f"r{i}" for i in range(4)))
+
+
+def test_the_control_a_corrupted_load_is_caught_by_the_byte_comparison_and_changes_the_output(
+        build: Engines) -> None:
+    """The workload of the first test with kvoffload's ``inject_load_corruption``: the first load zeroes a host
+    block. The hit is the same; the bytes read back and the outputs are not."""
+    engine = build(extra={"inject_load_corruption": 1})
+    first = tokens(1, 70)
+    store_then_reset(engine, {"a": first})
+    engine.add_request("b", first[:64] + tokens(2, 9), 6)
+    engine.run()
+    assert engine.records["b"].external_cached_tokens == 64
+    assert {w.req_id for w in engine.wrong} == {"b"}
+    assert {w.reason for w in engine.wrong} == {"differs"}
+    assert {w.position // BLOCK for w in engine.wrong} == {0}  # the zeroed block, the load's first
+    assert engine.records["b"].output != engine.expected("b")
+    assert engine.records["a"].output == engine.expected("a")
+
+
+# ---- preemption ------------------------------------------------------------------------------------------------
+
+
+def test_requests_preempted_by_vllms_reset_resume_from_kvoffload(build: Engines) -> None:
+    """``reset_prefix_cache(reset_running_requests=True)`` preempts every running request and empties the device
+    cache: the resumed requests find their computed blocks, prompt and output, in kvoffload."""
+    engine = build(max_num_seqs=2)
+    engine.add_request("a", tokens(5, 40), 40)
+    engine.add_request("b", tokens(6, 50), 40)
+    while len(engine.records["a"].output) < 30:
+        engine.step()
+    engine.reset_prefix_cache(preempt_running=True)
+    engine.run()
+    assert engine.preempted == {"a", "b"}
+    # Each resumes from its last full block (a: 40 + 30 tokens or more computed, so at least 64).
+    assert engine.external_hits >= 64 + 64
+    assert_served_right(engine, "a", "b")
+
+
+def test_requests_preempted_for_lack_of_device_blocks_resume_with_the_right_kv(build: Engines) -> None:
+    """A device cache too small for every running request's decode: vLLM preempts, and a preempted request's
+    freed blocks are taken by others, so it resumes from kvoffload or by recomputing, never from a stale block."""
+    engine = build(num_blocks=17, max_num_seqs=4, max_model_len=128)
+    for i in range(4):
+        engine.add_request(f"r{i}", tokens(20 + i, 40), 40)
+    engine.run()
+    assert engine.preempted
+    assert engine.external_hits > 0
+    assert_served_right(engine, *(f"r{i}" for i in range(4)))
+
+
+# ---- aborts ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("steps", [1, 2], ids=["store-deferred", "store-submitted"])
+def test_a_request_aborted_while_its_blocks_are_being_stored_leaves_only_right_blocks(build: Engines,
+                                                                                      steps: int) -> None:
+    """Aborted once its prefill filled four blocks (their store is deferred to the next step), or a step later
+    (the store then runs in the background): the next request takes those blocks at once, and what kvoffload
+    stored from them is a's KV, never x's."""
+    engine = build(num_blocks=12, max_num_batched_tokens=128, max_model_len=128)
+    prompt = tokens(7, 64)
+    engine.add_request("a", prompt + tokens(8, 4), 10)
+    engine.run_steps(steps)
+    engine.abort("a")
+    engine.add_request("x", tokens(9, 124), 2)  # 8 of the 11 blocks: takes blocks a freed in this step
+    x_step = engine.step()
+    assert set(x_step.scheduled_new_reqs[0].block_ids[0]) & {1, 2, 3, 4}  # a's prompt blocks
+    engine.run()
+    engine.reset_prefix_cache()
+    engine.add_request("b", prompt + tokens(10, 3), 4)
+    engine.run()
+    assert "a" not in engine.scheduler.requests
+    assert engine.records["b"].external_cached_tokens == 64
+    assert_served_right(engine, "x", "b")
+
+
+def test_a_request_aborted_once_its_load_started_gives_its_blocks_to_the_next_request_unharmed(
+        build: Engines) -> None:
+    """b is aborted after the step that started its load (kvoffload's CPU copier loads inside ``start_load_kv``,
+    so the load is done by then; on a GPU it may still run, and the fence makes the next user wait for it)."""
+    engine = build()
+    prompt = tokens(11, 80)
+    store_then_reset(engine, {"a": prompt})
+    engine.add_request("b", prompt + tokens(12, 5), 6)
+    engine.step()  # b's load starts after this step's forward pass
+    assert engine.scheduler.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    engine.abort("b")
+    engine.add_request("x", tokens(13, 60), 8)  # may get b's blocks in the very next step
+    engine.run()
+    engine.add_request("c", prompt + tokens(14, 2), 6)
+    engine.run()
+    assert engine.records["c"].external_cached_tokens == 80
+    assert_served_right(engine, "a", "x", "c")
