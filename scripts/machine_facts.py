@@ -101,6 +101,8 @@ def facts_line(api_check_version: str) -> str:
         f"python: {platform.python_version()}",
         f"vLLM: {vllm_version('.venv', 'requirements-vllm.txt')} (suite), "
         f"{vllm_version('.venv-vllm031', 'requirements-vllm031.txt')} (e2e again), "
+        f"{vllm_version('.venv-vllm033', 'requirements-vllm033.txt')} and "
+        f"{vllm_version('.venv-vllm034', 'requirements-vllm034.txt')} (adapter tests, no engine), "
         f"{api_check_version} (API check, source only)",
     ])
 

@@ -23,7 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FINGERPRINT_FILE = ROOT / ".ci" / "vllm031-full.sha256"
-WATCHED = ("src/kvoffload/integrations/vllm", "tests/e2e", "requirements-vllm031.txt", "requirements-vllm.txt")
+WATCHED = ("src/kvoffload/integrations/vllm", "tests/e2e", "requirements-vllm031.txt", "requirements-vllm.txt",
+           "requirements-vllm033.txt", "requirements-vllm034.txt")
 """What can behave differently on another vLLM version: files, or folders whose ``*.py`` files are all watched."""
 
 
