@@ -428,16 +428,17 @@ class Engine:
         runner_output = self.run_worker_step(out)
         for client_outputs in self.scheduler.update_from_output(out, runner_output).values():
             self._collect(client_outputs)
-        if self.drafter is not None:
-            running = [r.request_id for r in self.scheduler.running]
-            drafts = DraftTokenIds(running, [self.drafter(self, r) for r in running])
-            self.scheduler.update_draft_token_ids(drafts)
+        if self.drafter is not None:  # the model runner's drafter proposes for the requests that sampled
+            sampled = [r for r, t in zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
+                       if t and r in self.scheduler.requests and not self.scheduler.requests[r].is_finished()]
+            self.scheduler.update_draft_token_ids(DraftTokenIds(sampled, [self.drafter(self, r) for r in sampled]))
         self.steps += 1
         return out
 
     def run_worker_step(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """The worker side of one step, in the order of vLLM's model runner (0.32's ``execute_model`` and
-        ``KVConnectorModelRunnerMixin._get_kv_connector_output``; 0.34's ``gpu/kv_connector.ActiveKVConnector``)."""
+        """The worker side of one step, in the order of vLLM's model runners: 0.32's V1 ``execute_model`` and
+        ``KVConnectorModelRunnerMixin._get_kv_connector_output``, and ``gpu/kv_connector.ActiveKVConnector`` of
+        Model Runner V2 (0.32 to 0.34, the only runner 0.34 has), which also calls ``finish_forward``."""
         worker, meta = self.worker, out.kv_connector_metadata
         assert meta is not None
         worker.handle_preemptions(meta)
@@ -519,43 +520,3 @@ class Engine:
         self.worker.shutdown()
         self.scheduler.shutdown()
 
-
-# ---- for the tests -------------------------------------------------------------------------------------------
-
-
-class Engines:
-    """Builds a test's engines (``make_engine`` over one model directory) and shuts them all down (``close``)."""
-
-    def __init__(self, model: Path) -> None:
-        self.model = model
-        self.made: list[Engine] = []
-
-    def __call__(self, specs: Mapping[str, KVCacheSpec] | None = None, **config: Any) -> Engine:
-        self.made.append(make_engine(self.model, specs or full_attention(2), **config))
-        return self.made[-1]
-
-    def close(self) -> None:
-        for engine in self.made:
-            engine.shutdown()
-
-
-def tokens(seed: int, count: int) -> list[int]:
-    """``count`` deterministic token ids; different seeds share no prefix."""
-    return [mix(seed, i) % VOCAB for i in range(count)]
-
-
-def assert_served_right(engine: Engine, *req_ids: str) -> None:
-    """Every byte read back was what recomputing writes, and each request finished with the reference output."""
-    assert engine.wrong == []
-    for req_id in req_ids:
-        record = engine.records[req_id]
-        assert record.finish_reason is not None, req_id
-        assert record.output == engine.expected(req_id), req_id
-
-
-def store_then_reset(engine: Engine, prompts: Mapping[str, Sequence[int]], max_tokens: int = 6) -> None:
-    """Serve ``prompts`` (kvoffload stores their blocks), then empty vLLM's device prefix cache."""
-    for req_id, prompt in prompts.items():
-        engine.add_request(req_id, prompt, max_tokens)
-    engine.run()
-    engine.reset_prefix_cache()
