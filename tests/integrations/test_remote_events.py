@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvoffload.connector.stats import TransferStats
-from kvoffload.integrations.vllm import adapters
+from kvoffload.integrations.vllm.events import MEDIUM_REMOTE, kv_events
 from kvoffload.integrations.vllm.metrics import KVOffloadStats
 from kvoffload.keys import OffloadKey
 from kvoffload.manager.base import EventKind, OffloadEvent
@@ -20,10 +20,10 @@ KEY = OffloadKey(b"k" * 16)
 
 def test_kv_events_name_the_remote_tier_apart_from_cpu_and_storage() -> None:
     events = [OffloadEvent(EventKind.STORED, (KEY,), medium) for medium in Medium.BUILT_IN]
-    names = {medium: e.medium for medium, e in zip(Medium.BUILT_IN, adapters.kv_events(events, 16), strict=True)}
-    assert names[Medium.REMOTE] == adapters.MEDIUM_REMOTE == "REMOTE"
+    names = {medium: e.medium for medium, e in zip(Medium.BUILT_IN, kv_events(events, 16), strict=True)}
+    assert names[Medium.REMOTE] == MEDIUM_REMOTE == "REMOTE"
     assert len(set(names.values())) == len(Medium.BUILT_IN)
-    (removed,) = adapters.kv_events([OffloadEvent(EventKind.REMOVED, (KEY,), Medium.REMOTE)], 16)
+    (removed,) = kv_events([OffloadEvent(EventKind.REMOVED, (KEY,), Medium.REMOTE)], 16)
     assert removed.medium == "REMOTE" and removed.block_hashes == [bytes(KEY)]
 
 

@@ -97,4 +97,4 @@ def test_without_resumed_req_ids_a_request_re_sent_in_full_replaces_its_old_tabl
     step = adapters.step_schedule(out)
 
     assert step.resumed == {"r"}
-    assert list(step.req_ids) == ["r", "a"] and list(step.new_block_ids)[0] == ([0, 1],)
+    assert list(step.req_ids) == ["r", "a"] and step.new_block_ids[0] == ([0, 1],)

@@ -9,7 +9,8 @@ what they say, through these functions, to ``ConnectorScheduler`` / ``ConnectorW
   KV)
 - ``KVCacheBlocks``   -> block ids per KV-cache group
 - ``SchedulerOutput`` -> ``StepSchedule``    (which requests ran this step, their new blocks, computed tokens)
-- ``OffloadEvent``    -> vLLM ``BlockStored`` / ``BlockRemoved`` KV events
+
+Our tier events become vLLM's KV events in events.py.
 
 Nothing here keeps state; every function is a pure translation.
 """
@@ -22,7 +23,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1 import kv_cache_interface as vkv
 
 from kvoffload.config import OffloadConfig
@@ -38,8 +38,6 @@ from kvoffload.layout import (
     LayerSpec,
     StateSpec,
 )
-from kvoffload.manager.base import EventKind, OffloadEvent
-from kvoffload.specs import Medium
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -375,31 +373,3 @@ def step_schedule(out: SchedulerOutput) -> StepSchedule:
         for req_id, spec in out.scheduled_spec_decode_tokens.items():
             computed[row[req_id]] -= len(spec)
     return StepSchedule(req_ids, new_block_ids, computed, 0, whole_table, preempted)
-
-
-# ---- KV events ---------------------------------------------------------------------------------------------
-
-MEDIUM_REMOTE = "REMOTE"
-"""The remote tier's events: vLLM 0.32 names GPU, CPU and STORAGE only, and a router must tell a store shared by
-many engines (any of them can load it) from this engine's own disk."""
-
-_MEDIUM = {Medium.HOST: MEDIUM_CPU, Medium.DISK: MEDIUM_STORAGE, Medium.REMOTE: MEDIUM_REMOTE, Medium.DEVICE: "GPU"}
-
-
-def kv_events(events: Iterable[OffloadEvent], block_tokens: int) -> list[KVCacheEvent]:
-    """Our tier events as vLLM KV events.
-
-    vLLM's events carry block hashes; ours are the 16-byte offload keys (content hash chained from the
-    namespace root, group index folded in), stable across processes and machines. ``token_ids`` and
-    ``parent_block_hash`` are left empty: tiers index keys, not tokens.
-    """
-    out: list[KVCacheEvent] = []
-    for event in events:
-        hashes: list[Any] = [bytes(k) for k in event.keys]
-        medium = _MEDIUM.get(event.medium) or event.medium.value.upper()  # another package's tier: its own name
-        if event.kind is EventKind.STORED:
-            out.append(BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
-                                   block_size=block_tokens, lora_id=None, medium=medium, lora_name=None))
-        else:
-            out.append(BlockRemoved(block_hashes=hashes, medium=medium))
-    return out

@@ -19,6 +19,7 @@ from kvoffload.config import OffloadConfig
 from kvoffload.connector.scheduler import NO_JOBS as CORE_NO_JOBS
 from kvoffload.connector.scheduler import ConnectorScheduler
 from kvoffload.integrations.vllm import adapters, compat
+from kvoffload.integrations.vllm.events import kv_events
 from kvoffload.integrations.vllm.messages import KVOffloadMetadata, KVOffloadWorkerMetadata
 from kvoffload.integrations.vllm.metrics import KVOffloadStats
 from kvoffload.keys import Namespace
@@ -92,7 +93,7 @@ class SchedulerSide:
         events = self.core.take_events()
         if not self.publish_events:
             return []
-        return adapters.kv_events(events, self.block_tokens)
+        return kv_events(events, self.block_tokens)
 
     def reset(self) -> bool:
         return self.core.reset()
