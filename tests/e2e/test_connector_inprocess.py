@@ -5,6 +5,7 @@ The tests share one engine and run in file order; each leaves the engine idle.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,6 +59,21 @@ def test_after_device_prefix_cache_reset_every_prefix_comes_from_host(llm: vllm.
     assert_same_outputs(again, baseline["second"])
     assert [r.cached_tokens for r in again] == [FULL_PREFIX_BLOCKS_TOKENS] * len(again)
     assert metric(llm, "vllm:kvoffload_hit_tokens") - hits_before == FULL_PREFIX_BLOCKS_TOKENS * len(again)
+
+
+def test_a_block_aligned_prompt_loads_all_but_its_last_token_with_the_same_outputs(llm: vllm.LLM) -> None:
+    # Prompts of whole blocks, new to every tier: the first run computes them (and stores them); after the device
+    # cache is emptied the second loads every block, the one holding the last token too, and computes that token.
+    rng = random.Random(99)
+    aligned = [[rng.randrange(10, 1000) for _ in range(6 * BLOCK_SIZE)] for _ in range(2)]
+    computed = generate(llm, aligned)
+    assert llm.reset_prefix_cache()
+
+    loaded = generate(llm, aligned)
+
+    assert [r.cached_tokens for r in computed] == [0, 0]
+    assert [r.cached_tokens for r in loaded] == [6 * BLOCK_SIZE - 1] * 2
+    assert_same_outputs(loaded, computed)
 
 
 def test_resetting_the_connector_too_forgets_the_host_tier_and_stays_right(llm: vllm.LLM,
