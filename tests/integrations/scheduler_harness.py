@@ -46,6 +46,7 @@ from kvoffload.integrations.vllm.metrics import KVOffloadStats
 from kvoffload.tools.vllm.model import ModelFamily, TinyShape, hf_config
 
 VOCAB = 1000
+HEADS, HEAD_SIZE = 1, 16  # KV bytes per token and layer: 2 * 16 * 4 = 128 (float32), little to write and check
 NULL_BLOCK = 0  # vLLM's block pool hands out block 0 as the placeholder for blocks a group dropped
 _M64 = (1 << 64) - 1
 
@@ -106,10 +107,17 @@ def make_vllm_config(model: Path, *, block_size: int = 16, num_blocks: int = 64,
     return config
 
 
+def attention(block_size: int, window: int | None = None) -> KVCacheSpec:
+    """A float32 attention layer's spec: full, or sliding-window over ``window`` tokens."""
+    if window is None:
+        return FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32)
+    return SlidingWindowSpec(block_size=block_size, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32,
+                             sliding_window=window)
+
+
 def full_attention(num_layers: int, block_size: int = 16) -> dict[str, KVCacheSpec]:
-    """Llama-style layers: every one full attention, float32."""
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    return {f"model.layers.{i}.self_attn.attn": spec for i in range(num_layers)}
+    """Llama-style layers: every one full attention."""
+    return {f"model.layers.{i}.self_attn.attn": attention(block_size) for i in range(num_layers)}
 
 
 def make_engine(model: Path, specs: Mapping[str, KVCacheSpec], **config: Any) -> Engine:
@@ -127,10 +135,8 @@ def make_engine(model: Path, specs: Mapping[str, KVCacheSpec], **config: Any) ->
 
 def hybrid_window(num_layers: int, window: int, block_size: int = 16) -> dict[str, KVCacheSpec]:
     """Gemma-style layers: sliding-window layers with every other one full attention (two KV-cache groups)."""
-    full = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    win = SlidingWindowSpec(block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.float32,
-                            sliding_window=window)
-    return {f"model.layers.{i}.self_attn.attn": full if i % 2 else win for i in range(num_layers)}
+    return {f"model.layers.{i}.self_attn.attn": attention(block_size, None if i % 2 else window)
+            for i in range(num_layers)}
 
 
 def hybrid_state(num_layers: int) -> dict[str, KVCacheSpec]:
@@ -143,9 +149,8 @@ def hybrid_state(num_layers: int) -> dict[str, KVCacheSpec]:
     shapes = MambaStateShapeCalculator.short_conv_state_shape(tp_world_size=1, intermediate_size=64, conv_kernel=3)
     dtypes = MambaStateDtypeCalculator.short_conv_state_dtype(torch.float32, "auto")
     state = MambaSpec(block_size=1, shapes=shapes, dtypes=dtypes, mamba_type=MambaAttentionBackendEnum.SHORT_CONV)
-    per_token = FullAttentionSpec(block_size=1, num_kv_heads=2, head_size=32, dtype=torch.float32).page_size_bytes
-    block_size = 32 * -(-state.page_size_bytes // (32 * per_token))
-    attn = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    block_size = 32 * -(-state.page_size_bytes // (32 * attention(1).page_size_bytes))
+    attn = attention(block_size)
     padded = dataclasses.replace(state, block_size=block_size, page_size_padded=attn.page_size_bytes,
                                  mamba_cache_mode="align")
     return {f"model.layers.{i}.{'attn' if i % 2 else 'mixer'}": attn if i % 2 else padded
@@ -316,12 +321,17 @@ class StandInModel:
 
     def reference(self, prompt: Sequence[int], count: int) -> list[int]:
         """The ``count`` tokens greedy decoding continues ``prompt`` with when every byte read is right."""
-        tokens = list(prompt)
+        tokens, hashes = list(prompt), prefix_hashes(prompt)
+        attention = [layer for layer in self.layers if not layer.state]
+        digests = [self.digest(self.pattern(torch.tensor(hashes), layer)) for layer in attention]
         for _ in range(count):
-            hashes = torch.tensor(prefix_hashes(tokens), dtype=torch.int64)
-            digests = [(layer, 0, self.digest(self.pattern(hashes, layer))) for layer in self.layers
-                       if not layer.state]
-            tokens += self._sample(tokens, len(tokens), len(tokens) - 1, len(tokens), hashes, digests)
+            known = len(tokens)
+            tokens += self._sample(tokens, known, known - 1, known, torch.tensor(hashes),
+                                   [(layer, 0, d) for layer, d in zip(attention, digests, strict=True)])
+            hashes.append(mix(hashes[-1], tokens[-1] + 2))
+            newest = torch.tensor(hashes[-1:])
+            digests = [torch.cat([d, self.digest(self.pattern(newest, layer))])
+                       for layer, d in zip(attention, digests, strict=True)]
         return tokens[len(prompt):]
 
 

@@ -194,18 +194,101 @@ def test_a_request_aborted_while_its_blocks_are_being_stored_leaves_only_right_b
     assert_served_right(engine, "x", "b")
 
 
-def test_a_request_aborted_once_its_load_started_gives_its_blocks_to_the_next_request_unharmed(
-        build: Engines) -> None:
-    """b is aborted after the step that started its load (kvoffload's CPU copier loads inside ``start_load_kv``,
-    so the load is done by then; on a GPU it may still run, and the fence makes the next user wait for it)."""
-    engine = build()
+def test_the_control_without_the_fence_a_late_store_carries_the_next_requests_kv(
+        build: Engines, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The abort above with the fence taken away (the workers see no ``jobs_to_flush``) and a's store held back
+    until x's forward pass has run: kvoffload then stores x's KV under a's keys, and b's load reads it back."""
+    from kvoffload.integrations.vllm import connector
+    from kvoffload.specs import HostBlocks
+    from kvoffload.transfer.host_copier import HostCopier
+
+    meta, submit = connector._meta, HostCopier.submit
+    monkeypatch.setattr(connector, "_meta", lambda m: dataclasses.replace(meta(m), jobs_to_flush=frozenset()))
+    held: list[tuple[HostCopier, Any]] = []
+
+    def hold_stores(copier: HostCopier, job: Any) -> bool:
+        if isinstance(job.dst, HostBlocks):
+            held.append((copier, job))
+            return True
+        return submit(copier, job)
+
+    monkeypatch.setattr(HostCopier, "submit", hold_stores)
+    engine = build(num_blocks=12, max_num_batched_tokens=128, max_model_len=128)
+    prompt = tokens(7, 64)
+    engine.add_request("a", prompt + tokens(8, 4), 10)
+    engine.step()
+    engine.abort("a")
+    engine.add_request("x", tokens(9, 124), 2)
+    engine.step()  # submits a's store (held back) and runs x's forward pass over blocks a freed
+    monkeypatch.setattr(HostCopier, "submit", submit)
+    for copier, job in held:
+        submit(copier, job)
+    engine.run()
+    engine.reset_prefix_cache()
+    engine.add_request("b", prompt + tokens(10, 3), 4)
+    engine.run()
+    assert engine.records["b"].external_cached_tokens == 64
+    assert engine.wrong and {w.req_id for w in engine.wrong} == {"b"}
+    assert engine.records["b"].output != engine.expected("b")
+
+
+class LateLoads:
+    """Makes a load finish at the worker's poll one step after the step that submitted it, as on a GPU copy
+    stream it may, instead of inside ``submit`` as kvoffload's CPU copier does; a ``wait`` (the fence) for it
+    finishes it at once."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from kvoffload.connector.worker import ConnectorWorker
+        from kvoffload.specs import DeviceBlocks
+        from kvoffload.transfer.host_copier import HostCopier
+
+        self.submitted: list[tuple[Any, Any]] = []  # loads submitted in this step
+        self.in_flight: list[tuple[Any, Any]] = []  # loads that finish at the next poll
+        submit, wait, poll = HostCopier.submit, HostCopier.wait, ConnectorWorker.poll
+
+        def late_submit(copier: Any, job: Any) -> bool:
+            if not isinstance(job.dst, DeviceBlocks):
+                return submit(copier, job)
+            self.submitted.append((copier, job))
+            return True
+
+        def fence(copier: Any, job_ids: Any) -> None:
+            self._finish(submit, lambda job: job.job_id in job_ids)
+            wait(copier, job_ids)
+
+        def late_poll(worker: Any) -> Any:
+            self._finish(submit, lambda job: any(job is j for _, j in self.in_flight))
+            self.in_flight, self.submitted = self.submitted, []
+            return poll(worker)
+
+        monkeypatch.setattr(HostCopier, "submit", late_submit)
+        monkeypatch.setattr(HostCopier, "wait", fence)
+        monkeypatch.setattr(ConnectorWorker, "poll", late_poll)
+
+    def _finish(self, submit: Any, due: Any) -> None:
+        for queue in (self.in_flight, self.submitted):
+            for item in [item for item in queue if due(item[1])]:
+                queue.remove(item)
+                submit(*item)  # kvoffload's CPU copier copies a load inside submit
+
+
+def test_a_request_aborted_while_its_load_is_in_flight_keeps_its_blocks_until_the_load_is_reported(
+        build: Engines, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM frees an aborted request's blocks only once the connector reports its load finished; kvoffload reports
+    it, so x, which needs those blocks, is admitted a step later and sees only its own KV."""
+    loads = LateLoads(monkeypatch)
+    engine = build(num_blocks=12, max_num_batched_tokens=128, max_model_len=128)
     prompt = tokens(11, 80)
     store_then_reset(engine, {"a": prompt})
     engine.add_request("b", prompt + tokens(12, 5), 6)
-    engine.step()  # b's load starts after this step's forward pass
+    engine.step()  # starts b's load after the forward pass; it finishes at the next step's poll
     assert engine.scheduler.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    (load,) = [job for _, job in loads.in_flight]
     engine.abort("b")
-    engine.add_request("x", tokens(13, 60), 8)  # may get b's blocks in the very next step
+    engine.add_request("x", tokens(13, 124), 4)  # 8 of the 11 blocks: b's too
+    assert engine.step().num_scheduled_tokens == {}  # b's blocks are held while its load runs
+    x_step = engine.step()
+    assert set(x_step.scheduled_new_reqs[0].block_ids[0]) & set(load.dst.block_ids)
     engine.run()
     engine.add_request("c", prompt + tokens(14, 2), 6)
     engine.run()
