@@ -189,7 +189,7 @@ class LayerKV(NamedTuple):
     (attention) or ``[1, 1, state bytes]`` (a state layer); ``window`` in tokens for sliding-window layers."""
 
     name: str
-    index: int
+    ordinal: int
     group: int
     pages: torch.Tensor
     window: int | None
@@ -234,7 +234,7 @@ class StandInModel:
     def pattern(self, hashes: torch.Tensor, layer: LayerKV) -> torch.Tensor:
         """The bytes recomputing writes for these prefixes in ``layer``: ``[len(hashes), width]`` int8."""
         cols = self._cols[:layer.width(self.block_size)]
-        v = (hashes[:, None] >> (cols % 53)) + cols * 37 + layer.index * 101
+        v = (hashes[:, None] >> (cols % 53)) + cols * 37 + layer.ordinal * 101
         return (v & 255).to(torch.uint8).view(torch.int8)
 
     def digest(self, rows: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,8 @@ from vllm.v1.kv_cache_interface import KVCacheSpec
 from vllm.v1.request import RequestStatus
 
 from kvoffload.integrations.vllm import compat
+from kvoffload.integrations.vllm.messages import KVOffloadMetadata
+from kvoffload.specs import NO_BLOCK, DeviceBlocks
 
 BLOCK = 16
 
@@ -344,11 +346,13 @@ def test_a_sliding_window_model_loads_the_window_and_every_full_attention_block(
     prompt = tokens(40, 100)
     store_then_reset(engine, {"a": prompt}, max_tokens=10)
     engine.add_request("b", prompt[:96] + tokens(41, 7), 8)
-    load_step = engine.step()
-    (load,) = load_step.kv_connector_metadata.meta.load_jobs
+    meta = engine.step().kv_connector_metadata
+    assert isinstance(meta, KVOffloadMetadata)
+    (load,) = meta.meta.load_jobs
+    assert isinstance(load.job.dst, DeviceBlocks)
     window_blocks, full_blocks = load.job.dst.block_ids[:6], load.job.dst.block_ids[6:]
-    assert window_blocks[:4] == (-1,) * 4 and -1 not in window_blocks[4:]  # only the window's two blocks
-    assert -1 not in full_blocks
+    assert window_blocks[:4] == (NO_BLOCK,) * 4 and NO_BLOCK not in window_blocks[4:]  # the window's two blocks
+    assert NO_BLOCK not in full_blocks
     engine.run()
     assert engine.records["b"].external_cached_tokens == 96
     assert_served_right(engine, "a", "b")
