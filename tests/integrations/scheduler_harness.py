@@ -13,7 +13,7 @@ depends on the bytes read, so a wrong load also changes the output, which ``Stan
 
 No engine and no model weights: the ``VllmConfig`` is built directly with ``DeviceConfig("cpu")``, as vLLM's own
 connector unit tests do (tests/v1/kv_connector/unit/utils.py), so this also runs on vLLM releases without a CPU
-build (0.33, 0.34). What differs between releases is in ``model_runner_output``, and nowhere else.
+build (0.33, 0.34; 0.31 too). What differs between releases is in ``model_runner_output``, and nowhere else.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def model_runner_output(req_ids: list[str], sampled: list[list[int]],
                         kv_output: KVConnectorOutput | None) -> ModelRunnerOutput:
     """The step's ``ModelRunnerOutput``. vLLM 0.34 dropped ``req_id_to_index`` (its scheduler derives it from
     ``req_ids``); 0.32 and 0.33 require it. (0.34 also re-sends a resumed request among the new ones, where 0.32
-    and 0.33 list it in ``resumed_req_ids``: ``Engine.update_tables`` needs neither, as vLLM's model runner does
-    not: a request missing from its batch gets its whole table either way.)"""
+    and 0.33 list it in ``resumed_req_ids``; ``Engine.update_tables`` drops a preempted request's table, so a
+    request whose table it does not hold gets its whole table in every release, and it needs neither.)"""
     extra: dict[str, Any] = {}
     if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
         extra["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
@@ -131,30 +131,6 @@ def make_engine(model: Path, specs: Mapping[str, KVCacheSpec], **config: Any) ->
     if any(isinstance(spec, MambaSpec) for spec in specs.values()):
         vllm_config.cache_config.mamba_cache_mode = "align"  # what vLLM picks with prefix caching on
     return Engine(vllm_config, plan_kv_cache(vllm_config, specs))
-
-
-def hybrid_window(num_layers: int, window: int, block_size: int = 16) -> dict[str, KVCacheSpec]:
-    """Gemma-style layers: sliding-window layers with every other one full attention (two KV-cache groups)."""
-    return {f"model.layers.{i}.self_attn.attn": attention(block_size, None if i % 2 else window)
-            for i in range(num_layers)}
-
-
-def hybrid_state(num_layers: int) -> dict[str, KVCacheSpec]:
-    """LFM2-style layers: ShortConv state layers ("align" mode) alternating with full attention, the state page
-    padded to the attention page and the block size the smallest multiple of 32 whose page holds the state, as
-    vLLM sizes them for such models."""
-    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
-    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-
-    shapes = MambaStateShapeCalculator.short_conv_state_shape(tp_world_size=1, intermediate_size=64, conv_kernel=3)
-    dtypes = MambaStateDtypeCalculator.short_conv_state_dtype(torch.float32, "auto")
-    state = MambaSpec(block_size=1, shapes=shapes, dtypes=dtypes, mamba_type=MambaAttentionBackendEnum.SHORT_CONV)
-    block_size = 32 * -(-state.page_size_bytes // (32 * attention(1).page_size_bytes))
-    attn = attention(block_size)
-    padded = dataclasses.replace(state, block_size=block_size, page_size_padded=attn.page_size_bytes,
-                                 mamba_cache_mode="align")
-    return {f"model.layers.{i}.{'attn' if i % 2 else 'mixer'}": attn if i % 2 else padded
-            for i in range(num_layers)}
 
 
 def plan_kv_cache(config: VllmConfig, specs: Mapping[str, KVCacheSpec]) -> KVCacheConfig:
@@ -380,7 +356,6 @@ class Engine:
         """Draft tokens verified and accepted (vLLM's ``spec_decoding_stats``)."""
         self.drafter: Any = None
         """With speculative decoding: ``(engine, req_id) -> draft tokens``, run after each step."""
-        self.steps = 0
 
     # -- the client side --------------------------------------------------------------------------------------
 
@@ -442,7 +417,6 @@ class Engine:
             sampled = [r for r, t in zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
                        if t and r in self.scheduler.requests and not self.scheduler.requests[r].is_finished()]
             self.scheduler.update_draft_token_ids(DraftTokenIds(sampled, [self.drafter(self, r) for r in sampled]))
-        self.steps += 1
         return out
 
     def run_worker_step(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -484,11 +458,10 @@ class Engine:
             elif new_ids is not None:
                 for table, ids in zip(self.tables[req_id], new_ids, strict=True):
                     table.extend(ids)
-        zero = getattr(out, "new_block_ids_to_zero", None)
-        if zero:
+        if out.new_block_ids_to_zero:  # vLLM zeroes a state model's new blocks before anything reads them
             for layer in self.model.layers:
-                layer.pages[torch.tensor(zero)] = 0
-        if getattr(out, "kv_cache_block_copies", None):
+                layer.pages[torch.tensor(out.new_block_ids_to_zero)] = 0
+        if out.kv_cache_block_copies:
             raise NotImplementedError("the stand-in model runner does not copy KV blocks (kv_cache_block_copies)")
 
     def forward(self, out: SchedulerOutput) -> tuple[list[str], list[list[int]]]:
@@ -530,3 +503,43 @@ class Engine:
         self.worker.shutdown()
         self.scheduler.shutdown()
 
+
+# ---- for the tests -------------------------------------------------------------------------------------------
+
+
+class Engines:
+    """Builds a test's engines (``make_engine`` over one model directory) and shuts them all down (``close``)."""
+
+    def __init__(self, model: Path) -> None:
+        self.model = model
+        self.made: list[Engine] = []
+
+    def __call__(self, specs: Mapping[str, KVCacheSpec] | None = None, **config: Any) -> Engine:
+        self.made.append(make_engine(self.model, specs or full_attention(2), **config))
+        return self.made[-1]
+
+    def close(self) -> None:
+        for engine in self.made:
+            engine.shutdown()
+
+
+def tokens(seed: int, count: int) -> list[int]:
+    """``count`` deterministic token ids; different seeds share no prefix."""
+    return [mix(seed, i) % VOCAB for i in range(count)]
+
+
+def assert_served_right(engine: Engine, *req_ids: str) -> None:
+    """Every byte read back was what recomputing writes, and each request finished with the reference output."""
+    assert engine.wrong == []
+    for req_id in req_ids:
+        record = engine.records[req_id]
+        assert record.finish_reason is not None, req_id
+        assert record.output == engine.expected(req_id), req_id
+
+
+def store_then_reset(engine: Engine, prompts: Mapping[str, Sequence[int]], max_tokens: int = 6) -> None:
+    """Serve ``prompts`` (kvoffload stores their blocks), then empty vLLM's device prefix cache."""
+    for req_id, prompt in prompts.items():
+        engine.add_request(req_id, prompt, max_tokens)
+    engine.run()
+    engine.reset_prefix_cache()
