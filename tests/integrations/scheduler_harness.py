@@ -125,8 +125,8 @@ def make_engine(model: Path, specs: Mapping[str, KVCacheSpec], **config: Any) ->
     block_size = next(iter(specs.values())).block_size
     vllm_config = make_vllm_config(model, block_size=block_size, **config)
     if len({type(spec) for spec in specs.values()}) > 1:
-        # Several KV-cache groups need vLLM's hybrid manager, which VllmConfig turns off on a platform it does not
-        # know (0.33 and 0.34 here, without a CPU build, see none); the scheduler's side of it needs no device.
+        # Several KV-cache groups need vLLM's hybrid manager, which VllmConfig turns off where it finds no platform
+        # (0.33 and 0.34 here: no CPU build, so UnspecifiedPlatform); the scheduler's side of it needs no device.
         vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
     if any(isinstance(spec, MambaSpec) for spec in specs.values()):
         vllm_config.cache_config.mamba_cache_mode = "align"  # what vLLM picks with prefix caching on
