@@ -134,9 +134,6 @@ def test_a_sliding_window_model_loads_the_window_and_every_full_attention_block(
     assert_served_right(engine, "a", "b")
 
 
-@pytest.mark.xfail(strict=True, reason="kvoffload's inject_load_corruption zeroes the load's first host slot, which "
-                   "for a hit longer than the window is a window block the load skips (NO_BLOCK): nothing wrong is "
-                   "loaded (transfer/faults.py CorruptFirstLoads should zero the first slot it copies)")
 def test_the_control_a_corrupted_load_is_caught_in_a_sliding_window_model(build: Engines) -> None:
     engine = build(hybrid_window(4, window=32), extra={"inject_load_corruption": 1})
     prompt = tokens(40, 100)

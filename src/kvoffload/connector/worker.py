@@ -112,7 +112,7 @@ class ConnectorWorker:
         if self.config.inject_load_failures:
             handler = FailFirstLoads(handler, self.config.inject_load_failures)
         if self.config.inject_load_corruption:
-            handler = CorruptFirstLoads(handler, self.pool, self.config.inject_load_corruption)
+            handler = CorruptFirstLoads(handler, self.pool, self.factor, self.config.inject_load_corruption)
         handler = check_reads(self.pool, handler)
         self.transfers.register(Medium.DEVICE, Medium.HOST, handler)
         self.transfers.register(Medium.HOST, Medium.DEVICE, handler)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from kvoffload.specs import HostBlocks, JobId, Medium, TransferJob
+from kvoffload.specs import NO_BLOCK, DeviceBlocks, HostBlocks, JobId, Medium, TransferJob
 from kvoffload.transfer.base import TransferHandler, TransferResult
 from kvoffload.transfer.host_pool import HostPool
 
@@ -41,21 +41,27 @@ class FailFirstLoads(TransferHandler):
 
 
 class CorruptFirstLoads(TransferHandler):
-    """Zeroes the host copy of the first offload block of each of the first ``count`` load jobs, then loads.
+    """Zeroes the host copy of the first offload block that each of the first ``count`` load jobs copies, then
+    loads.
 
     The job still succeeds, so the engine computes with wrong KV for that block (and for every later load of
-    the same block, whose host copy stays zeroed): what a buggy copy or a lying tier would do.
+    the same block, whose host copy stays zeroed): what a buggy copy or a lying tier would do. The block is the
+    first one the load really copies: a sliding-window group's leading holes (``NO_BLOCK``) copy nothing, so
+    zeroing their slot would change nothing the engine reads and the control would prove nothing.
     """
 
-    def __init__(self, inner: TransferHandler, pool: HostPool, count: int) -> None:
+    def __init__(self, inner: TransferHandler, pool: HostPool, factor: int, count: int) -> None:
         self._inner = inner
         self._pool = pool
+        self._factor = factor
         self._left = count
 
     def submit(self, job: TransferJob) -> bool:
-        if self._left > 0 and job.dst.medium == Medium.DEVICE and isinstance(job.src, HostBlocks) and job.src.slots:
-            self._left -= 1
-            self._pool.slot(job.src.slots[0]).zero_()
+        if self._left > 0 and isinstance(job.dst, DeviceBlocks) and isinstance(job.src, HostBlocks):
+            slot = first_copied_slot(job.dst, job.src, self._factor)
+            if slot is not None:
+                self._left -= 1
+                self._pool.slot(slot).zero_()
         return self._inner.submit(job)
 
     def get_finished(self) -> list[TransferResult]:
@@ -66,3 +72,15 @@ class CorruptFirstLoads(TransferHandler):
 
     def shutdown(self) -> None:
         self._inner.shutdown()
+
+
+def first_copied_slot(device: DeviceBlocks, host: HostBlocks, factor: int) -> int | None:
+    """The host slot of the first device entry of a load that is not a hole (``specs``: entry ``k`` of a group
+    pairs with that group's host entry ``(k + skip_sub_blocks) // factor``), or None when every entry is one."""
+    d0 = h0 = 0
+    for dn, hn in zip(device.group_sizes, host.group_sizes, strict=True):
+        for k in range(dn):
+            if device.block_ids[d0 + k] != NO_BLOCK:
+                return host.slots[h0 + (k + host.skip_sub_blocks) // factor]
+        d0, h0 = d0 + dn, h0 + hn
+    return None
