@@ -180,13 +180,18 @@ check: setup setup-vllm lint
 
 # First the machine facts the suite depends on (CPU model and flags, cores, NUMA nodes, vLLM versions: machines
 # differ from run to run), then every test on vLLM 0.32, the API check against the newest vLLM, then vLLM 0.31's
-# adapter tests and e2e smoke (its whole e2e set where the version-dependent code changed: test-vllm031).
+# adapter tests and e2e smoke (its whole e2e set where the version-dependent code changed: test-vllm031), then the
+# adapter tests on vLLM 0.33 and 0.34 (every release kvoffload says it is tested with: compat.TESTED_RANGE).
 test: test-main
 	$(MAKE) --no-print-directory test-vllm031
+	$(MAKE) --no-print-directory test-vllm033
+	$(MAKE) --no-print-directory test-vllm034
 
 # make test with the whole e2e set on vLLM 0.31 whatever changed.
 test-full: test-main
 	$(MAKE) --no-print-directory test-vllm031-full
+	$(MAKE) --no-print-directory test-vllm033
+	$(MAKE) --no-print-directory test-vllm034
 
 test-main: machine-facts setup setup-vllm lint vllm-api-check
 	$(BIN)/python $(PYTEST)

@@ -14,8 +14,7 @@ def vllm_configs(tmp_path: Path) -> tuple[Any, Any]:
     config for it (``compat.get_kv_cache_configs``: vLLM's planner, wherever the installed vLLM keeps it)."""
     pytest.importorskip("vllm")
     import torch
-    from vllm.config import KVTransferConfig
-    from vllm.engine.arg_utils import EngineArgs
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from kvoffload.integrations.vllm import compat
@@ -26,8 +25,11 @@ def vllm_configs(tmp_path: Path) -> tuple[Any, Any]:
     transfer = KVTransferConfig(kv_connector="KVOffloadConnector",
                                 kv_connector_module_path="kvoffload.integrations.vllm.connector",
                                 kv_role="kv_both", kv_connector_extra_config={"host_bytes": 1 << 20})
-    config = EngineArgs(model=str(model), block_size=32, max_model_len=256, dtype="float32",
-                        kv_transfer_config=transfer).create_engine_config()
+    # Built directly rather than by EngineArgs, which asks the platform for its device: vLLM 0.33 and 0.34 find
+    # none here (no CPU build), and nothing in these tests runs on one.
+    model_config = ModelConfig(model=str(model), dtype="float32", max_model_len=256, skip_tokenizer_init=True)
+    config = VllmConfig(model_config=model_config, device_config=DeviceConfig("cpu"),
+                        cache_config=CacheConfig(block_size=32), kv_transfer_config=transfer)
     config.cache_config.kv_cache_layout = "LBNHC"  # no worker runs to resolve it; the CPU backend's own
     spec = FullAttentionSpec(block_size=32, num_kv_heads=shape.num_kv_heads, head_size=shape.head_dim,
                              dtype=torch.float32)

@@ -18,8 +18,12 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch
-from vllm.config import CacheConfig, ParallelConfig, VllmConfig
-from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+from vllm.config import CacheConfig, DeviceConfig, ParallelConfig, VllmConfig
+
+try:  # vLLM 0.33 moved the planner
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
+except ImportError:  # vLLM 0.31 and 0.32
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     HiddenStateCacheSpec,
@@ -48,8 +52,9 @@ def mla_spec(**overrides: Any) -> MLAAttentionSpec:
 
 
 def vllm_kv_cache(specs: dict[str, KVCacheSpec]) -> tuple[KVCacheConfig, dict[str, torch.Tensor]]:
-    config = VllmConfig(cache_config=CacheConfig(num_gpu_blocks_override=NUM_BLOCKS))
+    config = VllmConfig(cache_config=CacheConfig(num_gpu_blocks_override=NUM_BLOCKS), device_config=DeviceConfig("cpu"))
     config.cache_config.kv_cache_layout = "LBNHC"  # what vLLM resolves for the CPU MLA backend
+    config.scheduler_config.disable_hybrid_kv_cache_manager = False  # off where vLLM finds no platform (0.33, 0.34)
     groups = get_kv_cache_groups(config, specs)
     kv_cache_config = get_kv_cache_config_from_groups(config, groups, available_memory=1 << 30)
     layout = config.cache_config.get_resolved_kv_cache_layout()

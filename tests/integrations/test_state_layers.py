@@ -16,14 +16,18 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch
-from vllm.config import CacheConfig, SpeculativeConfig, VllmConfig
+from vllm.config import CacheConfig, DeviceConfig, SpeculativeConfig, VllmConfig
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateDtypeCalculator,
     MambaStateShapeCalculator,
 )
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+
+try:  # vLLM 0.33 moved the planner
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
+except ImportError:  # vLLM 0.31 and 0.32
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
 from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec
 from vllm.v1.worker.utils import allocate_kv_cache
@@ -79,8 +83,12 @@ def hybrid_specs(state: MambaSpec, cache_mode: str = "align") -> dict[str, KVCac
 
 
 def engine_config(**cache: object) -> VllmConfig:
-    config = VllmConfig(cache_config=CacheConfig(num_gpu_blocks_override=NUM_BLOCKS, **cache))  # type: ignore[arg-type]
+    config = VllmConfig(cache_config=CacheConfig(num_gpu_blocks_override=NUM_BLOCKS, **cache),  # type: ignore[arg-type]
+                        device_config=DeviceConfig("cpu"))
     config.cache_config.kv_cache_layout = "LBHNC"  # what vLLM resolves on CPU (and for FlashAttention on GPU)
+    # A state layer beside attention needs vLLM's hybrid manager, which VllmConfig turns off where it finds no
+    # platform (vLLM 0.33 and 0.34 here: no CPU build); planning the KV cache needs no device.
+    config.scheduler_config.disable_hybrid_kv_cache_manager = False
     return config
 
 
@@ -94,7 +102,8 @@ def vllm_kv_cache(config: VllmConfig, specs: dict[str, KVCacheSpec]) -> tuple[KV
 
 def model_layer_states(spec: MambaSpec, pages: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The per-state tensors the model layer computes with, cut by vLLM's own ``MambaBase.bind_kv_cache``."""
-    layer = SimpleNamespace(get_state_shape=lambda: spec.shapes, get_state_dtype=lambda: spec.dtypes)
+    layer = SimpleNamespace(get_state_shape=lambda: spec.shapes, get_state_dtype=lambda: spec.dtypes,
+                            state_alignment=getattr(spec, "state_alignment", 1))  # vLLM 0.34 on
     MambaBase.bind_kv_cache(layer, pages)  # type: ignore[arg-type]
     states: tuple[torch.Tensor, ...] = layer.kv_cache
     return states
@@ -144,6 +153,21 @@ def test_adapter_describes_the_states_vllm_packs_into_a_page(family: str) -> Non
     assert isinstance(ours, StateSpec)
     assert ours.shapes == spec.shapes and ours.dtypes == tuple(spec.dtypes)
     assert ours.page_bytes == spec.real_page_size_bytes and ours.padded_page_bytes == spec.page_size_bytes
+
+
+def test_states_vllm_pads_to_an_alignment_are_refused() -> None:
+    """vLLM 0.34 may align each state within a page (``MambaSpec.state_alignment``, FlashInfer's ReplaySSM on GPU);
+    kvoffload describes states packed from byte 0, so a page with gaps between its states is refused, not
+    copied at the wrong offsets."""
+    spec = mamba2_spec()
+    if not hasattr(spec, "state_alignment"):
+        pytest.skip("this vLLM packs states without alignment (vLLM 0.34 added state_alignment)")
+    conv_bytes = spec.shapes[0][0] * spec.shapes[0][1] * spec.dtypes[0].itemsize
+    aligned = replace(spec, state_alignment=2 * conv_bytes)  # pads the conv state: a gap before the SSM state
+    assert aligned.real_page_size_bytes > spec.real_page_size_bytes
+    with pytest.raises(adapters.UnsupportedKVCacheError, match=r"model\.layers\.0\.mixer"):
+        adapters.layer_spec("model.layers.0.mixer", aligned)
+    assert isinstance(adapters.layer_spec("model.layers.0.mixer", replace(spec, state_alignment=1)), StateSpec)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -19,7 +19,9 @@ def output(new: list[tuple[str, int, int]], cached: list[tuple[str, int, int]],
            spec: dict[str, list[int]] | None = None) -> SchedulerOutput:
     """``new`` and ``cached``: (request id, computed before the step, tokens scheduled)."""
     out = SchedulerOutput.make_empty()
-    out.scheduled_new_reqs = [NewRequestData(r, [1] * 64, [], None, None, ([i, i + 1],), before, None)
+    # prefill_token_ids: required from vLLM 0.34, a keyword since 0.31
+    out.scheduled_new_reqs = [NewRequestData(r, [1] * 64, [], None, None, ([i, i + 1],), before, None,
+                                             prefill_token_ids=[1] * 64)
                               for i, (r, before, _) in enumerate(new)]
     data = CachedRequestData.make_empty()
     for i, (r, before, _) in enumerate(cached):
@@ -92,7 +94,8 @@ def test_a_new_request_brings_its_whole_table_and_is_not_preempted_whatever_vllm
 def test_without_resumed_req_ids_a_request_re_sent_in_full_replaces_its_old_table() -> None:
     # vLLM 0.34: CachedRequestData has no resumed_req_ids; a resumed request comes back among the new ones.
     out = output([("r", 0, 64)], [("a", 40, 1)])
-    del out.scheduled_cached_reqs.resumed_req_ids
+    vars(out.scheduled_cached_reqs).pop("resumed_req_ids", None)  # also on 0.31 to 0.33, which have it
+    assert not hasattr(out.scheduled_cached_reqs, "resumed_req_ids")
 
     step = adapters.step_schedule(out)
 

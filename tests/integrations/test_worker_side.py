@@ -1,13 +1,15 @@
-"""The connector's worker role driven by vLLM's own model-runner code (``KVConnectorModelRunnerMixin``), in both
-of its orders: ``wait_for_save`` before the step's reports, and, as with speculative decoding, after them
-(``defer_finalize``, then ``finalize_kv_connector``; vLLM 0.33's Model Runner V2 does the same in
-``finalize_step``). Either way a step's store goes out at the start of the next step and is reported once. And
-the report hooks: one poll per step, each hook taking its part of it once."""
+"""The connector's worker role driven by vLLM's own model-runner code, every runner the installed vLLM has: the V1
+runner's ``KVConnectorModelRunnerMixin`` (up to 0.33) and Model Runner V2's ``ActiveKVConnector`` (GPU, and the
+standalone CPU runner's from 0.34), each in its orders: ``wait_for_save`` before the step's reports, and, as with
+speculative decoding, after them (V1's ``defer_finalize`` then ``finalize_kv_connector``; V2's ``finalize_step``,
+from 0.33). Either way a step's store goes out at the start of the next step and is reported once. And the report
+hooks: one poll per step, each hook taking its part of it once."""
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -25,10 +27,58 @@ from kvoffload.testing import layouts
 STORE = JobId(0)
 
 
-@pytest.fixture
-def connector(vllm_configs: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Any]]:
+RUNNERS = ["v1 save_first", "v1 report_first", "gpu save_first", "gpu report_first", "cpu save_first"]
+"""Model runner and order. The V1 runner is gone from 0.34; the standalone CPU runner (0.34 on) never defers."""
+
+
+def runner_step(runner: str, config: Any, made: Any, kv_caches: dict[str, Any]) -> Callable[[KVOffloadMetadata], Any]:
+    """One engine step as the named model runner calls the connector (skipped where the installed vLLM lacks it)."""
+
+    from vllm.forward_context import set_forward_context
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    kind, order = runner.split()
+    defer = order == "report_first"
+    if kind == "v1":
+        mixin = pytest.importorskip("vllm.v1.worker.kv_connector_model_runner_mixin",
+                                    reason="vLLM 0.34 removed Model Runner V1")
+        made.register_kv_caches(kv_caches)
+        v1 = mixin.KVConnectorModelRunnerMixin
+
+        def v1_step(meta: KVOffloadMetadata) -> Any:
+            out = SchedulerOutput.make_empty()
+            out.kv_connector_metadata = meta
+            made.handle_preemptions(meta)
+            with (set_forward_context(None, config),
+                  v1.maybe_get_kv_connector_output(out, defer_finalize=defer) as output):
+                pass  # the forward pass
+            if defer:
+                v1.finalize_kv_connector()  # after the drafter ran
+            return output
+        return v1_step
+    module = pytest.importorskip(f"vllm.v1.worker.{kind}.kv_connector", reason=f"no {kind} Model Runner V2")
+    v2 = module.ActiveKVConnector(config, kv_caches)  # registers the KV caches, as the runner does
+    if defer and "defer_finalize" not in inspect.signature(v2.post_forward).parameters:
+        pytest.skip("this vLLM's Model Runner V2 never defers wait_for_save (0.33 added finalize_step)")
+
+    def v2_step(meta: KVOffloadMetadata) -> Any:
+        out = SchedulerOutput.make_empty()
+        out.kv_connector_metadata = meta
+        v2.pre_forward(out)  # handle_preemptions, bind
+        with set_forward_context(None, config):
+            v2.finish_forward()  # the forward pass
+        output = v2.post_forward(set(), defer_finalize=True) if defer else v2.post_forward(set())
+        if defer:
+            v2.finalize_step()  # after the drafter ran
+        return output
+    return v2_step
+
+
+@pytest.fixture(params=RUNNERS)
+def step(request: pytest.FixtureRequest, vllm_configs: tuple[Any, Any],
+         monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Callable[[KVOffloadMetadata], Any]]]:
     """A worker-role KVOffloadConnector over engine-shaped KV tensors, installed as vLLM's KV transfer group, and
-    its VllmConfig."""
+    one engine step of the model runner ``request.param`` names."""
     from vllm.distributed.kv_transfer import kv_transfer_state
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
@@ -36,28 +86,10 @@ def connector(vllm_configs: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) ->
 
     config, kv_cache = vllm_configs
     made = KVOffloadConnector(config, KVConnectorRole.WORKER, kv_cache)
-    made.register_kv_caches(layouts.make_kv_caches(adapters.kv_cache_layout(kv_cache, "LBNHC")))
+    kv_caches = layouts.make_kv_caches(adapters.kv_cache_layout(kv_cache, "LBNHC"))
     monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", made)
-    yield made, config
+    yield made, runner_step(request.param, config, made, kv_caches)
     made.shutdown()
-
-
-def run_step(connector: tuple[Any, Any], meta: KVOffloadMetadata, defer_finalize: bool) -> Any:
-    """One engine step as vLLM's V1 model runner calls the connector (execute_model, then sample_tokens)."""
-    from vllm.forward_context import set_forward_context
-    from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin as Runner
-
-    ours, config = connector
-    out = SchedulerOutput.make_empty()
-    out.kv_connector_metadata = meta
-    ours.handle_preemptions(meta)
-    with (set_forward_context(None, config),
-          Runner.maybe_get_kv_connector_output(out, defer_finalize=defer_finalize) as output):
-        pass  # the forward pass
-    if defer_finalize:
-        Runner.finalize_kv_connector()  # after the drafter ran
-    return output
 
 
 def completed(output: Any) -> Counter[JobId]:
@@ -65,21 +97,21 @@ def completed(output: Any) -> Counter[JobId]:
     return Counter() if report is None else Counter(report.report.completed)
 
 
-@pytest.mark.parametrize("defer_finalize", [False, True], ids=["save_first", "report_first"])
-def test_a_store_goes_out_at_the_next_step_and_is_reported_once(connector: tuple[Any, Any],
-                                                                defer_finalize: bool) -> None:
-    core = connector[0].worker.core
+def test_a_store_goes_out_at_the_next_step_and_is_reported_once(
+        step: tuple[Any, Callable[[KVOffloadMetadata], Any]]) -> None:
+    connector, run_step = step
+    core = connector.worker.core
     submitted: list[JobId] = []
     submit = core.transfers.submit
     core.transfers.submit = lambda job: submitted.append(job.job_id) or submit(job)
     store = TransferJob(STORE, DeviceBlocks((3,), (1,)), HostBlocks((0,), (1,)))
 
-    first = run_step(connector, KVOffloadMetadata(ConnectorMetadata(store_jobs=(store,))), defer_finalize)
+    first = run_step(KVOffloadMetadata(ConnectorMetadata(store_jobs=(store,))))
     assert submitted == [] and completed(first) == Counter()  # deferred: the copy never delays sampling
-    second = run_step(connector, NO_JOBS, defer_finalize)
+    second = run_step(NO_JOBS)
     assert submitted == [STORE]  # the next step's first hook sent it
     core.transfers.wait([STORE])
-    later = [run_step(connector, NO_JOBS, defer_finalize) for _ in range(2)]
+    later = [run_step(NO_JOBS) for _ in range(2)]
 
     assert sum((completed(o) for o in (second, *later)), Counter()) == Counter({STORE: 1})
     assert submitted == [STORE]
