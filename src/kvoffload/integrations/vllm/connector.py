@@ -1,4 +1,4 @@
-"""``KVOffloadConnector``: kvoffload as a vLLM KV connector (tested with vLLM 0.31 and 0.32: compat.py).
+"""``KVOffloadConnector``: kvoffload as a vLLM KV connector (tested with vLLM 0.31 to 0.34: compat.py).
 
 vLLM builds one instance per role: the scheduler role (``SchedulerSide``, in the process that runs vLLM's
 scheduler) and the worker role (``WorkerSide``, in every worker process). This class only parses the
