@@ -21,6 +21,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from tests.integrations.scheduler_harness import (
+    Engine,
     Engines,
     assert_served_right,
     store_then_reset,
@@ -124,6 +125,50 @@ def test_requests_preempted_for_lack_of_device_blocks_resume_with_the_right_kv(b
     assert engine.preempted
     assert engine.external_hits > 0
     assert_served_right(engine, *(f"r{i}" for i in range(4)))
+
+
+# ---- the KV cache released and recommitted (vLLM 0.33's sleep mode, 0.34's extensible KV cache) --------------
+
+
+def release_and_recommit(engine: Engine) -> None:
+    """What vLLM does around a release of the KV cache's memory: ``unregister_kv_caches`` while the pages still
+    hold their bytes, the pages replaced by fresh zeroed ones at the same addresses, the device prefix cache
+    forgotten (every running request preempted), then ``restore_kv_caches``."""
+    engine.worker.unregister_kv_caches()
+    for layer in engine.model.layers:
+        layer.pages.zero_()
+    engine.reset_prefix_cache(preempt_running=True)
+    engine.worker.restore_kv_caches()
+
+
+@pytest.mark.parametrize("hooks", ["kvoffload's", "no-ops"])
+def test_stores_deferred_across_a_release_of_the_kv_cache_never_publish_the_new_pages(
+        build: Engines, monkeypatch: pytest.MonkeyPatch, hooks: str) -> None:
+    """a's prefill fills four blocks, whose store is deferred to the next step; the KV cache is released and
+    recommitted before that step. With kvoffload's hooks the deferred store fails and a later request loads only
+    blocks stored after the restore; with the hooks as no-ops (what kvoffload inherited from vLLM's base class) the
+    store copies the zeroed pages and publishes them, and the byte comparison catches the loads of them (the
+    control)."""
+    engine = build()
+    if hooks == "no-ops":
+        monkeypatch.setattr(engine.worker, "unregister_kv_caches", lambda: None)
+        monkeypatch.setattr(engine.worker, "restore_kv_caches", lambda: None)
+    prompt = tokens(7, 70)
+    engine.add_request("a", prompt, 10)
+    engine.step()  # 64 prompt tokens computed: four full blocks, stored at the next step
+    release_and_recommit(engine)
+    engine.run()
+    for req_id, seed in (("b", 8), ("c", 9)):  # b stores the prefix if nobody did after the restore; c loads it
+        engine.reset_prefix_cache()
+        engine.add_request(req_id, prompt[:64] + tokens(seed, 9), 6)
+        engine.run()
+
+    assert engine.preempted == {"a"}
+    if hooks == "no-ops":
+        assert engine.wrong and engine.records["b"].output != engine.expected("b")
+        return
+    assert engine.records["c"].external_cached_tokens == 64
+    assert_served_right(engine, "a", "b", "c")
 
 
 # ---- aborts ----------------------------------------------------------------------------------------------------
