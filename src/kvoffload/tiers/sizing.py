@@ -33,7 +33,8 @@ def host_num_slots(config: OffloadConfig, layout: GroupedLayout, factor: int) ->
     slots = config.host.capacity_bytes // slot
     if slots < 1:
         raise ConfigError(
-            f"host tier capacity {config.host.capacity_bytes} bytes is below one offload block ({slot} bytes)"
+            f"host_bytes/host_gib: the host tier ({config.host.capacity_bytes} bytes) is below one offload block "
+            f"({slot} bytes); set at least host_bytes={slot}"
         )
     if config.host.scope is HostScope.NODE:
         return slots  # a shared pool may already be in memory; making it checks the tmpfs has room (node/segment)

@@ -134,6 +134,23 @@ def test_a_pool_file_of_another_size_is_refused(node_path: Path) -> None:
         open_pool_file(directory, 0, NodeGeometry(16, 256, NS.chain_root()), access_of(NodeTierConfig(node_path)))
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_files_an_engine_makes_have_their_modes_whatever_the_umask(node_path: Path, umask: int) -> None:
+    """A shared group's files are 0660 (0640 under umask 022 refused the group's other users), private ones 0600."""
+    for group, mode in ((os.getegid(), 0o660), (None, 0o600)):
+        node = NodeTierConfig(node_path / f"g{group}", shared_group=group)
+        node.path.mkdir(mode=0o700)
+        previous = os.umask(umask)
+        try:
+            directory = open_directory(node, NS)
+            open_index(directory, GEOMETRY, access_of(node))
+            open_pool_file(directory, 0, GEOMETRY, access_of(node))
+        finally:
+            os.umask(previous)
+        assert {f.name: oct(f.stat().st_mode & 0o777) for f in directory.iterdir()} == {
+            INDEX_NAME: oct(mode), "pool.0": oct(mode)}
+
+
 @contextlib.contextmanager
 def small_tmpfs(where: Path, size: str) -> Iterator[Path]:
     where.mkdir(mode=0o700)

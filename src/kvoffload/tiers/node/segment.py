@@ -146,12 +146,25 @@ def _unescape(field: str) -> str:
 
 @contextlib.contextmanager
 def _locked_file(path: Path, access: Access, setting: str) -> Iterator[int]:
-    """``path`` opened (created if missing) and checked, under an exclusive ``flock`` for as long as the block."""
+    """``path`` opened (created if missing) and checked, under an exclusive ``flock`` for as long as the block.
+
+    A file this process creates gets exactly ``access.file_mode``: the mode given to open goes through the umask
+    (0640 under the usual 022, which refuses the group's other users). A file that exists keeps its mode, so one
+    that others may write is still refused below.
+    """
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    created = True
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, access.file_mode)
+        try:
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, access.file_mode)
+        except FileExistsError:
+            created = False
+            fd = os.open(path, flags)
     except OSError as e:
         raise ConfigError(f"{setting}: cannot open {path}: {e}") from e
     try:
+        if created:
+            os.fchmod(fd, access.file_mode)
         info = os.fstat(fd)
         problem = untrusted(info, access) if stat.S_ISREG(info.st_mode) else "not a regular file"
         if problem:
