@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from kvoffload.config import ConfigError, HostScope, OffloadConfig
 from kvoffload.tiers.lower.block_format import GroupedLayout, entry_bytes_of
@@ -36,6 +37,13 @@ def host_num_slots(config: OffloadConfig, layout: GroupedLayout, factor: int) ->
             f"host_bytes/host_gib: the host tier ({config.host.capacity_bytes} bytes) is below one offload block "
             f"({slot} bytes); set at least host_bytes={slot}"
         )
+    limit = container_memory_limit()
+    if limit is not None and slots * slot >= limit:
+        # Private pages and tmpfs pages alike count against the cgroup that faults them in: past its limit the
+        # engine is OOM-killed while it fills the pool at start-up, with nothing said about why.
+        raise ConfigError(
+            f"host_bytes/host_gib: the host tier ({slots * slot} bytes) does not fit in this container's memory "
+            f"limit ({limit} bytes, cgroup memory.max); set host_bytes well below it, or raise the limit")
     if config.host.scope is HostScope.NODE:
         return slots  # a shared pool may already be in memory; making it checks the tmpfs has room (node/segment)
     available = available_memory_bytes()
@@ -61,3 +69,46 @@ def available_memory_bytes() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError):
         return None
+
+
+_UNLIMITED = 1 << 60
+"""cgroup v1 writes "no limit" as a page-rounded 2**63 - 1; anything this large is no limit."""
+
+
+def container_memory_limit(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """The lowest memory limit of this process's cgroup and its ancestors (cgroup v2 ``memory.max``, or v1
+    ``memory.limit_in_bytes``); None where there is none or it cannot be read.
+
+    Inside a cgroup namespace /proc/self/cgroup names a path the mount does not have (the container's cgroup is
+    the mount's root), so the path's ancestors are read too, down to the mount's root.
+    """
+    try:
+        lines = (proc / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    found: list[int] = []
+    for line in lines:
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
+        if controllers == "":
+            found += _limits(cgroups, path, "memory.max")
+        elif "memory" in controllers.split(","):
+            found += _limits(cgroups / "memory", path, "memory.limit_in_bytes")
+    limits = [n for n in found if n < _UNLIMITED]
+    return min(limits) if limits else None
+
+
+def _limits(mount: Path, path: str, name: str) -> list[int]:
+    """The numeric values of ``name`` in the cgroup directory ``path`` under ``mount`` and in its ancestors."""
+    values = []
+    relative = Path(path.lstrip("/"))
+    for directory in (relative, *relative.parents):
+        try:
+            text = (mount / directory / name).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            values.append(int(text))
+    return values
