@@ -26,7 +26,7 @@
 #include <string.h>
 
 #define MAGIC 0x313065646f6e766bULL /* "kvnode01" little endian */
-#define VERSION 1
+#define VERSION 2 /* 2: an engine is alive while it holds its byte of the "engines" file (tiers/node/liveness.py) */
 #define KEY 16
 #define MAX_ATTACH 64
 #define EMPTY (-1)

@@ -21,7 +21,9 @@ import pytest
 from tests.e2e.conftest import BLOCK_SIZE, PREFIX_TOKENS, ROUNDS, Baseline, Result, assert_same_outputs
 
 from kvoffload import _nodeindex
+from kvoffload.tiers.disk.tree import Access
 from kvoffload.tiers.node.index import NodeIndex
+from kvoffload.tiers.node.liveness import EngineLocks
 
 pytestmark = pytest.mark.e2e
 
@@ -91,7 +93,8 @@ def test_engine_b_loads_engine_a_prefixes_from_the_node_pool_and_survives_a_kill
 
     segment = pool_index(node_path)
     assert _nodeindex.check(segment, -1) is None
-    survivor = NodeIndex(segment)  # releases any engine still attached: none runs now
+    (index_file,) = node_path.rglob("index")
+    survivor = NodeIndex(segment, EngineLocks(index_file.parent, Access(tier="node")))  # releases the dead
     stats = survivor.pool_counters()
     assert 1 <= stats["reclaimed"] <= 3, stats  # the killed A at least (B and the new A detach at shutdown)
     assert stats["attached"] == 1 and stats["cross_hits"] > 0, stats

@@ -10,6 +10,7 @@ from kvoffload.config import NodeTierConfig
 from kvoffload.keys import BlockHash, Namespace, OffloadKey, offload_key
 from kvoffload.specs import HostBlocks
 from kvoffload.tiers.node.index import NodeIndex
+from kvoffload.tiers.node.liveness import EngineLocks
 from kvoffload.tiers.node.segment import NodeGeometry, access_of, open_directory, open_index
 
 SLOT_BYTES = 64
@@ -27,6 +28,18 @@ def segment_in(node_path: Path, slots: int, layout: str = "node-index") -> mmap.
     node = NodeTierConfig(node_path)
     geometry = NodeGeometry(slots, SLOT_BYTES, namespace.chain_root())
     return open_index(open_directory(node, namespace), geometry, access_of(node))
+
+
+def locks_in(node_path: Path, layout: str = "node-index") -> EngineLocks:
+    """A new engine's handle on the ``engines`` file of the namespace of ``layout`` (one per engine: two handles
+    in one process are two engines to each other)."""
+    node = NodeTierConfig(node_path)
+    return EngineLocks(open_directory(node, Namespace(model="m", dtype="bf16", layout=layout)), access_of(node))
+
+
+def index_in(node_path: Path, slots: int, layout: str = "node-index") -> NodeIndex:
+    """A new engine attached to the namespace's index."""
+    return NodeIndex(segment_in(node_path, slots, layout), locks_in(node_path, layout))
 
 
 def store(index: NodeIndex, stored: list[OffloadKey]) -> HostBlocks:

@@ -16,6 +16,7 @@ from pathlib import Path
 from kvoffload.config import NodeTierConfig
 from kvoffload.keys import Namespace
 from kvoffload.tiers.node.index import NodeIndex
+from kvoffload.tiers.node.liveness import EngineLocks
 from kvoffload.tiers.node.segment import NodeGeometry, access_of, open_directory, open_index
 
 SLOTS = 16
@@ -32,13 +33,14 @@ ENGINE = textwrap.dedent(f"""
     from kvoffload.config import NodeTierConfig
     from kvoffload.keys import Namespace
     from kvoffload.tiers.node.index import NodeIndex
+    from kvoffload.tiers.node.liveness import EngineLocks
     from kvoffload.tiers.node.segment import NodeGeometry, access_of, open_directory, open_index, open_pool_file
 
     ns = Namespace(model="m", dtype="bf16", layout="{LAYOUT}")
     node = NodeTierConfig(Path(sys.argv[1]))
     directory = open_directory(node, ns)
     geometry = NodeGeometry({SLOTS}, {SLOT_BYTES}, ns.chain_root())
-    index = NodeIndex(open_index(directory, geometry, access_of(node)))
+    index = NodeIndex(open_index(directory, geometry, access_of(node)), EngineLocks(directory, access_of(node)))
     pool = open_pool_file(directory, 0, geometry, access_of(node))
     rng = random.Random(int(sys.argv[2]))
     universe = [bytes([i]) * 16 for i in range({UNIVERSE})]
@@ -126,8 +128,9 @@ def test_engines_killed_at_random_points_leave_a_consistent_pool(node_path: Path
 
     ns = Namespace(model="m", dtype="bf16", layout=LAYOUT)
     node = NodeTierConfig(node_path)
-    index = NodeIndex(open_index(open_directory(node, ns), NodeGeometry(SLOTS, SLOT_BYTES, ns.chain_root()),
-                                 access_of(node)))
+    directory = open_directory(node, ns)
+    index = NodeIndex(open_index(directory, NodeGeometry(SLOTS, SLOT_BYTES, ns.chain_root()), access_of(node)),
+                      EngineLocks(directory, access_of(node)))
     index.check_integrity()
     stats = index.pool_counters()
     repairs = stats["repairs"]

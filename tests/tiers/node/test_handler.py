@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from tests.tiers.node.pools import keys, segment_in
+from tests.tiers.node.pools import keys, locks_in, segment_in
 
 from kvoffload.specs import HostBlocks, JobId, TransferJob
 from kvoffload.testing.conformance import ALL_CHECKS, Check, HandlerHarness
@@ -25,7 +25,7 @@ class NodeLoadHarness(HandlerHarness):
         self.inner = DeviceHostHarness(store=False)
         slots = self.inner.pool.num_slots
         self.segment = segment_in(node_path, slots, layout="node-handler")
-        self.index = NodeIndex(self.segment)
+        self.index = NodeIndex(self.segment, locks_in(node_path, layout="node-handler"))
         out = self.index.prepare_store(keys(slots))
         assert out is not None and isinstance(out.store_spec, HostBlocks)
         self.index.complete_store(out.keys_to_store)

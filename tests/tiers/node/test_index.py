@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
-from tests.tiers.node.pools import keys, segment_in, store
+from tests.tiers.node.pools import index_in, keys, locks_in, segment_in, store
 
 from kvoffload import _nodeindex
 from kvoffload.config import ConfigError
@@ -23,7 +23,7 @@ from kvoffload.tiers.node.segment import MISSING_EPOCH
 def engines(node_path: Path, slots: int = 8) -> tuple[NodeIndex, NodeIndex]:
     """Two engines' views of one pool (one process here: their attachments tell them apart)."""
     segment = segment_in(node_path, slots)
-    return NodeIndex(segment), NodeIndex(segment_in(node_path, slots))
+    return NodeIndex(segment, locks_in(node_path)), index_in(node_path, slots)
 
 
 class NodeHarness(IndexHarness):
@@ -36,7 +36,7 @@ class NodeHarness(IndexHarness):
         return 5
 
     def new_index(self) -> NodeIndex:
-        return NodeIndex(segment_in(self._node_path, self.capacity, layout=f"harness-{next(self._layouts)}"))
+        return index_in(self._node_path, self.capacity, layout=f"harness-{next(self._layouts)}")
 
     def keys(self, n: int) -> list[OffloadKey]:
         return keys(n)
@@ -122,7 +122,7 @@ def test_a_dead_engine_pins_and_stores_are_released(node_path: Path) -> None:
     dead = _nodeindex.attach(segment, 2**22 + 7, 1, os.stat("/proc/self/ns/pid").st_ino)  # no such process
     held = keys(4)
     assert _nodeindex.reserve(segment, dead, b"".join(held[:2])) is not None  # killed mid-store ...
-    survivor = NodeIndex(segment)  # ... found dead by the next engine to attach
+    survivor = NodeIndex(segment, locks_in(node_path))  # ... found dead by the next engine to attach
     assert survivor.pool_counters()["reclaimed"] == 1 and survivor.pool_counters()["attached"] == 1
     assert store(survivor, held)  # its half-made slots are free again
     survivor.check_integrity()
@@ -140,10 +140,11 @@ def test_close_detaches_and_drops_the_engine_pins(node_path: Path) -> None:
 
 def test_every_attachment_taken_is_a_config_error(node_path: Path) -> None:
     segment = segment_in(node_path, 4)
-    for pid in range(_nodeindex.MAX_ATTACH):
-        _nodeindex.attach(segment, os.getpid(), 0, pid)  # start 0: never judged dead
+    engines = [NodeIndex(segment, locks_in(node_path)) for _ in range(_nodeindex.MAX_ATTACH)]  # all alive
     with pytest.raises(ConfigError, match="engines already share this node pool"):
-        NodeIndex(segment)
+        NodeIndex(segment, locks_in(node_path))
+    engines.pop().close()
+    NodeIndex(segment, locks_in(node_path))  # a detached engine's attachment is free again
 
 
 def test_check_integrity_catches_a_corrupt_segment(node_path: Path) -> None:

@@ -63,4 +63,4 @@ def test_two_tensor_parallel_engines_share_one_pool_file_per_rank(node_path: Pat
     run_checked(b)
     assert second.loaded_tokens == 16 and b.corrupt_blocks == []  # each rank's bytes from its own file
     (directory,) = (d for d in node_path.glob("kvoffload-node-*/*") if d.is_dir())
-    assert sorted(p.name for p in directory.iterdir()) == ["index", "pool.0", "pool.1"]
+    assert sorted(p.name for p in directory.iterdir()) == ["engines", "index", "pool.0", "pool.1"]

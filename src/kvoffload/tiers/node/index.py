@@ -38,7 +38,8 @@ from kvoffload.manager.base import (
     TierUsage,
 )
 from kvoffload.specs import HostBlocks, Medium
-from kvoffload.tiers.node.segment import MISSING_EPOCH, Alive, is_alive, own_identity
+from kvoffload.tiers.node.liveness import EngineLocks
+from kvoffload.tiers.node.segment import MISSING_EPOCH, own_identity
 
 logger = logging.getLogger(__name__)
 
@@ -55,16 +56,18 @@ class NodeIndex(ResidencyManager):
 
     Args:
         segment: the mapped index (``segment.open_index``).
-        alive: says whether an attached engine still runs (``segment.is_alive``; tests pass their own).
+        locks: this engine's handle on the pool's ``engines`` file (``liveness``): it locks its attachment's byte
+            there for as long as it runs, and an attachment nobody locks is a dead engine's. Its own: the index
+            closes it.
     Raises:
         ConfigError: every attachment of the pool is taken (``_nodeindex.MAX_ATTACH`` engines).
     """
 
     medium = Medium.HOST
 
-    def __init__(self, segment: mmap.mmap, alive: Alive = is_alive) -> None:
+    def __init__(self, segment: mmap.mmap, locks: EngineLocks) -> None:
         self._segment = segment
-        self._alive = alive
+        self._locks = locks
         stats = _nodeindex.stats(segment)
         self.capacity: int = stats["capacity"]
         self._last_reclaim = 0.0
@@ -72,9 +75,20 @@ class NodeIndex(ResidencyManager):
         self._reclaim(force=True)
         start, pidns = own_identity()
         self._identity = (os.getpid(), start)
-        attachment = _nodeindex.attach(segment, os.getpid(), start, pidns)
-        if attachment < 0:
-            raise ConfigError(f"host_scope node: {_nodeindex.MAX_ATTACH} engines already share this node pool")
+        try:
+            with locks.attaching():  # nobody judges the attachment before its byte is locked
+                attachment = _nodeindex.attach(segment, os.getpid(), start, pidns)
+                if attachment < 0:
+                    raise ConfigError(
+                        f"host_scope node: {_nodeindex.MAX_ATTACH} engines already share this node pool")
+                try:
+                    locks.hold(attachment)
+                except BaseException:
+                    _nodeindex.release(segment, attachment, *self._identity, False)
+                    raise
+        except BaseException:
+            locks.close()
+            raise
         self.attachment = attachment
         self._pins: dict[OffloadKey, list[int]] = {}  # key -> [slot, epoch, count] of this engine's pins
         self._in_flight: dict[OffloadKey, tuple[int, int]] = {}  # this engine's stores: key -> (slot, epoch)
@@ -179,16 +193,21 @@ class NodeIndex(ResidencyManager):
         if self.attachment >= 0:
             _nodeindex.release(self._segment, self.attachment, *self._identity, False)
             self.attachment = -1
+            self._locks.close()  # after the release: a lock gone first would let another engine reclaim this one
 
     def _reclaim(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self._last_reclaim < RECLAIM_S:
             return
         self._last_reclaim = now
-        for attachment, pid, start, pidns in _nodeindex.attachments(self._segment):
-            if attachment != self.attachment and not self._alive(pid, start, pidns) and \
-                    _nodeindex.release(self._segment, attachment, pid, start, True):
-                logger.warning("node tier: engine process %d died; released its pins and unfinished stores", pid)
+        with self._locks.looking() as may:
+            if not may:
+                return  # an engine is attaching: look again at the next reclaim
+            for attachment, pid, start, _ in _nodeindex.attachments(self._segment):
+                if attachment != self.attachment and not self._locks.held(attachment) and \
+                        _nodeindex.release(self._segment, attachment, pid, start, True):
+                    logger.warning("node tier: engine process %d died; released its pins and unfinished stores",
+                                   pid)
 
     def _emit(self, kind: EventKind, keys: Sequence[OffloadKey]) -> None:
         self._events.append(OffloadEvent(kind, tuple(keys), self.medium))

@@ -24,7 +24,7 @@ import mmap
 import os
 import stat
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,13 +144,15 @@ def _unescape(field: str) -> str:
     return field
 
 
-@contextlib.contextmanager
-def _locked_file(path: Path, access: Access, setting: str) -> Iterator[int]:
-    """``path`` opened (created if missing) and checked, under an exclusive ``flock`` for as long as the block.
+def open_checked(path: Path, access: Access, setting: str) -> int:
+    """``path`` opened read-write (created if missing) and checked: a regular file nobody untrusted may write.
 
     A file this process creates gets exactly ``access.file_mode``: the mode given to open goes through the umask
     (0640 under the usual 022, which refuses the group's other users). A file that exists keeps its mode, so one
-    that others may write is still refused below.
+    that others may write is still refused.
+
+    Raises:
+        ConfigError: naming ``setting``, when the file cannot be opened or is not to be trusted.
     """
     flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
     created = True
@@ -169,6 +171,17 @@ def _locked_file(path: Path, access: Access, setting: str) -> Iterator[int]:
         problem = untrusted(info, access) if stat.S_ISREG(info.st_mode) else "not a regular file"
         if problem:
             raise ConfigError(f"{setting}: {path} is {problem}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@contextlib.contextmanager
+def _locked_file(path: Path, access: Access, setting: str) -> Iterator[int]:
+    """``path`` opened and checked (``open_checked``), under an exclusive ``flock`` for as long as the block."""
+    fd = open_checked(path, access, setting)
+    try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield fd
@@ -272,15 +285,3 @@ def own_identity() -> ProcessIdentity:
     if identity is None:  # /proc is not mounted: no engine could tell this one is dead; still serve
         return 0, 0
     return identity
-
-
-Alive = Callable[[int, int, int], bool]
-
-
-def is_alive(pid: int, start: int, pidns: int) -> bool:
-    """Whether the process that attached as (pid, start, pidns) still runs. One of another pid namespace (another
-    container sharing the tmpfs) cannot be seen from here, so it counts as alive."""
-    own = own_identity()
-    if pidns != own[1] or start == 0:
-        return True
-    return process_identity(pid) == (start, pidns)

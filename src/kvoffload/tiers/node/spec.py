@@ -41,9 +41,10 @@ class NodeTierSpec:
             ConfigError: ``node_path`` is unusable or untrusted, or the pool there was made with another size.
         """
         from kvoffload.tiers.node.index import NodeIndex
+        from kvoffload.tiers.node.liveness import EngineLocks
 
-        directory = open_directory(self._node, context.namespace)
-        return NodeIndex(open_index(directory, self.geometry(context), access_of(self._node)))
+        directory, access = open_directory(self._node, context.namespace), access_of(self._node)
+        return NodeIndex(open_index(directory, self.geometry(context), access), EngineLocks(directory, access))
 
     def make_pool(self, context: TierContext, pin_memory: bool) -> NodePool:
         """The worker side: this rank's slots of the shared pool.

@@ -137,6 +137,7 @@ def _attach(root: Path, blocks: int, block: int, layout: str, rank_pool: bool = 
     """This process as an engine of the node pool ``layout``: its index and (``rank_pool``) its rank-0 pool."""
     from kvoffload.config import NodeTierConfig
     from kvoffload.tiers.node.index import NodeIndex
+    from kvoffload.tiers.node.liveness import EngineLocks
     from kvoffload.tiers.node.pool import NodePool
     from kvoffload.tiers.node.segment import access_of, open_directory, open_index, open_pool_file
 
@@ -147,7 +148,7 @@ def _attach(root: Path, blocks: int, block: int, layout: str, rank_pool: bool = 
     pool = None
     if rank_pool:
         pool = NodePool(open_pool_file(directory, 0, geometry, access_of(node)), segment, blocks, block, False)
-    return NodeIndex(segment), pool
+    return NodeIndex(segment, EngineLocks(directory, access_of(node))), pool
 
 
 def _keys(n: int, first: int = 0) -> list[OffloadKey]:

@@ -1,0 +1,101 @@
+"""Which engines attached to a node pool still run, as the kernel knows it.
+
+Each attachment of the shared index (``_nodeindex.MAX_ATTACH`` of them) owns one byte of the namespace's
+``engines`` file. The engine holding an attachment keeps a write lock on its byte for as long as it is attached: an
+open file description lock (``F_OFD_SETLK``), which the kernel drops when the engine's process ends, however it
+ends. An attachment whose byte nobody locks belongs to a dead engine. Unlike reading another process's identity
+from /proc, this holds across users (Linux refuses ``/proc/<pid>/ns/pid`` of another user's process without ptrace
+access, which made live engines of a shared group look dead) and across pid namespaces (containers sharing the
+tmpfs), and a reused pid is no question.
+
+Attaching and locking are two steps; an engine does both under an exclusive ``flock`` of the same file, and the
+engines looking for dead ones look under a shared one, so none ever sees an attachment between the two steps.
+(``flock`` and OFD locks are separate kinds of lock on Linux: they never block each other.) A forked child that
+keeps the descriptor keeps the lock, so an engine counts as alive while such a child runs: never the reverse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+from kvoffload.config import ConfigError
+from kvoffload.tiers.disk.tree import Access
+from kvoffload.tiers.node.segment import open_checked
+
+ENGINES_NAME = "engines"
+
+_FLOCK = struct.Struct("hhxxxxqqixxxx")
+"""Linux's ``struct flock`` on 64-bit platforms: l_type, l_whence, l_start, l_len, l_pid."""
+
+
+class EngineLocks:
+    """This engine's handle on the ``engines`` file of a node pool's namespace directory.
+
+    Raises:
+        ConfigError: the file cannot be opened, is not a regular file, or others may write it.
+    """
+
+    def __init__(self, directory: Path, access: Access) -> None:
+        self._fd = open_checked(directory / ENGINES_NAME, access, "node_path")
+
+    @contextlib.contextmanager
+    def attaching(self) -> Iterator[None]:
+        """Hold off every engine's look for dead ones while this engine attaches and locks its byte."""
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def looking(self) -> Iterator[bool]:
+        """Yields whether this engine may judge attachments now: False while another engine is attaching (one
+        frozen there must not stall this one's step; it looks again later)."""
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def hold(self, attachment: int) -> None:
+        """Lock ``attachment``'s byte for as long as this process runs (or until ``drop``).
+
+        Raises:
+            ConfigError: another live engine holds it (the shared index says it is free: the index was damaged).
+        """
+        try:
+            self._lock(fcntl.F_WRLCK, attachment)
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            raise ConfigError(f"host_scope node: attachment {attachment} of the node pool is free in its index but "
+                              "locked by a live engine; the index was damaged: stop the engines and remove the "
+                              "pool's directory") from e
+
+    def drop(self, attachment: int) -> None:
+        self._lock(fcntl.F_UNLCK, attachment)
+
+    def held(self, attachment: int) -> bool:
+        """Whether a live engine (another open file description than this one's) locks ``attachment``'s byte."""
+        query = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, attachment, 1, 0)
+        answer = fcntl.fcntl(self._fd, fcntl.F_OFD_GETLK, query)
+        return _FLOCK.unpack(answer)[0] != fcntl.F_UNLCK
+
+    def close(self) -> None:
+        """Closing the file drops every lock this handle holds."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _lock(self, kind: int, attachment: int) -> None:
+        fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, attachment, 1, 0))
