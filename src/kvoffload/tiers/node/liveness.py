@@ -68,22 +68,19 @@ class EngineLocks:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def hold(self, attachment: int) -> None:
-        """Lock ``attachment``'s byte for as long as this process runs (or until ``drop``).
+        """Lock ``attachment``'s byte for as long as this process runs (or until ``close``).
 
         Raises:
             ConfigError: another live engine holds it (the shared index says it is free: the index was damaged).
         """
         try:
-            self._lock(fcntl.F_WRLCK, attachment)
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, attachment, 1, 0))
         except OSError as e:
             if e.errno not in (errno.EAGAIN, errno.EACCES):
                 raise
             raise ConfigError(f"host_scope node: attachment {attachment} of the node pool is free in its index but "
                               "locked by a live engine; the index was damaged: stop the engines and remove the "
                               "pool's directory") from e
-
-    def drop(self, attachment: int) -> None:
-        self._lock(fcntl.F_UNLCK, attachment)
 
     def held(self, attachment: int) -> bool:
         """Whether a live engine (another open file description than this one's) locks ``attachment``'s byte."""
@@ -96,6 +93,3 @@ class EngineLocks:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-
-    def _lock(self, kind: int, attachment: int) -> None:
-        fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, attachment, 1, 0))
