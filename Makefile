@@ -45,7 +45,7 @@ setup-redis:
 	@command -v redis-server >/dev/null
 
 $(STAMP): pyproject.toml requirements-dev.txt src/kvoffload/_blockcopy.c src/kvoffload/_blockplan.c src/kvoffload/_stepscan.c \
-		src/kvoffload/_nodeindex.c
+		src/kvoffload/_nodeindex.c src/kvoffload/_mapguard.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -r requirements-dev.txt

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-EXTENSIONS = ("kvoffload._blockcopy", "kvoffload._blockplan", "kvoffload._stepscan", "kvoffload._nodeindex")
+EXTENSIONS = ("kvoffload._blockcopy", "kvoffload._blockplan", "kvoffload._stepscan", "kvoffload._nodeindex",
+              "kvoffload._mapguard")
 WIDE_REGISTER = re.compile(r"%[yz]mm\d+")
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64",

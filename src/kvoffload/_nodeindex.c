@@ -2,18 +2,30 @@
  * that every engine on a machine maps (kvoffload/tiers/node/segment.py creates, checks and maps it).
  *
  * Concurrency without a server:
- * - Writers (reserve, complete, pin, unpin, release, reset) hold one process-shared robust mutex. Each bumps a
- *   sequence counter to odd before changing the table and back to even after, so lookups (the hot path: a whole
- *   prompt's keys every scheduler step) read without the mutex and retry when a writer overlapped them; they only
- *   wait on a writer after a few retries. One engine's lookup thus never waits on another's eviction.
+ * - Writers (reserve, complete, pin, unpin, release, reset) hold the index's lock, an OFD lock on a byte of the
+ *   namespace's engines file (tiers/node/liveness.py), whose descriptor each takes as ``lock_fd``; they wait for
+ *   it at most ``wait_ms`` (``Busy`` after: an engine frozen holding it costs the others hits, never steps). Each
+ *   bumps a sequence counter to odd before changing the table and back to even after, so lookups (the hot path:
+ *   a whole prompt's keys every scheduler step) read without the lock and retry when a writer overlapped them;
+ *   they only wait on a writer after a few retries. One engine's lookup thus never waits on another's eviction.
  * - Pins are a bit per attached engine in each slot, so a dead engine's pins are cleared without knowing counts;
  *   an engine counts its own repeated pins itself.
  * - Crash safety: a slot changes state by one store, its other fields written while it is FREE or IN_FLIGHT under
- *   its owner; the hash table is derived from the slots. An engine killed holding the mutex leaves EOWNERDEAD to
- *   the next holder, which rebuilds the table from the slots and releases the dead engine's pins and in-flight
- *   slots (the holder is recorded on every lock).
- * - Every reuse of a slot gives it a new epoch (never 0), so a reader whose slot was rewritten under it sees a
- *   different epoch after its copy and fails the load (verify).
+ *   its owner; the hash table is derived from the slots. An engine killed holding the lock leaves ``holder`` set
+ *   for the next holder (the kernel releases the lock), which rebuilds the table from the slots; the dead engine's
+ *   pins and in-flight slots go when an engine finds its attachment's lock gone (tiers/node/liveness.py). No
+ *   process-shared pthread mutex: its robust-list pointers live in the segment, and a stray write there crashed
+ *   its holder.
+ * - Every reuse of a slot gives it a higher epoch (never 0, starting from the pool's random generation), so a
+ *   reader whose slot was rewritten under it sees a different epoch after its copy and fails the load (verify),
+ *   and an engine whose halves hold two generations of the pool never takes one's slot for the other's.
+ *
+ * Nothing read back from the segment is trusted (a bug, a version mix or a stray write must not take every engine
+ * on the machine down): the geometry is checked on every call (``Damaged`` when wrong), each
+ * slot carries a check word over its key, epoch, state and owner, every slot number and hash entry is bounds
+ * checked and every probe bounded. A violation seen under the lock is repaired before it is released: the table
+ * is rebuilt from the slots, and a slot that fails its check is quarantined (LOST) for QUARANTINE_S, so a store
+ * still being copied into it lands in no other block's slot.
  *
  * Functions take the mapped segment (a writable buffer; verify and stats also accept a read-only one) and
  * keys as one bytes object of 16-byte keys.
@@ -21,23 +33,32 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
-#include <pthread.h>
+#include <stddef.h>
+#include <fcntl.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #define MAGIC 0x313065646f6e766bULL /* "kvnode01" little endian */
-#define VERSION 2 /* 2: an engine is alive while it holds its byte of the "engines" file (tiers/node/liveness.py) */
+#define VERSION 3 /* 3: checked slots, files bound to the index (generation, inodes), the lock in the engines file */
+#define LOCK_BYTE MAX_ATTACH /* the byte of the engines file whose lock is the index's: after the attachments' */
 #define KEY 16
 #define MAX_ATTACH 64
+#define MAX_RANKS 1024
 #define EMPTY (-1)
 #define LOCKFREE_TRIES 8
+#define QUARANTINE_S 30
+#define MAX_TABLE (1ULL << 40)
 
-enum { FREE = 0, IN_FLIGHT = 1, READY = 2 };
+enum { FREE = 0, IN_FLIGHT = 1, READY = 2, LOST = 3 };
+
+static PyObject *Busy, *Damaged;
+static long wait_ms = 200;
 
 typedef struct {
     uint64_t pid;
     uint64_t start; /* process start time (clock ticks since boot): a reused pid is another process */
-    uint64_t pidns; /* inode of its pid namespace: only an engine of the same namespace can tell it is dead */
+    uint64_t pidns; /* for logs: liveness is the engine's lock (tiers/node/liveness.py) */
 } Attachment;
 
 typedef struct {
@@ -49,36 +70,38 @@ typedef struct {
     uint64_t slot_bytes;
     uint64_t table_size;
     uint64_t total_bytes;
-    union {
-        pthread_mutex_t lock;
-        uint8_t lock_room[64];
-    };
+    uint64_t generation;    /* random per set of files (index, engines, pool.<rank>) */
+    uint64_t engines_inode; /* the "engines" file that goes with this index */
     uint64_t seq;
     uint64_t hand;
     uint64_t next_epoch;
     uint64_t used;
-    int64_t holder; /* attachment holding the mutex, -1 none */
-    uint64_t stores, evictions, cross_hits, repairs, reclaimed;
+    int64_t holder; /* attachment holding the lock (MAX_ATTACH: one with none), -1 none */
+    uint64_t stores, evictions, cross_hits, repairs, reclaimed, busy;
     Attachment att[MAX_ATTACH];
-    uint64_t served[MAX_ATTACH]; /* per attachment: pins other engines took on blocks it stored */
+    uint64_t served[MAX_ATTACH];  /* per attachment: pins other engines took on blocks it stored */
+    uint64_t pool_inode[MAX_RANKS]; /* each rank's pool file, 0 before it is made */
 } Header;
 
 typedef struct {
     uint8_t key[KEY];
     uint64_t epoch;
+    uint64_t check; /* over key, epoch, state and owner: a stray write to any of them is seen */
     uint64_t pins;
+    uint64_t lost_until; /* LOST: the monotonic second from which it may be reused */
     uint8_t state;
     uint8_t owner; /* the engine that reserved it (and wrote it) */
     uint8_t ref;   /* CLOCK reference bit */
-    uint8_t mark;  /* reserve: protected from eviction in this call */
-    uint8_t pad[4];
+    uint8_t pad[5];
 } Slot;
 
 typedef struct {
     Header *h;
     Slot *slots;
     int32_t *table;
-    uint64_t mask;
+    uint64_t n, mask; /* read once per call: every index below is bounded by these, not by shared memory */
+    int bad;          /* a violation was seen: repair before the lock is released */
+    int fd;           /* the engines file, whose LOCK_BYTE this process locks to write */
 } Seg;
 
 static size_t header_size(void) { return (sizeof(Header) + 63) & ~(size_t)63; }
@@ -87,25 +110,66 @@ static size_t segment_size(uint64_t num_slots, uint64_t table_size) {
     return header_size() + num_slots * sizeof(Slot) + table_size * sizeof(int32_t);
 }
 
-static void bind(Seg *s, void *base) {
-    s->h = (Header *)base;
-    s->slots = (Slot *)((char *)base + header_size());
-    s->table = (int32_t *)((char *)s->slots + s->h->num_slots * sizeof(Slot));
-    s->mask = s->h->table_size - 1;
+static uint64_t now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_BOOTTIME, &ts); /* one clock for every process on the machine */
+    return (uint64_t)ts.tv_sec;
 }
 
-/* Map a buffer; 0 with an exception set when it is not a segment this module made. */
+static uint64_t mix(uint64_t x) {
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    x ^= x >> 33;
+    return x;
+}
+
+static uint64_t check_of(const Slot *sl, uint8_t state) {
+    uint64_t k0, k1;
+    memcpy(&k0, sl->key, 8);
+    memcpy(&k1, sl->key + 8, 8);
+    return mix(k0 ^ mix(k1 ^ mix(sl->epoch ^ mix(((uint64_t)state << 8 | sl->owner) + 0x9e3779b97f4a7c15ULL))));
+}
+
+static int slot_ok(const Slot *sl) {
+    uint8_t state = __atomic_load_n(&sl->state, __ATOMIC_ACQUIRE);
+    return state <= LOST && sl->owner < MAX_ATTACH && sl->check == check_of(sl, state);
+}
+
+static void set_state(Slot *sl, uint8_t state) {
+    sl->check = check_of(sl, state);
+    __atomic_store_n(&sl->state, state, __ATOMIC_RELEASE);
+}
+
+/* Map a buffer; 0 with an exception set (Damaged) when it is not, or no longer, a segment this module made. */
 static int open_seg(PyObject *obj, Py_buffer *view, Seg *s, int writable) {
     if (PyObject_GetBuffer(obj, view, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) return 0;
     Header *h = (Header *)view->buf;
-    if ((size_t)view->len < sizeof(Header) || h->magic != MAGIC || h->version != VERSION ||
-        h->total_bytes != (uint64_t)view->len ||
-        segment_size(h->num_slots, h->table_size) != (size_t)view->len) {
+    const char *problem = NULL;
+    uint64_t n = 0, table = 0;
+    if ((size_t)view->len < sizeof(Header)) {
+        problem = "it is shorter than its header";
+    } else {
+        n = h->num_slots;
+        table = h->table_size;
+        if (h->magic != MAGIC || h->version != VERSION) problem = "its magic word or version changed";
+        else if (h->header_bytes != header_size() || n == 0 || n > INT32_MAX || table < 2 * n || table > MAX_TABLE ||
+                 (table & (table - 1)) || h->total_bytes != (uint64_t)view->len ||
+                 segment_size(n, table) != (size_t)view->len)
+            problem = "its geometry changed";
+    }
+    if (problem) {
         PyBuffer_Release(view);
-        PyErr_SetString(PyExc_ValueError, "not a node index segment of this version");
+        PyErr_Format(Damaged, "node index: %s", problem);
         return 0;
     }
-    bind(s, view->buf);
+    s->h = h;
+    s->n = n;
+    s->mask = table - 1;
+    s->slots = (Slot *)((char *)view->buf + header_size());
+    s->table = (int32_t *)((char *)s->slots + n * sizeof(Slot));
+    s->bad = 0;
     return 1;
 }
 
@@ -115,50 +179,80 @@ static uint64_t home(const uint8_t *key) {
     return v;
 }
 
+/* The table entry at ``i`` as a slot number, -1 for an empty entry, -2 (and ``bad``) for one naming no slot. */
+static int64_t entry(Seg *s, uint64_t i) {
+    int32_t slot = __atomic_load_n(&s->table[i], __ATOMIC_RELAXED);
+    if (slot == EMPTY) return -1;
+    if (slot < 0 || (uint64_t)slot >= s->n) {
+        s->bad = 1;
+        return -2;
+    }
+    return slot;
+}
+
+/* The slot holding ``key`` (ready or in flight, its check word right), -1 when none. */
 static int64_t find(Seg *s, const uint8_t *key) {
     uint64_t i = home(key) & s->mask;
-    for (uint64_t n = 0; n <= s->mask; n++, i = (i + 1) & s->mask) {
-        int32_t slot = __atomic_load_n(&s->table[i], __ATOMIC_RELAXED);
-        if (slot == EMPTY) return -1;
-        if ((uint64_t)slot < s->h->num_slots && memcmp(s->slots[slot].key, key, KEY) == 0) return slot;
+    for (uint64_t probes = 0; probes <= s->mask; probes++, i = (i + 1) & s->mask) {
+        int64_t slot = entry(s, i);
+        if (slot == -1) return -1;
+        if (slot < 0 || memcmp(s->slots[slot].key, key, KEY) != 0) continue;
+        Slot *sl = &s->slots[slot];
+        uint8_t state = __atomic_load_n(&sl->state, __ATOMIC_ACQUIRE);
+        if ((state == READY || state == IN_FLIGHT) && slot_ok(sl)) return slot;
+        s->bad = 1; /* a table entry on a slot that holds no key, or fails its check */
     }
     return -1;
 }
 
 static void insert(Seg *s, const uint8_t *key, int32_t slot) {
     uint64_t i = home(key) & s->mask;
-    while (s->table[i] != EMPTY) i = (i + 1) & s->mask;
-    s->table[i] = slot;
+    for (uint64_t probes = 0; probes <= s->mask; probes++, i = (i + 1) & s->mask) {
+        if (s->table[i] == EMPTY) {
+            s->table[i] = slot;
+            return;
+        }
+    }
+    s->bad = 1; /* a full table: the slots count no longer matches it */
 }
 
 /* Linear probing, backward-shift deletion: no tombstones, so probes stay short however long the pool runs. */
 static void erase(Seg *s, const uint8_t *key) {
-    uint64_t i = home(key) & s->mask;
+    uint64_t i = home(key) & s->mask, probes = 0;
     for (;; i = (i + 1) & s->mask) {
-        int32_t slot = s->table[i];
-        if (slot == EMPTY) return;
-        if (memcmp(s->slots[slot].key, key, KEY) == 0) break;
+        int64_t slot = entry(s, i);
+        if (slot == -1 || ++probes > s->mask + 1) return;
+        if (slot >= 0 && memcmp(s->slots[slot].key, key, KEY) == 0) break;
     }
-    for (uint64_t j = (i + 1) & s->mask;; j = (j + 1) & s->mask) {
-        int32_t slot = s->table[j];
-        if (slot == EMPTY) break;
+    uint64_t j = (i + 1) & s->mask;
+    for (probes = 0; probes <= s->mask; probes++, j = (j + 1) & s->mask) {
+        int64_t slot = entry(s, j);
+        if (slot == -1) break;
+        if (slot < 0) return; /* repaired before the lock is released */
         uint64_t k = home(s->slots[slot].key) & s->mask;
         int movable = (j > i) ? (k <= i || k > j) : (k <= i && k > j);
         if (movable) {
-            s->table[i] = slot;
+            s->table[i] = (int32_t)slot;
             i = j;
         }
     }
     s->table[i] = EMPTY;
 }
 
-static void set_state(Slot *slot, uint8_t state) { __atomic_store_n(&slot->state, state, __ATOMIC_RELEASE); }
-
 static void free_slot(Seg *s, int64_t i) {
     erase(s, s->slots[i].key);
-    set_state(&s->slots[i], FREE);
     s->slots[i].pins = 0;
-    s->h->used--;
+    set_state(&s->slots[i], FREE);
+    if (s->h->used) s->h->used--;
+}
+
+/* A slot whose entry cannot be trusted: no one reads it, no one reuses it before a store still copying into it
+ * (its engine's, if it was in flight) has surely landed. */
+static void quarantine(Slot *sl) {
+    sl->pins = 0;
+    sl->owner = 0;
+    sl->lost_until = now_s() + QUARANTINE_S;
+    set_state(sl, LOST);
 }
 
 static void write_begin(Seg *s) {
@@ -171,64 +265,122 @@ static void write_end(Seg *s) {
     __atomic_add_fetch(&s->h->seq, 1, __ATOMIC_ACQ_REL);
 }
 
+static uint64_t live_mask(Seg *s) {
+    uint64_t live = 0;
+    for (int i = 0; i < MAX_ATTACH; i++) live |= (uint64_t)(s->h->att[i].pid != 0) << i;
+    return live;
+}
+
 /* Release everything attachment ``a`` holds: its pins, its in-flight slots and its entry. */
 static void release(Seg *s, int a) {
     uint64_t bit = 1ULL << a;
-    for (uint64_t i = 0; i < s->h->num_slots; i++) {
+    for (uint64_t i = 0; i < s->n; i++) {
         Slot *slot = &s->slots[i];
         slot->pins &= ~bit;
-        if (slot->state == IN_FLIGHT && slot->owner == a) free_slot(s, (int64_t)i);
+        if (slot->state == IN_FLIGHT && slot->owner == a && slot_ok(slot)) free_slot(s, (int64_t)i);
     }
     memset(&s->h->att[a], 0, sizeof(Attachment));
+    s->h->served[a] = 0;
 }
 
-/* After a writer died mid-change: the slots are the truth; rebuild the table and the counts from them. */
+/* The slots are the truth: rebuild the table, the counts, the hand and the epoch from them, quarantining every slot
+ * whose entry fails its check (and a second slot of one key). A holder killed mid-change keeps its attachment
+ * here: what it holds goes when the engines' locks say it died (tiers/node/liveness.py), never on the word of
+ * the holder field, which a process that lost its attachment may still have written. */
 static void repair(Seg *s) {
     Header *h = s->h;
+    uint64_t live = live_mask(s), top = h->next_epoch, used = 0;
     for (uint64_t i = 0; i <= s->mask; i++) s->table[i] = EMPTY;
-    h->used = 0;
-    for (uint64_t i = 0; i < h->num_slots; i++) {
-        Slot *slot = &s->slots[i];
-        slot->mark = 0;
-        if (slot->state != IN_FLIGHT && slot->state != READY) slot->state = FREE;
-        if (slot->state == FREE) {
-            slot->pins = 0;
+    s->bad = 0;
+    for (uint64_t i = 0; i < s->n; i++) {
+        Slot *sl = &s->slots[i];
+        if (!slot_ok(sl)) {
+            quarantine(sl);
             continue;
         }
-        if (find(s, slot->key) >= 0) { /* a key in two slots: keep the first */
-            slot->state = FREE;
-            slot->pins = 0;
+        if (sl->state == FREE || sl->state == LOST) {
+            sl->pins = 0;
             continue;
         }
-        insert(s, slot->key, (int32_t)i);
-        h->used++;
+        if (sl->state == IN_FLIGHT && !((live >> sl->owner) & 1)) { /* its engine detached */
+            sl->pins = 0;
+            set_state(sl, FREE);
+            continue;
+        }
+        if (find(s, sl->key) >= 0) { /* a key in two slots: keep the first */
+            quarantine(sl);
+            continue;
+        }
+        sl->pins &= live;
+        if (sl->epoch >= top) top = sl->epoch + 1; /* checked: an epoch this module wrote */
+        insert(s, sl->key, (int32_t)i);
+        used++;
     }
-    if (h->holder >= 0 && h->holder < MAX_ATTACH) release(s, (int)h->holder);
+    h->used = used;
+    h->hand %= s->n;
+    h->next_epoch = top ? top : 1;
     h->holder = -1;
-    if (h->seq & 1) h->seq++;
     h->repairs++;
+    s->bad = 0;
 }
 
-/* Lock the segment for attachment ``a``; 0 with an exception set when the mutex cannot be had. */
+/* repair, with the sequence counter odd meanwhile (it may already be: a writer died mid-change). */
+static void repair_now(Seg *s) {
+    if (!(s->h->seq & 1)) write_begin(s);
+    repair(s);
+    write_end(s);
+}
+
+/* One attempt at the index's lock: an OFD write lock on LOCK_BYTE of the engines file. The kernel holds it, not
+ * the segment, so nothing written into the segment can make it unlockable or crash its holder, and it goes with a
+ * holder that dies. 1 had, 0 held by another, -1 errno set. */
+static int try_lock(int fd, short type) {
+    struct flock fl;
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = type;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = LOCK_BYTE;
+    fl.l_len = 1;
+    if (fcntl(fd, F_OFD_SETLK, &fl) == 0) return 1;
+    return (errno == EAGAIN || errno == EACCES) ? 0 : -1;
+}
+
+/* Lock the segment for attachment ``a``, waiting at most wait_ms (polled: an OFD lock has no timed wait); 0 with
+ * Busy (not had in time) or OSError set. A holder that died mid-change left ``holder`` set (or the sequence
+ * counter odd): the new holder repairs first. */
 static int lock(Seg *s, int a) {
-    int rc;
+    int got, rc = 0;
     Py_BEGIN_ALLOW_THREADS
-    rc = pthread_mutex_lock(&s->h->lock);
+    struct timespec start, now, pause = {0, 20000};
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    for (;;) {
+        got = try_lock(s->fd, F_WRLCK);
+        if (got != 0) break;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        if ((now.tv_sec - start.tv_sec) * 1000L + (now.tv_nsec - start.tv_nsec) / 1000000L >= wait_ms) break;
+        nanosleep(&pause, NULL);
+        if (pause.tv_nsec < 1000000) pause.tv_nsec *= 2;
+    }
+    rc = errno;
     Py_END_ALLOW_THREADS
-    if (rc == EOWNERDEAD) {
-        repair(s);
-        pthread_mutex_consistent(&s->h->lock);
-    } else if (rc != 0) {
-        PyErr_Format(PyExc_OSError, "node index: cannot lock the segment: %s", strerror(rc));
+    if (got < 0) {
+        PyErr_Format(PyExc_OSError, "node index: cannot lock the engines file: %s", strerror(rc));
         return 0;
     }
-    s->h->holder = a;
+    if (got == 0) {
+        __atomic_add_fetch(&s->h->busy, 1, __ATOMIC_RELAXED);
+        PyErr_Format(Busy, "node index: another engine held its lock for over %ld ms", wait_ms);
+        return 0;
+    }
+    if (s->h->holder != -1 || (s->h->seq & 1)) repair_now(s);
+    s->h->holder = a < 0 ? MAX_ATTACH : a;
     return 1;
 }
 
 static void unlock(Seg *s) {
+    if (s->bad) repair_now(s);
     s->h->holder = -1;
-    pthread_mutex_unlock(&s->h->lock);
+    try_lock(s->fd, F_UNLCK);
 }
 
 static int check_attachment(int a) {
@@ -247,14 +399,18 @@ static int check_keys(Py_buffer *keys) {
     return 1;
 }
 
-/* init(buffer, num_slots, slot_bytes, table_size, fingerprint): format a new segment (the caller holds it alone). */
+/* init(buffer, num_slots, slot_bytes, table_size, fingerprint, generation, engines_inode): format a new segment
+ * (the caller holds it alone). */
 static PyObject *py_init(PyObject *self, PyObject *args) {
     Py_buffer view, fp;
-    unsigned long long num_slots, slot_bytes, table_size;
-    if (!PyArg_ParseTuple(args, "w*KKKy*", &view, &num_slots, &slot_bytes, &table_size, &fp)) return NULL;
+    unsigned long long num_slots, slot_bytes, table_size, generation, engines_inode;
+    if (!PyArg_ParseTuple(args, "w*KKKy*KK", &view, &num_slots, &slot_bytes, &table_size, &fp, &generation,
+                          &engines_inode))
+        return NULL;
     PyObject *result = NULL;
     if (fp.len != KEY || num_slots == 0 || num_slots > INT32_MAX || table_size < 2 * num_slots ||
-        (table_size & (table_size - 1)) || segment_size(num_slots, table_size) != (size_t)view.len) {
+        table_size > MAX_TABLE || (table_size & (table_size - 1)) ||
+        segment_size(num_slots, table_size) != (size_t)view.len) {
         PyErr_SetString(PyExc_ValueError, "init: bad fingerprint, sizes or buffer length");
         goto done;
     }
@@ -267,19 +423,13 @@ static PyObject *py_init(PyObject *self, PyObject *args) {
     h->slot_bytes = slot_bytes;
     h->table_size = table_size;
     h->total_bytes = (uint64_t)view.len;
-    h->next_epoch = 1;
+    h->generation = generation;
+    h->engines_inode = engines_inode;
+    h->next_epoch = 1 + (generation >> 2); /* epochs of two generations never meet in practice */
     h->holder = -1;
-    pthread_mutexattr_t attr;
-    pthread_mutexattr_init(&attr);
-    pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
-    pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
-    int rc = pthread_mutex_init(&h->lock, &attr);
-    pthread_mutexattr_destroy(&attr);
-    if (rc) {
-        PyErr_Format(PyExc_OSError, "init: pthread_mutex_init: %s", strerror(rc));
-        goto done;
-    }
-    int32_t *table = (int32_t *)((char *)view.buf + header_size() + num_slots * sizeof(Slot));
+    Slot *slots = (Slot *)((char *)view.buf + header_size());
+    for (uint64_t i = 0; i < num_slots; i++) set_state(&slots[i], FREE);
+    int32_t *table = (int32_t *)((char *)slots + num_slots * sizeof(Slot));
     for (uint64_t i = 0; i < table_size; i++) table[i] = EMPTY;
     __atomic_store_n(&h->magic, MAGIC, __ATOMIC_RELEASE);
     result = Py_None;
@@ -297,19 +447,73 @@ static PyObject *py_size(PyObject *self, PyObject *args) {
     return PyLong_FromSize_t(segment_size(num_slots, table_size));
 }
 
+/* set_wait_ms(ms): how long this process waits for the index's lock before an operation gives up (Busy). */
+static PyObject *py_set_wait_ms(PyObject *self, PyObject *args) {
+    long ms;
+    if (!PyArg_ParseTuple(args, "l", &ms)) return NULL;
+    if (ms < 0 || ms > 3600000) {
+        PyErr_SetString(PyExc_ValueError, "set_wait_ms: 0 to 3600000 ms");
+        return NULL;
+    }
+    wait_ms = ms;
+    Py_RETURN_NONE;
+}
+
+/* files(buffer) -> (generation, engines inode, {rank: pool file inode}) as the index records them. */
+static PyObject *py_files(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    if (!PyArg_ParseTuple(args, "O", &obj)) return NULL;
+    Py_buffer view;
+    Seg s;
+    if (!open_seg(obj, &view, &s, 0)) return NULL;
+    PyObject *pools = PyDict_New();
+    for (int r = 0; pools && r < MAX_RANKS; r++) {
+        uint64_t inode = __atomic_load_n(&s.h->pool_inode[r], __ATOMIC_RELAXED);
+        if (!inode) continue;
+        PyObject *k = PyLong_FromLong(r), *v = PyLong_FromUnsignedLongLong(inode);
+        if (!k || !v || PyDict_SetItem(pools, k, v) < 0) Py_CLEAR(pools);
+        Py_XDECREF(k);
+        Py_XDECREF(v);
+    }
+    PyObject *out = pools ? Py_BuildValue("(KKN)", (unsigned long long)s.h->generation,
+                                          (unsigned long long)s.h->engines_inode, pools) : NULL;
+    PyBuffer_Release(&view);
+    return out;
+}
+
+/* bind_pool(buffer, rank, inode): record rank's pool file (the caller holds the namespace's directory lock). */
+static PyObject *py_bind_pool(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    int rank;
+    unsigned long long inode;
+    if (!PyArg_ParseTuple(args, "OiK", &obj, &rank, &inode)) return NULL;
+    if (rank < 0 || rank >= MAX_RANKS) {
+        PyErr_Format(PyExc_ValueError, "rank %d is outside [0, %d)", rank, MAX_RANKS);
+        return NULL;
+    }
+    Py_buffer view;
+    Seg s;
+    if (!open_seg(obj, &view, &s, 1)) return NULL;
+    __atomic_store_n(&s.h->pool_inode[rank], inode, __ATOMIC_RELEASE);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
 /* attach(buffer, pid, start, pidns) -> attachment id, or -1 when every entry is taken. */
 static PyObject *py_attach(PyObject *self, PyObject *args) {
     PyObject *obj;
     unsigned long long pid, start, pidns;
-    if (!PyArg_ParseTuple(args, "OKKK", &obj, &pid, &start, &pidns)) return NULL;
+    int fd;
+    if (!PyArg_ParseTuple(args, "OiKKK", &obj, &fd, &pid, &start, &pidns)) return NULL;
     Py_buffer view;
     Seg s;
     if (!open_seg(obj, &view, &s, 1)) return NULL;
+    s.fd = fd;
     long found = -1;
     if (lock(&s, -1)) {
         for (int a = 0; a < MAX_ATTACH && found < 0; a++) {
             if (s.h->att[a].pid == 0) {
-                /* pid last: an engine killed in between leaves a free entry, never one that looks alive */
+                /* pid last: an engine killed in between leaves a free entry, never one that looks attached */
                 s.h->served[a] = 0;
                 s.h->att[a].start = start;
                 s.h->att[a].pidns = pidns;
@@ -348,12 +552,13 @@ static PyObject *py_attachments(PyObject *self, PyObject *args) {
  * taken the entry since the caller looked). */
 static PyObject *py_release(PyObject *self, PyObject *args) {
     PyObject *obj;
-    int a, dead;
+    int fd, a, dead;
     unsigned long long pid, start;
-    if (!PyArg_ParseTuple(args, "OiKKp", &obj, &a, &pid, &start, &dead) || !check_attachment(a)) return NULL;
+    if (!PyArg_ParseTuple(args, "OiiKKp", &obj, &fd, &a, &pid, &start, &dead) || !check_attachment(a)) return NULL;
     Py_buffer view;
     Seg s;
     if (!open_seg(obj, &view, &s, 1)) return NULL;
+    s.fd = fd;
     int released = 0;
     if (lock(&s, -1)) {
         write_begin(&s);
@@ -385,32 +590,43 @@ static void scan(Seg *s, const uint8_t *keys, Py_ssize_t n, int a, Py_ssize_t *h
     }
 }
 
-/* lookup(buffer, attachment, keys) -> (hits, pending). Reads without the mutex (see the top of this file). */
+/* lookup(buffer, attachment, keys) -> (hits, pending). Reads without the lock (see the top of this file); a
+ * violation seen in a read no writer overlapped is repaired under it. */
 static PyObject *py_lookup(PyObject *self, PyObject *args) {
     PyObject *obj;
-    int a;
+    int fd, a;
     Py_buffer keys;
-    if (!PyArg_ParseTuple(args, "Oiy*", &obj, &a, &keys)) return NULL;
+    if (!PyArg_ParseTuple(args, "Oiiy*", &obj, &fd, &a, &keys)) return NULL;
     Py_buffer view;
     Seg s;
     Py_ssize_t hits = 0;
-    int pending = 0, done = 0;
+    int pending = 0, done = 0, bad = 0;
     if (!check_keys(&keys) || !open_seg(obj, &view, &s, 1)) {
         PyBuffer_Release(&keys);
         return NULL;
     }
+    s.fd = fd;
     Py_ssize_t n = keys.len / KEY;
     for (int t = 0; t < LOCKFREE_TRIES && !done; t++) {
         uint64_t before = __atomic_load_n(&s.h->seq, __ATOMIC_ACQUIRE);
         if (before & 1) continue;
+        s.bad = 0;
         scan(&s, keys.buf, n, a, &hits, &pending);
         __atomic_thread_fence(__ATOMIC_ACQUIRE);
         done = __atomic_load_n(&s.h->seq, __ATOMIC_ACQUIRE) == before;
+        bad = done && s.bad;
     }
-    if (!done && lock(&s, a)) { /* writers kept overlapping (or one died): ask under the mutex */
-        scan(&s, keys.buf, n, a, &hits, &pending);
-        unlock(&s);
-        done = 1;
+    if (!done || bad) { /* writers kept overlapping (or one died), or the read saw damage: ask under the lock */
+        if (lock(&s, a)) {
+            s.bad = 0;
+            scan(&s, keys.buf, n, a, &hits, &pending);
+            if (s.bad) { /* repaired by unlock: answer from the repaired table */
+                repair_now(&s);
+                scan(&s, keys.buf, n, a, &hits, &pending);
+            }
+            unlock(&s);
+            done = 1;
+        }
     }
     PyBuffer_Release(&view);
     PyBuffer_Release(&keys);
@@ -441,9 +657,9 @@ static PyObject *py_touch(PyObject *self, PyObject *args) {
 /* pin(buffer, attachment, keys) -> [(slot, epoch)], (-1, 0) for a key that is not ready. */
 static PyObject *py_pin(PyObject *self, PyObject *args) {
     PyObject *obj;
-    int a;
+    int fd, a;
     Py_buffer keys;
-    if (!PyArg_ParseTuple(args, "Oiy*", &obj, &a, &keys)) return NULL;
+    if (!PyArg_ParseTuple(args, "Oiiy*", &obj, &fd, &a, &keys)) return NULL;
     Py_buffer view;
     Seg s;
     PyObject *out = NULL;
@@ -451,6 +667,7 @@ static PyObject *py_pin(PyObject *self, PyObject *args) {
         PyBuffer_Release(&keys);
         return NULL;
     }
+    s.fd = fd;
     Py_ssize_t n = keys.len / KEY;
     if (lock(&s, a)) {
         out = PyList_New(n);
@@ -458,11 +675,12 @@ static PyObject *py_pin(PyObject *self, PyObject *args) {
             int64_t slot = find(&s, (const uint8_t *)keys.buf + i * KEY);
             uint64_t epoch = 0;
             if (slot >= 0 && s.slots[slot].state == READY) {
-                s.slots[slot].pins |= 1ULL << a;
-                epoch = s.slots[slot].epoch;
-                if (s.slots[slot].owner != a) {
+                Slot *sl = &s.slots[slot];
+                sl->pins |= 1ULL << a;
+                epoch = sl->epoch;
+                if (sl->owner != a) {
                     s.h->cross_hits++;
-                    s.h->served[s.slots[slot].owner]++;
+                    s.h->served[sl->owner]++; /* owner < MAX_ATTACH: find checked the slot */
                 }
             } else {
                 slot = -1;
@@ -482,32 +700,38 @@ static PyObject *py_pin(PyObject *self, PyObject *args) {
 typedef struct {
     Py_buffer view;
     Seg s;
-    int a, flag;
+    int fd, a, flag;
     Py_ssize_t n;
     PyObject *slots, *epochs;
 } SlotArgs;
 
 static int slot_args(PyObject *args, SlotArgs *x) {
     PyObject *obj;
-    if (!PyArg_ParseTuple(args, "OiOOp", &obj, &x->a, &x->slots, &x->epochs, &x->flag)) return 0;
+    if (!PyArg_ParseTuple(args, "OiiOOp", &obj, &x->fd, &x->a, &x->slots, &x->epochs, &x->flag)) return 0;
     if (!check_attachment(x->a)) return 0;
     if (!PyList_Check(x->slots) || !PyList_Check(x->epochs) || PyList_GET_SIZE(x->slots) != PyList_GET_SIZE(x->epochs)) {
         PyErr_SetString(PyExc_TypeError, "slots and epochs must be lists of one length");
         return 0;
     }
     x->n = PyList_GET_SIZE(x->slots);
-    return open_seg(obj, &x->view, &x->s, 1);
+    if (!open_seg(obj, &x->view, &x->s, 1)) return 0;
+    x->s.fd = x->fd;
+    return 1;
 }
 
-/* The slot at ``i`` of the lists when it still holds that epoch, else -1 (an exception set on a bad item). */
+/* The slot at ``i`` of the lists when it still holds that epoch (and passes its check), else -1 (an exception set
+ * on a bad item). */
 static int64_t slot_at(SlotArgs *x, Py_ssize_t i) {
     long long slot = PyLong_AsLongLong(PyList_GET_ITEM(x->slots, i));
     unsigned long long epoch = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(x->epochs, i));
     if (PyErr_Occurred()) return -1;
-    if (slot < 0 || (uint64_t)slot >= x->s.h->num_slots || x->s.slots[slot].epoch != epoch) return -1;
+    if (slot < 0 || (uint64_t)slot >= x->s.n || x->s.slots[slot].epoch != epoch) return -1;
+    if (!slot_ok(&x->s.slots[slot])) {
+        x->s.bad = 1;
+        return -1;
+    }
     return slot;
 }
-
 /* unpin(buffer, attachment, slots, epochs, drop): this engine's pins go; ``drop`` (a failed load) also frees the
  * slots no one else pins. */
 static PyObject *py_unpin(PyObject *self, PyObject *args) {
@@ -555,25 +779,32 @@ static PyObject *py_complete(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* CLOCK: up to ``need`` slots that are free or ready, unpinned, unmarked and unreferenced, the hand moving on and
- * clearing reference bits as it passes. Two turns at most; fewer found means no room (nothing evicted yet). */
-static Py_ssize_t sweep(Seg *s, int64_t *found, Py_ssize_t need) {
+/* CLOCK: up to ``need`` slots that are free, ready (unpinned, unreferenced) or lost past their quarantine, and not
+ * marked (held by this call), the hand moving on and clearing reference bits as it passes. Two turns at most;
+ * fewer found means no room (nothing evicted yet). */
+static Py_ssize_t sweep(Seg *s, uint8_t *marks, int64_t *found, Py_ssize_t need) {
     Py_ssize_t got = 0;
-    uint64_t n = s->h->num_slots;
+    uint64_t n = s->n, now = 0;
     for (uint64_t step = 0; step < 2 * n && got < need; step++) {
-        uint64_t i = s->h->hand;
+        uint64_t i = s->h->hand % n;
         s->h->hand = (i + 1) % n;
         Slot *slot = &s->slots[i];
-        if (slot->state == FREE && !slot->mark) {
+        if ((marks[i >> 3] >> (i & 7)) & 1) continue;
+        if (!slot_ok(slot)) {
+            s->bad = 1;
+            continue;
+        }
+        int take = slot->state == FREE;
+        if (slot->state == LOST) {
+            now = now ? now : now_s();
+            take = now >= slot->lost_until || slot->lost_until > now + QUARANTINE_S;
+        } else if (slot->state == READY && slot->pins == 0) {
+            take = !slot->ref;
+            slot->ref = 0;
+        }
+        if (take) {
             found[got++] = (int64_t)i;
-            slot->mark = 1;
-        } else if (slot->state == READY && slot->pins == 0 && !slot->mark) {
-            if (slot->ref) {
-                slot->ref = 0;
-            } else {
-                found[got++] = (int64_t)i;
-                slot->mark = 1;
-            }
+            marks[i >> 3] |= (uint8_t)(1 << (i & 7));
         }
     }
     return got;
@@ -584,9 +815,9 @@ static Py_ssize_t sweep(Seg *s, int64_t *found, Py_ssize_t need) {
  * flight, by any engine) are left out and protected from this call's evictions. */
 static PyObject *py_reserve(PyObject *self, PyObject *args) {
     PyObject *obj;
-    int a;
+    int fd, a;
     Py_buffer keys;
-    if (!PyArg_ParseTuple(args, "Oiy*", &obj, &a, &keys)) return NULL;
+    if (!PyArg_ParseTuple(args, "Oiiy*", &obj, &fd, &a, &keys)) return NULL;
     Py_buffer view;
     Seg s;
     PyObject *out = NULL;
@@ -594,30 +825,25 @@ static PyObject *py_reserve(PyObject *self, PyObject *args) {
         PyBuffer_Release(&keys);
         return NULL;
     }
+    s.fd = fd;
     const uint8_t *k = keys.buf;
     Py_ssize_t n = keys.len / KEY;
     Py_ssize_t *fresh = PyMem_Malloc(sizeof(Py_ssize_t) * (n ? n : 1));
-    int64_t *held = PyMem_Malloc(sizeof(int64_t) * (n ? n : 1));
     int64_t *victims = PyMem_Malloc(sizeof(int64_t) * (n ? n : 1));
-    if (!fresh || !held || !victims) {
+    uint8_t *marks = PyMem_Calloc((size_t)(s.n + 7) / 8, 1);
+    if (!fresh || !victims || !marks) {
         PyErr_NoMemory();
         goto done;
     }
     if (!lock(&s, a)) goto done;
     write_begin(&s);
-    Py_ssize_t need = 0, nheld = 0;
+    Py_ssize_t need = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t slot = find(&s, k + i * KEY);
-        if (slot >= 0) {
-            held[nheld++] = slot;
-            s.slots[slot].mark = 1;
-        } else {
-            fresh[need++] = i;
-        }
+        if (slot >= 0) marks[slot >> 3] |= (uint8_t)(1 << (slot & 7));
+        else fresh[need++] = i;
     }
-    Py_ssize_t got = sweep(&s, victims, need);
-    for (Py_ssize_t i = 0; i < nheld; i++) s.slots[held[i]].mark = 0;
-    for (Py_ssize_t i = 0; i < got; i++) s.slots[victims[i]].mark = 0;
+    Py_ssize_t got = sweep(&s, marks, victims, need);
     if (got < need) {
         write_end(&s);
         unlock(&s);
@@ -637,18 +863,22 @@ static PyObject *py_reserve(PyObject *self, PyObject *args) {
                 free_slot(&s, victims[i]);
                 s.h->evictions++;
             }
-            /* FREE now: its fields are ours to write; IN_FLIGHT under this owner makes them visible. */
+            /* FREE (or LOST) now: its fields are ours to write; IN_FLIGHT under this owner makes them visible.
+             * Its epoch only grows, whatever next_epoch says: a reader's (slot, epoch) never comes back. */
+            uint64_t floor = slot->epoch < (UINT64_MAX >> 1) ? slot->epoch + 1 : 1; /* a damaged one: no wrap */
+            uint64_t epoch = s.h->next_epoch > floor ? s.h->next_epoch : floor;
+            s.h->next_epoch = epoch + 1;
             slot->owner = (uint8_t)a;
             slot->pins = 0;
             slot->ref = 0;
-            slot->epoch = s.h->next_epoch++;
+            slot->epoch = epoch;
             memcpy(slot->key, k + fresh[i] * KEY, KEY);
             set_state(slot, IN_FLIGHT);
             insert(&s, slot->key, (int32_t)victims[i]);
             s.h->used++;
             PyList_SET_ITEM(positions, i, PyLong_FromSsize_t(fresh[i]));
             PyList_SET_ITEM(slots, i, PyLong_FromLongLong(victims[i]));
-            PyList_SET_ITEM(epochs, i, PyLong_FromUnsignedLongLong(slot->epoch));
+            PyList_SET_ITEM(epochs, i, PyLong_FromUnsignedLongLong(epoch));
         }
     }
     write_end(&s);
@@ -664,8 +894,8 @@ static PyObject *py_reserve(PyObject *self, PyObject *args) {
     }
 done:
     PyMem_Free(fresh);
-    PyMem_Free(held);
     PyMem_Free(victims);
+    PyMem_Free(marks);
     PyBuffer_Release(&view);
     PyBuffer_Release(&keys);
     return out;
@@ -674,17 +904,18 @@ done:
 /* reset(buffer, attachment) -> count: drop the ready, unpinned blocks this engine wrote. */
 static PyObject *py_reset(PyObject *self, PyObject *args) {
     PyObject *obj;
-    int a;
-    if (!PyArg_ParseTuple(args, "Oi", &obj, &a) || !check_attachment(a)) return NULL;
+    int fd, a;
+    if (!PyArg_ParseTuple(args, "Oii", &obj, &fd, &a) || !check_attachment(a)) return NULL;
     Py_buffer view;
     Seg s;
     if (!open_seg(obj, &view, &s, 1)) return NULL;
+    s.fd = fd;
     long dropped = 0;
     if (lock(&s, a)) {
         write_begin(&s);
-        for (uint64_t i = 0; i < s.h->num_slots; i++) {
+        for (uint64_t i = 0; i < s.n; i++) {
             Slot *slot = &s.slots[i];
-            if (slot->state == READY && slot->owner == a && slot->pins == 0) {
+            if (slot->state == READY && slot->owner == a && slot->pins == 0 && slot_ok(slot)) {
                 free_slot(&s, (int64_t)i);
                 dropped++;
             }
@@ -696,10 +927,12 @@ static PyObject *py_reset(PyObject *self, PyObject *args) {
     return PyErr_Occurred() ? NULL : PyLong_FromLong(dropped);
 }
 
-/* verify(buffer, slots, epochs) -> True when every slot is ready and still holds its epoch (a worker's check). */
+/* verify(buffer, slots, epochs, state) -> True when every slot is in ``state`` (READY for a job reading slots,
+ * IN_FLIGHT for one writing them) at its epoch and passes its check (a worker's check). */
 static PyObject *py_verify(PyObject *self, PyObject *args) {
     PyObject *obj, *slots, *epochs;
-    if (!PyArg_ParseTuple(args, "OO!O!", &obj, &PyTuple_Type, &slots, &PyTuple_Type, &epochs)) return NULL;
+    int want = READY;
+    if (!PyArg_ParseTuple(args, "OO!O!|i", &obj, &PyTuple_Type, &slots, &PyTuple_Type, &epochs, &want)) return NULL;
     if (PyTuple_GET_SIZE(slots) != PyTuple_GET_SIZE(epochs)) {
         PyErr_SetString(PyExc_ValueError, "verify: slots and epochs differ in length");
         return NULL;
@@ -713,16 +946,16 @@ static PyObject *py_verify(PyObject *self, PyObject *args) {
         long long slot = PyLong_AsLongLong(PyTuple_GET_ITEM(slots, i));
         unsigned long long epoch = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(epochs, i));
         if (PyErr_Occurred()) break;
-        ok = slot >= 0 && (uint64_t)slot < s.h->num_slots && epoch != 0 &&
+        ok = slot >= 0 && (uint64_t)slot < s.n && epoch != 0 &&
              __atomic_load_n(&s.slots[slot].epoch, __ATOMIC_ACQUIRE) == epoch &&
-             __atomic_load_n(&s.slots[slot].state, __ATOMIC_ACQUIRE) == READY;
+             __atomic_load_n(&s.slots[slot].state, __ATOMIC_ACQUIRE) == want && slot_ok(&s.slots[slot]);
     }
     PyBuffer_Release(&view);
     if (PyErr_Occurred()) return NULL;
     return PyBool_FromLong(ok);
 }
 
-/* stats(buffer) -> dict of the pool's counters. */
+/* stats(buffer) -> dict of the pool's counters (read without the lock: a gauge may be a step behind). */
 static PyObject *py_stats(PyObject *self, PyObject *args) {
     PyObject *obj;
     if (!PyArg_ParseTuple(args, "O", &obj)) return NULL;
@@ -732,11 +965,13 @@ static PyObject *py_stats(PyObject *self, PyObject *args) {
     Header *h = s.h;
     int attached = 0;
     for (int a = 0; a < MAX_ATTACH; a++) attached += h->att[a].pid != 0;
+    uint64_t used = h->used < s.n ? h->used : s.n;
     PyObject *out = Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsi}", "capacity", (unsigned long long)h->num_slots, "used", (unsigned long long)h->used,
+        "{sKsKsKsKsKsKsKsKsisKsK}", "capacity", (unsigned long long)s.n, "used", (unsigned long long)used,
         "slot_bytes", (unsigned long long)h->slot_bytes, "stores", (unsigned long long)h->stores,
         "evictions", (unsigned long long)h->evictions, "cross_hits", (unsigned long long)h->cross_hits,
-        "repairs", (unsigned long long)h->repairs, "reclaimed", (unsigned long long)h->reclaimed, "attached", attached);
+        "repairs", (unsigned long long)h->repairs, "reclaimed", (unsigned long long)h->reclaimed, "attached", attached,
+        "busy", (unsigned long long)h->busy, "generation", (unsigned long long)h->generation);
     if (out) {
         PyObject *fp = PyBytes_FromStringAndSize((const char *)h->fingerprint, KEY);
         if (!fp || PyDict_SetItemString(out, "fingerprint", fp) < 0) Py_CLEAR(out);
@@ -759,40 +994,56 @@ static PyObject *py_served(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(served);
 }
 
-/* check(buffer, attachment) -> None, or the first broken law as a string. */
+#define PROBLEM(...) snprintf(problem, size, __VA_ARGS__)
+
+/* The first broken law of a locked segment into ``problem`` ("" when none). */
+static void find_problem(Seg *s, char *problem, size_t size) {
+    Header *h = s->h;
+    uint64_t used = 0, entries = 0, live = live_mask(s);
+    *problem = 0;
+    for (uint64_t i = 0; i < s->n && !*problem; i++) {
+        Slot *slot = &s->slots[i];
+        unsigned long long u = (unsigned long long)i;
+        if (!slot_ok(slot)) PROBLEM("slot %llu fails its check (state %u)", u, slot->state);
+        else if ((slot->state == FREE || slot->state == LOST) && slot->pins) PROBLEM("free slot %llu is pinned", u);
+        else if (slot->pins & ~live) PROBLEM("slot %llu is pinned by a detached engine", u);
+        else if (slot->state == IN_FLIGHT && !((live >> slot->owner) & 1))
+            PROBLEM("slot %llu is in flight for a detached engine", u);
+        else if ((slot->state == READY || slot->state == IN_FLIGHT) && slot->epoch >= h->next_epoch)
+            PROBLEM("slot %llu's epoch is not below the next one", u);
+        else if ((slot->state == READY || slot->state == IN_FLIGHT) && find(s, slot->key) != (int64_t)i)
+            PROBLEM("slot %llu's key is not indexed to it", u);
+        used += slot->state == READY || slot->state == IN_FLIGHT;
+    }
+    for (uint64_t i = 0; i <= s->mask && !*problem; i++) {
+        int64_t slot = entry(s, i);
+        if (slot == -1) continue;
+        entries++;
+        if (slot < 0 || (s->slots[slot].state != READY && s->slots[slot].state != IN_FLIGHT))
+            PROBLEM("table entry %llu names slot %lld, which holds no key", (unsigned long long)i, (long long)slot);
+    }
+    if (!*problem && (used != h->used || entries != used))
+        PROBLEM("%llu slots hold keys, the count says %llu, the table has %llu entries", (unsigned long long)used,
+                (unsigned long long)h->used, (unsigned long long)entries);
+    if (!*problem && h->hand >= s->n) PROBLEM("the CLOCK hand is past the slots");
+    if (!*problem && (h->seq & 1)) PROBLEM("the sequence counter is odd outside a write");
+    if (!*problem && s->bad) PROBLEM("a table entry names no slot");
+}
+
+/* check(buffer, attachment, repair=False) -> None, or the first broken law as a string; ``repair``: and rebuild
+ * the index from its slots (what every engine does once a RECLAIM_S, so damage no operation ran into is found). */
 static PyObject *py_check(PyObject *self, PyObject *args) {
     PyObject *obj;
-    int a;
-    if (!PyArg_ParseTuple(args, "Oi", &obj, &a)) return NULL;
+    int fd, a, fix = 0;
+    if (!PyArg_ParseTuple(args, "Oii|p", &obj, &fd, &a, &fix)) return NULL;
     Py_buffer view;
     Seg s;
     if (!open_seg(obj, &view, &s, 1)) return NULL;
+    s.fd = fd;
     char problem[200] = "";
     if (lock(&s, a)) {
-        Header *h = s.h;
-        uint64_t used = 0, entries = 0, live = 0;
-        for (int i = 0; i < MAX_ATTACH; i++) live |= (uint64_t)(h->att[i].pid != 0) << i;
-        for (uint64_t i = 0; i < h->num_slots && !*problem; i++) {
-            Slot *slot = &s.slots[i];
-            if (slot->state > READY) snprintf(problem, sizeof problem, "slot %llu has state %u", (unsigned long long)i, slot->state);
-            else if (slot->state == FREE && slot->pins) snprintf(problem, sizeof problem, "free slot %llu is pinned", (unsigned long long)i);
-            else if (slot->pins & ~live) snprintf(problem, sizeof problem, "slot %llu is pinned by a detached engine", (unsigned long long)i);
-            else if (slot->state == IN_FLIGHT && !((live >> slot->owner) & 1)) snprintf(problem, sizeof problem, "slot %llu is in flight for a detached engine", (unsigned long long)i);
-            else if (slot->mark) snprintf(problem, sizeof problem, "slot %llu is left marked", (unsigned long long)i);
-            else if (slot->state != FREE && find(&s, slot->key) != (int64_t)i) snprintf(problem, sizeof problem, "slot %llu's key is not indexed to it", (unsigned long long)i);
-            used += slot->state != FREE;
-        }
-        for (uint64_t i = 0; i <= s.mask && !*problem; i++) {
-            int32_t slot = s.table[i];
-            if (slot == EMPTY) continue;
-            entries++;
-            if ((uint64_t)slot >= h->num_slots || s.slots[slot].state == FREE)
-                snprintf(problem, sizeof problem, "table entry %llu names slot %d, which holds no key", (unsigned long long)i, slot);
-        }
-        if (!*problem && (used != h->used || entries != used))
-            snprintf(problem, sizeof problem, "%llu slots hold keys, the count says %llu, the table has %llu entries",
-                     (unsigned long long)used, (unsigned long long)h->used, (unsigned long long)entries);
-        if (!*problem && (h->seq & 1)) snprintf(problem, sizeof problem, "the sequence counter is odd outside a write");
+        find_problem(&s, problem, sizeof problem);
+        s.bad = fix && *problem; /* unlock repairs */
         unlock(&s);
     }
     PyBuffer_Release(&view);
@@ -804,6 +1055,9 @@ static PyObject *py_check(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"init", py_init, METH_VARARGS, "Format a new segment."},
     {"size", py_size, METH_VARARGS, "Bytes of a segment of num_slots slots and table_size table entries."},
+    {"set_wait_ms", py_set_wait_ms, METH_VARARGS, "How long this process waits for the lock (then Busy)."},
+    {"files", py_files, METH_VARARGS, "(generation, engines inode, {rank: pool inode}) as recorded."},
+    {"bind_pool", py_bind_pool, METH_VARARGS, "Record a rank's pool file inode."},
     {"attach", py_attach, METH_VARARGS, "Register an engine; its attachment id, or -1 when full."},
     {"attachments", py_attachments, METH_VARARGS, "The attached engines: (id, pid, start, pidns)."},
     {"release", py_release, METH_VARARGS, "Release an engine's pins, in-flight slots and entry (dead: count it reclaimed)."},
@@ -814,9 +1068,9 @@ static PyMethodDef methods[] = {
     {"complete", py_complete, METH_VARARGS, "Complete this engine's stores (success) or forget them."},
     {"reserve", py_reserve, METH_VARARGS, "Reserve slots for the keys not held; None when there is no room."},
     {"reset", py_reset, METH_VARARGS, "Drop the ready, unpinned blocks this engine wrote."},
-    {"verify", py_verify, METH_VARARGS, "Whether slots are ready and hold these epochs."},
+    {"verify", py_verify, METH_VARARGS, "Whether slots are in a state (READY by default) at these epochs."},
     {"stats", py_stats, METH_VARARGS, "The pool's counters."},
-    {"check", py_check, METH_VARARGS, "None, or the first broken law of the segment."},
+    {"check", py_check, METH_VARARGS, "None, or the first broken law of the segment (repair: and rebuild it)."},
     {"served", py_served, METH_VARARGS, "Pins other engines took on blocks this attachment stored."},
     {NULL, NULL, 0, NULL},
 };
@@ -825,9 +1079,32 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_nodeindex", "The no
 
 PyMODINIT_FUNC PyInit__nodeindex(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m && (PyModule_AddIntConstant(m, "MAX_ATTACH", MAX_ATTACH) < 0 ||
-              PyModule_AddIntConstant(m, "VERSION", VERSION) < 0 ||
-              PyModule_AddIntConstant(m, "HEADER_BYTES", (long)header_size()) < 0)) {
+    if (!m) return NULL;
+    Busy = PyErr_NewExceptionWithDoc("kvoffload._nodeindex.Busy",
+                                     "Another engine held the index's lock past the wait: the operation did nothing.",
+                                     NULL, NULL);
+    Damaged = PyErr_NewExceptionWithDoc("kvoffload._nodeindex.Damaged",
+                                        "The segment's header is not what this module made: do not use it.",
+                                        NULL, NULL);
+    if (!Busy || !Damaged || PyModule_AddObjectRef(m, "Busy", Busy) < 0 ||
+        PyModule_AddObjectRef(m, "Damaged", Damaged) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_ATTACH", MAX_ATTACH) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_RANKS", MAX_RANKS) < 0 ||
+        PyModule_AddIntConstant(m, "VERSION", VERSION) < 0 ||
+        PyModule_AddIntConstant(m, "READY", READY) < 0 || PyModule_AddIntConstant(m, "IN_FLIGHT", IN_FLIGHT) < 0 ||
+        PyModule_AddIntConstant(m, "SLOT_BYTES", (long)sizeof(Slot)) < 0 ||
+        PyModule_AddIntConstant(m, "HEADER_BYTES", (long)header_size()) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    /* Where fields lie, for tests that damage them on purpose (and tools that read them). */
+    PyObject *layout = Py_BuildValue(
+        "{snsnsnsnsnsnsn}", "seq", (Py_ssize_t)offsetof(Header, seq),
+        "hand", (Py_ssize_t)offsetof(Header, hand), "next_epoch", (Py_ssize_t)offsetof(Header, next_epoch),
+        "att", (Py_ssize_t)offsetof(Header, att), "slot_epoch", (Py_ssize_t)offsetof(Slot, epoch),
+        "slot_pins", (Py_ssize_t)offsetof(Slot, pins), "slot_state", (Py_ssize_t)offsetof(Slot, state));
+    if (!layout || PyModule_AddObject(m, "LAYOUT", layout) < 0) {
+        Py_XDECREF(layout);
         Py_DECREF(m);
         return NULL;
     }

@@ -92,9 +92,10 @@ def test_engine_b_loads_engine_a_prefixes_from_the_node_pool_and_survives_a_kill
     assert [r.cached_tokens for r in third] == [HIT_TOKENS] * len(third)  # every prefix from the pool
 
     segment = pool_index(node_path)
-    assert _nodeindex.check(segment, -1) is None
     (index_file,) = node_path.rglob("index")
-    survivor = NodeIndex(segment, EngineLocks(index_file.parent, Access(tier="node")))  # releases the dead
+    locks = EngineLocks(index_file.parent, Access(tier="node"))
+    assert _nodeindex.check(segment, locks.fd, -1) is None
+    survivor = NodeIndex(segment, locks)  # releases the dead
     stats = survivor.pool_counters()
     assert 1 <= stats["reclaimed"] <= 3, stats  # the killed A at least (B and the new A detach at shutdown)
     assert stats["attached"] == 1 and stats["cross_hits"] > 0, stats

@@ -1,4 +1,4 @@
-"""The ``kvoffload`` command: ``simulate``, ``demo`` and the ``bench`` suite.
+"""The ``kvoffload`` command: ``simulate``, ``demo``, ``replay``, ``plan``, ``node`` and the ``bench`` suite.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file only
 wires them, importing a module when its subcommand runs (so ``kvoffload bench copy`` never imports vLLM).
@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("kvoffload.tools.replay.replay_command",
                "a request trace through every policy, beside the offline optimum"),
     "plan": ("kvoffload.tools.replay.plan_command", "size a tier: hit rate against capacity for a trace and a model"),
+    "node": ("kvoffload.tools.node", "the node pools on this machine: status, and remove one no engine uses"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "copy": ("kvoffload.tools.bench.copy", "device<->host copy GB/s beside memcpy of the same bytes"),

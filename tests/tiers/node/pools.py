@@ -6,12 +6,14 @@ import itertools
 import mmap
 from pathlib import Path
 
+from kvoffload import _nodeindex
 from kvoffload.config import NodeTierConfig
 from kvoffload.keys import BlockHash, Namespace, OffloadKey, offload_key
 from kvoffload.specs import HostBlocks
+from kvoffload.tiers.node.files import open_index
 from kvoffload.tiers.node.index import NodeIndex
 from kvoffload.tiers.node.liveness import EngineLocks
-from kvoffload.tiers.node.segment import NodeGeometry, access_of, open_directory, open_index
+from kvoffload.tiers.node.segment import NodeGeometry, access_of, open_directory
 
 SLOT_BYTES = 64
 _ids = itertools.count()
@@ -27,7 +29,7 @@ def segment_in(node_path: Path, slots: int, layout: str = "node-index") -> mmap.
     namespace = Namespace(model="m", dtype="bf16", layout=layout)
     node = NodeTierConfig(node_path)
     geometry = NodeGeometry(slots, SLOT_BYTES, namespace.chain_root())
-    return open_index(open_directory(node, namespace), geometry, access_of(node))
+    return open_index(open_directory(node, namespace), geometry, access_of(node))[0]
 
 
 def locks_in(node_path: Path, layout: str = "node-index") -> EngineLocks:
@@ -49,3 +51,13 @@ def store(index: NodeIndex, stored: list[OffloadKey]) -> HostBlocks:
     index.complete_store(stored)
     assert isinstance(out.store_spec, HostBlocks)
     return out.store_spec
+
+
+def slot_field(index: NodeIndex, slot: int, field: str) -> int:
+    """Where ``field`` (``_nodeindex.LAYOUT``'s ``slot_*``) of ``slot`` lies in the index's segment."""
+    return _nodeindex.HEADER_BYTES + slot * _nodeindex.SLOT_BYTES + _nodeindex.LAYOUT[f"slot_{field}"]
+
+
+def table_offset(index: NodeIndex) -> int:
+    """Where the hash table starts in the index's segment."""
+    return _nodeindex.HEADER_BYTES + index.capacity * _nodeindex.SLOT_BYTES

@@ -15,9 +15,10 @@ from pathlib import Path
 
 from kvoffload.config import NodeTierConfig
 from kvoffload.keys import Namespace
+from kvoffload.tiers.node.files import open_index
 from kvoffload.tiers.node.index import NodeIndex
 from kvoffload.tiers.node.liveness import EngineLocks
-from kvoffload.tiers.node.segment import NodeGeometry, access_of, open_directory, open_index
+from kvoffload.tiers.node.segment import NodeGeometry, access_of, open_directory
 
 SLOTS = 16
 SLOT_BYTES = 64
@@ -34,14 +35,15 @@ ENGINE = textwrap.dedent(f"""
     from kvoffload.keys import Namespace
     from kvoffload.tiers.node.index import NodeIndex
     from kvoffload.tiers.node.liveness import EngineLocks
-    from kvoffload.tiers.node.segment import NodeGeometry, access_of, open_directory, open_index, open_pool_file
+    from kvoffload.tiers.node.files import open_pool
+    from kvoffload.tiers.node.segment import NodeGeometry, access_of, open_directory
 
     ns = Namespace(model="m", dtype="bf16", layout="{LAYOUT}")
     node = NodeTierConfig(Path(sys.argv[1]))
     directory = open_directory(node, ns)
     geometry = NodeGeometry({SLOTS}, {SLOT_BYTES}, ns.chain_root())
-    index = NodeIndex(open_index(directory, geometry, access_of(node)), EngineLocks(directory, access_of(node)))
-    pool = open_pool_file(directory, 0, geometry, access_of(node))
+    segment, files, pool = open_pool(directory, 0, geometry, access_of(node))
+    index = NodeIndex(segment, EngineLocks(directory, access_of(node)), files)
     rng = random.Random(int(sys.argv[2]))
     universe = [bytes([i]) * 16 for i in range({UNIVERSE})]
     limit = int(sys.argv[3])
@@ -76,17 +78,20 @@ LOCKER = textwrap.dedent(f"""
     from kvoffload import _nodeindex
     from kvoffload.config import NodeTierConfig
     from kvoffload.keys import Namespace
-    from kvoffload.tiers.node.segment import NodeGeometry, access_of, open_directory, open_index, own_identity
+    from kvoffload.tiers.node.files import open_index
+    from kvoffload.tiers.node.liveness import EngineLocks
+    from kvoffload.tiers.node.segment import NodeGeometry, access_of, open_directory, own_identity
 
     ns = Namespace(model="m", dtype="bf16", layout="{LAYOUT}")
     node = NodeTierConfig(Path(sys.argv[1]))
-    segment = open_index(open_directory(node, ns), NodeGeometry({SLOTS}, {SLOT_BYTES}, ns.chain_root()),
-                         access_of(node))
-    me = _nodeindex.attach(segment, os.getpid(), *own_identity())
+    directory = open_directory(node, ns)
+    segment, _ = open_index(directory, NodeGeometry({SLOTS}, {SLOT_BYTES}, ns.chain_root()), access_of(node))
+    locks = EngineLocks(directory, access_of(node))  # no byte held: found dead at once, as it should
+    me = _nodeindex.attach(segment, locks.fd, os.getpid(), *own_identity())
     many = os.urandom(16 * 200_000)
     print("locking", flush=True)
     while True:
-        _nodeindex.reserve(segment, me, many)
+        _nodeindex.reserve(segment, locks.fd, me, many)
 """)
 
 
@@ -129,7 +134,7 @@ def test_engines_killed_at_random_points_leave_a_consistent_pool(node_path: Path
     ns = Namespace(model="m", dtype="bf16", layout=LAYOUT)
     node = NodeTierConfig(node_path)
     directory = open_directory(node, ns)
-    index = NodeIndex(open_index(directory, NodeGeometry(SLOTS, SLOT_BYTES, ns.chain_root()), access_of(node)),
+    index = NodeIndex(*open_index(directory, NodeGeometry(SLOTS, SLOT_BYTES, ns.chain_root()), access_of(node))[:1],
                       EngineLocks(directory, access_of(node)))
     index.check_integrity()
     stats = index.pool_counters()

@@ -103,3 +103,59 @@ def test_a_job_without_epochs_is_not_checked(node_path: Path) -> None:
     job = harness.inner.make_job(JobId(1))  # a private pool's load: nothing to check it against
     harness.index.reset()
     assert run(handler, job).success and harness.verify(job)
+
+
+class NodeStoreHarness:
+    """``DeviceHostHarness`` stores whose every pool slot is in flight for this engine in a node index."""
+
+    def __init__(self, node_path: Path) -> None:
+        self.inner = DeviceHostHarness(store=True)
+        slots = self.inner.pool.num_slots
+        self.segment = segment_in(node_path, slots, layout="node-handler-store")
+        self.index = NodeIndex(self.segment, locks_in(node_path, layout="node-handler-store"))
+        out = self.index.prepare_store(keys(slots))
+        assert out is not None and isinstance(out.store_spec, HostBlocks)
+        self.epoch = dict(zip(out.store_spec.slots, out.store_spec.epochs, strict=True))
+
+    def job(self, job_id: JobId, shift: int = 0) -> TransferJob:
+        job = self.inner.make_job(job_id)
+        dst = job.dst
+        assert isinstance(dst, HostBlocks)
+        epochs = tuple(self.epoch[s] + shift for s in dst.slots)
+        return dataclasses.replace(job, dst=dataclasses.replace(dst, epochs=epochs))
+
+
+def test_a_store_into_slots_in_flight_at_their_epochs_copies(node_path: Path) -> None:
+    harness = NodeStoreHarness(node_path)
+    job = harness.job(JobId(1))
+    assert run(NodeCheck(harness.inner.new_handler(), harness.segment), job).success and harness.inner.verify(job)
+
+
+def test_a_store_into_slots_of_another_generation_is_refused_without_writing(node_path: Path) -> None:
+    """A worker whose index is not its scheduler's (the set was made anew between their start-ups) must not write
+    into slots its scheduler never reserved in it: they may be ready blocks of other engines."""
+    harness = NodeStoreHarness(node_path)
+    before = harness.inner.pool.buffer.clone()
+    handler = NodeCheck(harness.inner.new_handler(), harness.segment)
+    result = run(handler, harness.job(JobId(1), shift=1 << 40))
+    assert not result.success and handler.refused == 1
+    assert bool((harness.inner.pool.buffer == before).all())  # nothing written
+
+
+def test_a_slot_past_the_pool_fails_the_job_instead_of_raising_from_submit(node_path: Path) -> None:
+    harness = NodeLoadHarness(node_path)
+    handler = harness.new_handler()
+    job = harness.make_job(JobId(1))
+    assert isinstance(job.src, HostBlocks)
+    past = dataclasses.replace(job, src=dataclasses.replace(job.src, slots=(10**6, *job.src.slots[1:])))
+    result = run(handler, past)  # ValueError out of the worker's submit, before
+    assert not result.success and isinstance(handler, NodeCheck) and handler.refused == 1
+
+
+def test_every_job_on_a_lost_pool_fails(node_path: Path) -> None:
+    harness = NodeLoadHarness(node_path)
+    lost = [False]
+    handler = NodeCheck(harness.inner.new_handler(), harness.segment, lambda: lost[0])
+    assert run(handler, harness.make_job(JobId(1))).success
+    lost[0] = True  # the pool file was truncated under the engine: its pages now read zeros
+    assert not run(handler, harness.make_job(JobId(2))).success

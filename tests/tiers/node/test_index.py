@@ -5,7 +5,6 @@ after their lookup, and release what dead engines held."""
 from __future__ import annotations
 
 import itertools
-import os
 from pathlib import Path
 
 import pytest
@@ -119,9 +118,10 @@ def test_reset_drops_only_this_engine_blocks(node_path: Path) -> None:
 
 def test_a_dead_engine_pins_and_stores_are_released(node_path: Path) -> None:
     segment = segment_in(node_path, 4)
-    dead = _nodeindex.attach(segment, 2**22 + 7, 1, os.stat("/proc/self/ns/pid").st_ino)  # no such process
+    locks = locks_in(node_path)  # an engine that never locked its byte: dead to the others
+    dead = _nodeindex.attach(segment, locks.fd, 2**22 + 7, 1, 0)
     held = keys(4)
-    assert _nodeindex.reserve(segment, dead, b"".join(held[:2])) is not None  # killed mid-store ...
+    assert _nodeindex.reserve(segment, locks.fd, dead, b"".join(held[:2])) is not None  # killed mid-store ...
     survivor = NodeIndex(segment, locks_in(node_path))  # ... found dead by the next engine to attach
     assert survivor.pool_counters()["reclaimed"] == 1 and survivor.pool_counters()["attached"] == 1
     assert store(survivor, held)  # its half-made slots are free again
@@ -152,8 +152,8 @@ def test_check_integrity_catches_a_corrupt_segment(node_path: Path) -> None:
     a, _ = engines(node_path)
     store(a, keys(1))
     a.check_integrity()
-    a._segment[_nodeindex.HEADER_BYTES + 32] = 7  # slot 0's state byte
-    with pytest.raises(IntegrityError, match="slot 0 has state 7"):
+    a._segment[_nodeindex.HEADER_BYTES + 48] = 7  # slot 0's state byte
+    with pytest.raises(IntegrityError, match=r"slot 0 fails its check \(state 7\)"):
         a.check_integrity()
 
 

@@ -28,13 +28,14 @@ ENGINE = textwrap.dedent("""
     from kvoffload.keys import Namespace
     from kvoffload.tiers.node.index import NodeIndex
     from kvoffload.tiers.node.liveness import EngineLocks
-    from kvoffload.tiers.node.segment import NodeGeometry, access_of, open_directory, open_index
+    from kvoffload.tiers.node.files import open_index
+    from kvoffload.tiers.node.segment import NodeGeometry, access_of, open_directory
 
     node = NodeTierConfig(Path(sys.argv[1]), shared_group=int(sys.argv[2]))
     ns = Namespace(model="m", dtype="bf16", layout="liveness")
     directory = open_directory(node, ns)
-    index = NodeIndex(open_index(directory, NodeGeometry(8, 64, ns.chain_root()), access_of(node)),
-                      EngineLocks(directory, access_of(node)))  # attaching first releases the dead
+    segment, files = open_index(directory, NodeGeometry(8, 64, ns.chain_root()), access_of(node))
+    index = NodeIndex(segment, EngineLocks(directory, access_of(node)), files)  # attaching first releases the dead
     if sys.argv[3] == "hold":
         print("attached", flush=True)
         sys.stdin.read()  # until the test kills this engine

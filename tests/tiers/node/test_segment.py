@@ -16,15 +16,14 @@ import pytest
 from kvoffload import _nodeindex
 from kvoffload.config import ConfigError, NodeTierConfig
 from kvoffload.keys import Namespace
+from kvoffload.tiers.node.files import ENGINES_NAME, INDEX_NAME, open_index, open_pool
+from kvoffload.tiers.node.liveness import EngineLocks
 from kvoffload.tiers.node.segment import (
-    INDEX_NAME,
     NodeGeometry,
     access_of,
     filesystem_type,
     namespace_directory,
     open_directory,
-    open_index,
-    open_pool_file,
     own_identity,
     process_identity,
 )
@@ -35,13 +34,15 @@ GEOMETRY = NodeGeometry(8, 256, NS.chain_root())
 
 def index_in(node_path: Path, geometry: NodeGeometry = GEOMETRY) -> object:
     node = NodeTierConfig(node_path)
-    return open_index(open_directory(node, NS), geometry, access_of(node))
+    return open_index(open_directory(node, NS), geometry, access_of(node))[0]
 
 
 def test_engines_of_one_namespace_open_one_index(node_path: Path) -> None:
     first, second = index_in(node_path), index_in(node_path)
     assert _nodeindex.stats(first)["capacity"] == 8
-    assert _nodeindex.attach(first, 1, 2, 3) == 0
+    node = NodeTierConfig(node_path)
+    locks = EngineLocks(open_directory(node, NS), access_of(node))
+    assert _nodeindex.attach(first, locks.fd, 1, 2, 3) == 0
     assert _nodeindex.attachments(second) == [(0, 1, 2, 3)]  # the same memory
     directory = namespace_directory(NodeTierConfig(node_path), NS)
     assert directory.parent.name == f"kvoffload-node-{os.geteuid()}" and directory.name == NS.chain_root().hex()
@@ -82,10 +83,11 @@ def test_another_version_is_refused(node_path: Path) -> None:
         index_in(node_path)
 
 
-def test_an_index_of_another_namespace_is_refused(node_path: Path) -> None:
+def test_an_index_of_another_namespace_than_its_directory_is_made_anew(node_path: Path) -> None:
+    """The directory's name is the namespace: an index saying otherwise was damaged, never another engine's."""
     index_in(node_path)
-    with pytest.raises(ConfigError, match="another namespace"):
-        index_in(node_path, NodeGeometry(8, 256, bytes(16)))
+    other = index_in(node_path, NodeGeometry(8, 256, bytes(16)))
+    assert _nodeindex.stats(other)["fingerprint"] == bytes(16)
 
 
 def test_a_half_made_index_is_made_again(node_path: Path) -> None:
@@ -126,11 +128,11 @@ def test_an_index_file_others_may_write_is_refused(node_path: Path) -> None:
         index_in(node_path)
 
 
-def test_a_pool_file_of_another_size_is_refused(node_path: Path) -> None:
+def test_a_pool_of_another_size_is_refused(node_path: Path) -> None:
     directory = open_directory(NodeTierConfig(node_path), NS)
-    open_pool_file(directory, 0, GEOMETRY, access_of(NodeTierConfig(node_path)))
-    with pytest.raises(ConfigError, match=r"host_bytes/host_gib: .*pool\.0 is 2048 bytes"):
-        open_pool_file(directory, 0, NodeGeometry(16, 256, NS.chain_root()), access_of(NodeTierConfig(node_path)))
+    open_pool(directory, 0, GEOMETRY, access_of(NodeTierConfig(node_path)))
+    with pytest.raises(ConfigError, match=r"host_bytes/host_gib: the node pool at .* holds 8 slots of 256 bytes"):
+        open_pool(directory, 0, NodeGeometry(16, 256, NS.chain_root()), access_of(NodeTierConfig(node_path)))
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])
@@ -142,12 +144,11 @@ def test_files_an_engine_makes_have_their_modes_whatever_the_umask(node_path: Pa
         previous = os.umask(umask)
         try:
             directory = open_directory(node, NS)
-            open_index(directory, GEOMETRY, access_of(node))
-            open_pool_file(directory, 0, GEOMETRY, access_of(node))
+            open_pool(directory, 0, GEOMETRY, access_of(node))
         finally:
             os.umask(previous)
         assert {f.name: oct(f.stat().st_mode & 0o777) for f in directory.iterdir()} == {
-            INDEX_NAME: oct(mode), "pool.0": oct(mode)}
+            INDEX_NAME: oct(mode), ENGINES_NAME: oct(mode), "pool.0": oct(mode)}
 
 
 @contextlib.contextmanager
@@ -169,7 +170,7 @@ def test_a_full_tmpfs_is_an_error_at_start_up_not_a_sigbus_later(node_path: Path
         directory = open_directory(node, NS)
         big = NodeGeometry(64, 64 * 1024, NS.chain_root())  # 4 MiB of slots in 1 MiB
         with pytest.raises(ConfigError, match="the tmpfs is full: lower host_bytes"):
-            open_pool_file(directory, 0, big, access_of(node))
+            open_pool(directory, 0, big, access_of(node))
         assert (directory / "pool.0").stat().st_size == 0  # nothing half-sized for the next engine to map
 
 

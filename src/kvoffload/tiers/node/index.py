@@ -12,7 +12,15 @@ means the same, with what sharing adds:
 - an engine's repeated pins of one key are counted here, once in the shared index;
 - eviction is CLOCK over the whole pool (``_nodeindex.c``); ``eviction_policy`` applies to the tiers below;
 - ``reset`` drops only the blocks this engine wrote; ``usage`` is the whole pool's;
-- at most once a ``RECLAIM_S`` the index releases what engines that died hold (pins, half-made stores).
+- at most once a ``RECLAIM_S`` the index releases what engines that died hold (pins, half-made stores), checks
+  the shared index (and repairs it from its slots when damaged) and that the directory still holds this engine's
+  files;
+- no engine waits on another unboundedly: an operation that cannot have the index's mutex within its wait
+  (``_nodeindex.set_wait_ms``) answers a miss, skips the store or fails the load; completions and unpins owed
+  then are settled at the next operation;
+- an index that is damaged past repair, or whose files were removed or replaced, is left: the engine logs once
+  and goes on without the pool (every lookup a miss, every load in flight failed by its worker's check). It
+  keeps its attachment and lock until it exits, so no other engine reuses slots its workers may still write.
 
 Not thread-safe, like every manager; the shared index itself is safe across processes.
 """
@@ -23,7 +31,8 @@ import logging
 import mmap
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from kvoffload import _nodeindex
 from kvoffload.config import ConfigError
@@ -38,72 +47,110 @@ from kvoffload.manager.base import (
     TierUsage,
 )
 from kvoffload.specs import HostBlocks, Medium
+from kvoffload.tiers.node.files import BoundFiles
 from kvoffload.tiers.node.liveness import EngineLocks
 from kvoffload.tiers.node.segment import MISSING_EPOCH, own_identity
 
 logger = logging.getLogger(__name__)
 
 POOL_COUNTERS = ("capacity", "used", "stores", "evictions", "cross_hits", "repairs", "reclaimed", "attached",
-                 "served")
+                 "busy", "served")
 """What ``pool_counters`` reports (the engines' /metrics: ``vllm:kvoffload_node_pool``): the pool's counters, and
 ``served``, this engine's own: hits other engines took on blocks it stored."""
 RECLAIM_S = 1.0
-"""How often an engine looks for dead engines' pins and stores: the bound on how long they block anything."""
+"""How often an engine looks for dead engines' pins and stores, damage and changed files: the bound on how long
+any of them lasts."""
+ATTACH_WAIT_S = 10.0
+"""How long a starting engine waits for the index's mutex (held by a frozen engine) before it goes without the
+pool."""
+_T = TypeVar("_T")
 
 
 class NodeIndex(ResidencyManager):
     """One engine's view of the node pool's shared index.
 
     Args:
-        segment: the mapped index (``segment.open_index``).
+        segment: the mapped index (``files.open_index``).
         locks: this engine's handle on the pool's ``engines`` file (``liveness``): it locks its attachment's byte
             there for as long as it runs, and an attachment nobody locks is a dead engine's. Its own: the index
             closes it.
+        files: the files this engine mapped (``files.open_index``), watched once a ``RECLAIM_S``; None: not
+            watched (tests of the index alone).
     Raises:
         ConfigError: every attachment of the pool is taken (``_nodeindex.MAX_ATTACH`` engines).
     """
 
     medium = Medium.HOST
 
-    def __init__(self, segment: mmap.mmap, locks: EngineLocks) -> None:
+    def __init__(self, segment: mmap.mmap, locks: EngineLocks, files: BoundFiles | None = None) -> None:
         self._segment = segment
         self._locks = locks
-        stats = _nodeindex.stats(segment)
-        self.capacity: int = stats["capacity"]
-        self._last_reclaim = 0.0
-        self.attachment: int = -1  # none yet: the reclaim below skips no one
-        self._reclaim(force=True)
-        start, pidns = own_identity()
-        self._identity = (os.getpid(), start)
-        try:
-            with locks.attaching():  # nobody judges the attachment before its byte is locked
-                attachment = _nodeindex.attach(segment, os.getpid(), start, pidns)
-                if attachment < 0:
-                    raise ConfigError(
-                        f"host_scope node: {_nodeindex.MAX_ATTACH} engines already share this node pool")
-                try:
-                    locks.hold(attachment)
-                except BaseException:
-                    _nodeindex.release(segment, attachment, *self._identity, False)
-                    raise
-        except BaseException:
-            locks.close()
-            raise
-        self.attachment = attachment
+        self._files = files
+        self.detached: str | None = None
+        """Why this engine left the pool (None while it uses it): every lookup is then a miss."""
         self._pins: dict[OffloadKey, list[int]] = {}  # key -> [slot, epoch, count] of this engine's pins
         self._in_flight: dict[OffloadKey, tuple[int, int]] = {}  # this engine's stores: key -> (slot, epoch)
         self._events: list[OffloadEvent] = []
+        self._owed: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []  # unpins and completions not yet had
+        self._repairs = 0
+        self.capacity: int = _nodeindex.stats(segment)["capacity"]
+        self._last_reclaim = 0.0
+        self.attachment: int = -1  # none yet: the reclaim below skips no one
+        self._identity = (os.getpid(), own_identity()[0])
+        try:
+            self._attach()
+        except BaseException:
+            locks.close()
+            raise
+
+    def _attach(self) -> None:
+        if _nodeindex.files(self._segment)[1] != self._locks.inode:
+            self._detach("its engines file was replaced while this engine started")
+            return
+        self._reclaim(force=True)
+        deadline = time.monotonic() + ATTACH_WAIT_S
+        while True:
+            try:
+                with self._locks.attaching():  # nobody judges the attachment before its byte is locked
+                    attachment = _nodeindex.attach(self._segment, self._locks.fd, os.getpid(), *own_identity())
+                    if attachment >= 0:
+                        self._hold(attachment)
+                break
+            except _nodeindex.Busy:
+                if time.monotonic() > deadline:
+                    self._detach(f"another engine held its index for over {ATTACH_WAIT_S:.0f} s")
+                    return
+            except _nodeindex.Damaged as e:
+                self._detach(str(e))
+                return
+        if attachment < 0:
+            raise ConfigError(f"host_scope node: {_nodeindex.MAX_ATTACH} engines already share this node pool")
+        self.attachment = attachment
+
+    def _hold(self, attachment: int) -> None:
+        try:
+            self._locks.hold(attachment)
+        except BaseException:
+            _nodeindex.release(self._segment, self._locks.fd, attachment, *self._identity, False)
+            raise
+
+    @property
+    def _mine(self) -> tuple[mmap.mmap, int, int]:
+        """What every call on the index that writes (or may lock) starts with: the segment, the lock's file, and
+        this engine's attachment."""
+        return self._segment, self._locks.fd, self.attachment
 
     def lookup(self, keys: Sequence[OffloadKey]) -> LookupResult:
         self._reclaim()
-        hits, pending = _nodeindex.lookup(self._segment, self.attachment, b"".join(keys))
+        hits, pending = self._call(_nodeindex.lookup, (0, False), *self._mine, b"".join(keys))
         return LookupResult(hits, pending)
 
     def prepare_load(self, keys: Sequence[OffloadKey]) -> HostBlocks:
         pins = self._pins
         new = [key for key in dict.fromkeys(keys) if key not in pins]
         if new:
-            pinned = _nodeindex.pin(self._segment, self.attachment, b"".join(new))
+            missing = [(-1, MISSING_EPOCH)] * len(new)  # not pinned: the worker fails the load, no copy
+            pinned = self._call(_nodeindex.pin, missing, *self._mine, b"".join(new))
             for key, (slot, epoch) in zip(new, pinned, strict=True):
                 pins[key] = [max(slot, 0), epoch, 0]
         entries = [pins[key] for key in keys]
@@ -112,7 +159,7 @@ class NodeIndex(ResidencyManager):
         return HostBlocks(tuple(e[0] for e in entries), (len(entries),), epochs=tuple(e[1] for e in entries))
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
-        _nodeindex.touch(self._segment, b"".join(keys))
+        self._call(_nodeindex.touch, None, self._segment, b"".join(keys))
 
     def complete_load(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
         pins = self._pins
@@ -127,13 +174,13 @@ class NodeIndex(ResidencyManager):
                 if entry[1] != MISSING_EPOCH:
                     done.append(entry)
         if done:
-            _nodeindex.unpin(self._segment, self.attachment, [e[0] for e in done], [e[1] for e in done],
-                             not success)
+            self._owe(_nodeindex.unpin, *self._mine, [e[0] for e in done], [e[1] for e in done],
+                      not success)
 
     def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
         self._reclaim()
         unique = list(dict.fromkeys(keys))
-        out = _nodeindex.reserve(self._segment, self.attachment, b"".join(unique))
+        out = self._call(_nodeindex.reserve, None, *self._mine, b"".join(unique))
         if out is None:
             return None
         positions, slots, epochs, evicted = out
@@ -152,10 +199,9 @@ class NodeIndex(ResidencyManager):
         done = [(key, entry) for key in keys if (entry := self._in_flight.pop(key, None)) is not None]
         if not done:
             return []
-        _nodeindex.complete(self._segment, self.attachment, [e[0] for _, e in done], [e[1] for _, e in done],
-                            success)
-        if not success:
-            return []
+        if not self._owe(_nodeindex.complete, *self._mine, [e[0] for _, e in done],
+                         [e[1] for _, e in done], success) or not success:
+            return []  # owed (ready once settled: no event) or left with the pool
         stored = [key for key, _ in done]
         self._emit(EventKind.STORED, stored)
         return stored
@@ -165,47 +211,111 @@ class NodeIndex(ResidencyManager):
         return events
 
     def reset(self) -> None:
-        dropped = _nodeindex.reset(self._segment, self.attachment)
+        dropped = self._call(_nodeindex.reset, 0, *self._mine)
         if dropped:
             logger.info("reset node tier: dropped the %d blocks this engine wrote", dropped)
 
     def check_integrity(self) -> None:
-        """The shared index's laws (``_nodeindex.check``), and this engine's: a pin count is positive."""
-        problem = _nodeindex.check(self._segment, self.attachment)
+        """The shared index's laws (``_nodeindex.check``), and this engine's: a pin count is positive. An index
+        this engine left, or one busy past the wait, is not judged."""
+        problem = self._call(_nodeindex.check, None, *self._mine)
         if problem is not None:
             raise IntegrityError(f"node tier: {problem}")
         if any(entry[2] <= 0 for entry in self._pins.values()):
             raise IntegrityError("node tier: a pin count of this engine is not positive")
 
     def usage(self) -> list[TierUsage]:
-        stats = _nodeindex.stats(self._segment)
-        return [TierUsage(self.medium, stats["used"], stats["capacity"])]
+        stats = self._stats()
+        return [TierUsage(self.medium, stats.get("used", 0), self.capacity)]
 
     def pool_counters(self) -> dict[str, int]:
-        """``POOL_COUNTERS``: the whole pool's capacity, used, stores, evictions, hits across engines, repairs after
-        a crash, engines reclaimed (found dead) and attached; and this engine's ``served``."""
-        stats = _nodeindex.stats(self._segment)
-        stats["served"] = _nodeindex.served(self._segment, self.attachment) if self.attachment >= 0 else 0
-        return {name: int(stats[name]) for name in POOL_COUNTERS}
+        """``POOL_COUNTERS``, read from the shared index now: the whole pool's capacity, used, stores, evictions,
+        hits across engines, repairs, engines reclaimed (found dead) and attached, waits given up (busy); and
+        this engine's ``served``. Zeros once this engine left the pool."""
+        stats = self._stats()
+        if stats and self.attachment >= 0:
+            stats["served"] = self._call(_nodeindex.served, 0, self._segment, self.attachment)
+        return {name: int(stats.get(name, 0)) for name in POOL_COUNTERS}
 
     def close(self) -> None:
         """Detach: this engine's pins and unfinished stores go (an engine that dies is reclaimed instead)."""
-        if self.attachment >= 0:
-            _nodeindex.release(self._segment, self.attachment, *self._identity, False)
-            self.attachment = -1
-            self._locks.close()  # after the release: a lock gone first would let another engine reclaim this one
+        if self.attachment >= 0 and self.detached is None:
+            self._settle()
+            self._call(_nodeindex.release, False, *self._mine, *self._identity, False)
+        self.attachment = -1
+        self._locks.close()  # after the release: a lock gone first would let another engine reclaim this one
+
+    def _stats(self) -> dict[str, int]:
+        if self.detached is not None:
+            return {}
+        empty: dict[str, int] = {}
+        return dict(self._call(_nodeindex.stats, empty, self._segment))
+
+    def _call(self, operation: Callable[..., _T], default: _T, *args: Any) -> _T:
+        """``operation(*args)`` on the shared index; ``default`` when this engine left the pool, when the mutex
+        was busy past the wait, or when the index is found damaged past repair (then this engine leaves it)."""
+        if self.detached is not None:
+            return default
+        try:
+            return operation(*args)
+        except _nodeindex.Busy:
+            return default
+        except _nodeindex.Damaged as e:
+            self._detach(str(e))
+            return default
+
+    def _owe(self, operation: Callable[..., None], *args: Any) -> bool:
+        """Run an unpin or a completion now, or owe it (settled at the next operation) when the mutex is busy:
+        a pin or an in-flight slot never stays forever. Whether it ran now."""
+        self._settle()
+        if self._owed or not self._run(operation, args):
+            self._owed.append((operation, args))
+            return False
+        return True
+
+    def _settle(self) -> None:
+        while self._owed and self._run(*self._owed[0]):
+            self._owed.pop(0)
+
+    def _run(self, operation: Callable[..., None], args: tuple[Any, ...]) -> bool:
+        if self.detached is not None:
+            self._owed.clear()
+            return True
+        try:
+            operation(*args)
+        except _nodeindex.Busy:
+            return False
+        except _nodeindex.Damaged as e:
+            self._detach(str(e))
+        return True
+
+    def _detach(self, reason: str) -> None:
+        if self.detached is None:
+            self.detached = reason
+            logger.warning("node tier: %s; this engine goes on without the node pool (misses) until it restarts",
+                           reason)
 
     def _reclaim(self, force: bool = False) -> None:
         now = time.monotonic()
-        if not force and now - self._last_reclaim < RECLAIM_S:
+        if self.detached is not None or (not force and now - self._last_reclaim < RECLAIM_S):
             return
         self._last_reclaim = now
+        self._settle()
+        problem = self._files.problem(self._segment) if self._files is not None else None
+        if problem is not None:
+            self._detach(problem)
+            return
+        repaired = self._call(_nodeindex.check, None, *self._mine, True)
+        if repaired is not None:
+            logger.warning("node tier: repaired the shared index from its slots (%s)", repaired)
         with self._locks.looking() as may:
             if not may:
                 return  # an engine is attaching: look again at the next reclaim
-            for attachment, pid, start, _ in _nodeindex.attachments(self._segment):
+            none: list[tuple[int, int, int, int]] = []
+            for attachment, pid, start, _ in self._call(_nodeindex.attachments, none, self._segment):
                 if attachment != self.attachment and not self._locks.held(attachment) and \
-                        _nodeindex.release(self._segment, attachment, pid, start, True):
+                        self._call(_nodeindex.release, False, self._segment, self._locks.fd, attachment, pid,
+                                   start, True):
                     logger.warning("node tier: engine process %d died; released its pins and unfinished stores",
                                    pid)
 

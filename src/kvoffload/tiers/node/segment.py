@@ -4,13 +4,11 @@ Under ``node_path`` (a tmpfs, ``/dev/shm`` by default) each user (or shared grou
 each namespace (model, layout, world size: the keys' chain root) has one::
 
     <node_path>/kvoffload-node-<uid | g<gid>>/<namespace fingerprint hex>/index      the shared index
+                                                                         engines     which engines live
                                                                          pool.<rank> each rank's slots
 
-The first engine's process to open a file creates it at its full size (``posix_fallocate``: a full tmpfs is an
-error now, never a SIGBUS in the middle of serving) and formats it, holding an exclusive ``flock`` on it; every
-other one takes the same lock and checks what it finds: the index's version, namespace and geometry must be this
-engine's, a pool file's size its pool's. A file left half made by a process killed while making it (no magic yet)
-is made again. Directories and files follow the disk tier's trust rules (``tiers.disk.tree``): owned by this
+How the files are made, checked and bound to each other is ``files``; this module says where they live and opens
+each one safely. Directories and files follow the disk tier's trust rules (``tiers.disk.tree``): owned by this
 user (or the shared group), writable by no one else, no symbolic links; anything else is refused with a
 ``ConfigError`` naming ``node_path``. No torch here: both halves open these files.
 """
@@ -18,13 +16,8 @@ user (or the shared group), writable by no one else, no symbolic links; anything
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
-import mmap
 import os
 import stat
-import struct
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,10 +26,6 @@ from kvoffload.config import ConfigError, NodeTierConfig
 from kvoffload.keys import Namespace
 from kvoffload.tiers.disk.tree import Access, ancestor_problems, untrusted
 
-INDEX_NAME = "index"
-MAGIC = 0x313065646F6E766B
-_HEADER = struct.Struct("<QII16sQQQQ")
-"""magic, version, header bytes, namespace fingerprint, slots, slot bytes, table entries, total bytes."""
 TMPFS = frozenset({"tmpfs"})
 MISSING_EPOCH = 0
 """The epoch of a key that was no longer ready when pinned (every real one is positive): its load fails."""
@@ -175,88 +164,6 @@ def open_checked(path: Path, access: Access, setting: str) -> int:
         os.close(fd)
         raise
     return fd
-
-
-@contextlib.contextmanager
-def _locked_file(path: Path, access: Access, setting: str) -> Iterator[int]:
-    """``path`` opened and checked (``open_checked``), under an exclusive ``flock`` for as long as the block."""
-    fd = open_checked(path, access, setting)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            yield fd
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)  # explicitly: an mmap of the file holds a dup of fd, and with it the lock
-    finally:
-        os.close(fd)
-
-
-def _map(fd: int, size: int, path: Path, setting: str, fresh: bool, populate: bool = False) -> mmap.mmap:
-    if fresh:
-        try:
-            os.ftruncate(fd, 0)
-            os.posix_fallocate(fd, 0, size)
-        except OSError as e:
-            os.ftruncate(fd, 0)
-            room = " (the tmpfs is full: lower host_bytes or grow the mount)" if e.errno == errno.ENOSPC else ""
-            raise ConfigError(f"{setting}: cannot make {path} {size} bytes{room}: {e}") from e
-    # A pool is mapped in full now (MAP_POPULATE): a fault per page would otherwise land in the first copies.
-    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-    return mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
-
-
-def open_index(directory: Path, geometry: NodeGeometry, access: Access) -> mmap.mmap:
-    """Map the namespace's index, formatting it when this process is the first.
-
-    Raises:
-        ConfigError: the index holds another version, namespace or geometry (the message says which and what to
-            change), or cannot be made.
-    """
-    path = directory / INDEX_NAME
-    with _locked_file(path, access, "node_path") as fd:
-        size = os.fstat(fd).st_size
-        header = os.pread(fd, _HEADER.size, 0) if size >= _HEADER.size else b""
-        if not header or _HEADER.unpack(header)[0] != MAGIC:  # new, or left half made by a killed process
-            segment = _map(fd, geometry.index_bytes, path, "node_path", fresh=True)
-            _nodeindex.init(segment, geometry.num_slots, geometry.slot_bytes, geometry.table_size,
-                            geometry.fingerprint)
-            return segment
-        _check_header(path, _HEADER.unpack(header), size, geometry)
-        return _map(fd, size, path, "node_path", fresh=False)
-
-
-def _check_header(path: Path, header: tuple[int, ...], size: int, geometry: NodeGeometry) -> None:
-    _, version, _, fingerprint, slots, slot_bytes, table, total = header
-    if version != _nodeindex.VERSION:
-        raise ConfigError(f"node_path: {path} is a node index of version {version}; this kvoffload uses version "
-                          f"{_nodeindex.VERSION}. Stop the engines using it and remove {path.parent}")
-    if fingerprint != geometry.fingerprint:
-        raise ConfigError(f"node_path: {path} belongs to another namespace than its directory's name says; "
-                          f"remove {path.parent}")
-    if (slots, slot_bytes) != (geometry.num_slots, geometry.slot_bytes):
-        raise ConfigError(
-            f"host_bytes/host_gib: the node pool at {path.parent} holds {slots} slots of {slot_bytes} bytes, this "
-            f"engine asks for {geometry.num_slots} of {geometry.slot_bytes}: every engine sharing a node pool must "
-            f"give the same host_bytes and offload_block_tokens")
-    if table != geometry.table_size or total != size or size != geometry.index_bytes:
-        raise ConfigError(f"node_path: {path} is {size} bytes, not the {geometry.index_bytes} of its header; "
-                          f"remove {path.parent}")
-
-
-def open_pool_file(directory: Path, rank: int, geometry: NodeGeometry, access: Access) -> mmap.mmap:
-    """Map rank ``rank``'s slots, making the file at its full size when this process is the first.
-
-    Raises:
-        ConfigError: the file has another size (another engine's host_bytes), or cannot be made.
-    """
-    path = directory / f"pool.{rank}"
-    with _locked_file(path, access, "node_path") as fd:
-        size = os.fstat(fd).st_size
-        if size not in (0, geometry.pool_bytes):
-            raise ConfigError(
-                f"host_bytes/host_gib: {path} is {size} bytes, this engine's node pool {geometry.pool_bytes} "
-                f"({geometry.num_slots} slots of {geometry.slot_bytes} bytes): engines sharing it must agree")
-        return _map(fd, geometry.pool_bytes, path, "node_path", fresh=size == 0, populate=True)
 
 
 ProcessIdentity = tuple[int, int]

@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvoffload.config import NodeTierConfig, OffloadConfig
-from kvoffload.tiers.node.segment import NodeGeometry, access_of, open_directory, open_index, open_pool_file
+from kvoffload.tiers.node.files import guard, open_index, open_pool
+from kvoffload.tiers.node.segment import NodeGeometry, access_of, open_directory
 from kvoffload.tiers.sizing import host_num_slots, host_slot_bytes
 from kvoffload.tiers.spec import TierContext
 
@@ -44,7 +45,10 @@ class NodeTierSpec:
         from kvoffload.tiers.node.liveness import EngineLocks
 
         directory, access = open_directory(self._node, context.namespace), access_of(self._node)
-        return NodeIndex(open_index(directory, self.geometry(context), access), EngineLocks(directory, access))
+        segment, files = open_index(directory, self.geometry(context), access)
+        index = NodeIndex(segment, EngineLocks(directory, access), files)
+        guard(segment, index)  # a truncated index reads as zeros (damaged: the engine leaves the pool), no SIGBUS
+        return index
 
     def make_pool(self, context: TierContext, pin_memory: bool) -> NodePool:
         """The worker side: this rank's slots of the shared pool.
@@ -56,8 +60,7 @@ class NodeTierSpec:
 
         geometry, access = self.geometry(context), access_of(self._node)
         directory = open_directory(self._node, context.namespace)
-        index = open_index(directory, geometry, access)
-        mapping = open_pool_file(directory, context.namespace.rank, geometry, access)
+        index, _, mapping = open_pool(directory, context.namespace.rank, geometry, access)
         return NodePool(mapping, index, geometry.num_slots, geometry.slot_bytes, pin_memory)
 
     @staticmethod
@@ -65,4 +68,4 @@ class NodeTierSpec:
         """``handler``, with every job that reads ``pool``'s slots checked against the index (``NodeCheck``)."""
         from kvoffload.tiers.node.handler import NodeCheck
 
-        return NodeCheck(handler, pool.index)
+        return NodeCheck(handler, pool.index, pool.lost)

@@ -136,19 +136,22 @@ def _geometry(blocks: int, block: int, layout: str) -> tuple[Any, Any]:
 def _attach(root: Path, blocks: int, block: int, layout: str, rank_pool: bool = True) -> tuple[NodeIndex, Any]:
     """This process as an engine of the node pool ``layout``: its index and (``rank_pool``) its rank-0 pool."""
     from kvoffload.config import NodeTierConfig
+    from kvoffload.tiers.node.files import open_index, open_pool
     from kvoffload.tiers.node.index import NodeIndex
     from kvoffload.tiers.node.liveness import EngineLocks
     from kvoffload.tiers.node.pool import NodePool
-    from kvoffload.tiers.node.segment import access_of, open_directory, open_index, open_pool_file
+    from kvoffload.tiers.node.segment import access_of, open_directory
 
     namespace, geometry = _geometry(blocks, block, layout)
     node = NodeTierConfig(root)
     directory = open_directory(node, namespace)
-    segment = open_index(directory, geometry, access_of(node))
     pool = None
     if rank_pool:
-        pool = NodePool(open_pool_file(directory, 0, geometry, access_of(node)), segment, blocks, block, False)
-    return NodeIndex(segment, EngineLocks(directory, access_of(node))), pool
+        segment, files, mapping = open_pool(directory, 0, geometry, access_of(node))
+        pool = NodePool(mapping, segment, blocks, block, False)
+    else:
+        segment, files = open_index(directory, geometry, access_of(node))
+    return NodeIndex(segment, EngineLocks(directory, access_of(node)), files), pool
 
 
 def _keys(n: int, first: int = 0) -> list[OffloadKey]:
