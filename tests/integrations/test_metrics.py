@@ -126,3 +126,46 @@ def test_the_node_pool_counters_reach_the_gauges_the_latest_winning() -> None:
     prom.observe(older.data)
     prom.observe(newer.data)
     assert prom._node_pool.values[("0", "cross_hits")] == 5 and prom._node_pool.values[("0", "used")] == 12
+
+
+def test_the_pool_wide_gauges_read_the_pool_when_scraped(node_path) -> None:
+    """Two engines scraped at once show one figure: the gauges read the shared index at scrape time, not each
+    engine's reading at its last step (which missed what other engines did since)."""
+    import functools
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from tests.tiers.node.pools import engine_in, keys, store
+
+    from kvoffload.integrations.vllm.metrics import KVOffloadPromMetrics
+
+    mine, _ = engine_in(node_path)
+    theirs, _ = engine_in(node_path)
+    registry = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    node = SimpleNamespace(kv_connector_extra_config={"host_scope": "node"})
+    prom = KVOffloadPromMetrics(SimpleNamespace(kv_transfer_config=node), types,  # type: ignore[arg-type]
+                                ["engine"], {0: ["0"]})
+    store(mine, keys(2))
+    step = KVOffloadStats.of(node_pool=mine.pool_counters(), node_pool_path=mine.pool_directory())
+    prom.observe(step.data)
+    store(theirs, keys(3))  # the other engine stores after this engine's last step
+    text = generate_latest(registry).decode()
+    assert 'vllm:kvoffload_node_pool{counter="stores",engine="0"} 5.0' in text  # the step said 2
+    assert 'vllm:kvoffload_node_pool{counter="attached",engine="0"} 2.0' in text
+    assert 'vllm:kvoffload_node_pool{counter="served",engine="0"} 0.0' in text  # this engine's own, per step
+
+
+def test_gauges_that_cannot_read_at_scrape_time_keep_each_step_reading(node_path) -> None:
+    from types import SimpleNamespace
+
+    from prometheus_client import Counter, Gauge, Histogram
+
+    from kvoffload.integrations.vllm.metrics import KVOffloadPromMetrics
+
+    node = SimpleNamespace(kv_connector_extra_config={"host_scope": "node"})
+    prom = KVOffloadPromMetrics(SimpleNamespace(kv_transfer_config=node),
+                                {Counter: _Metric, Gauge: _Metric, Histogram: _Metric},  # type: ignore[dict-item]
+                                ["engine"], {0: ["0"]})
+    prom.observe(KVOffloadStats.of(node_pool={"stores": 4}, node_pool_path=str(node_path)).data)  # no set_function
+    assert prom._node_pool.values[("0", "stores")] == 4 and not prom._live

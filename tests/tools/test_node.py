@@ -8,24 +8,14 @@ import os
 from pathlib import Path
 
 import pytest
-from tests.tiers.node.pools import SLOT_BYTES, keys, store
+from tests.tiers.node.pools import engine_in, keys, store
 
-from kvoffload.config import NodeTierConfig
-from kvoffload.keys import Namespace
-from kvoffload.tiers.node.files import open_pool
 from kvoffload.tiers.node.index import NodeIndex
-from kvoffload.tiers.node.liveness import EngineLocks
-from kvoffload.tiers.node.segment import NodeGeometry, access_of, open_directory
 from kvoffload.tools.cli import main
-
-NS = Namespace(model="m", dtype="bf16", layout="node-tool")
 
 
 def engine(node_path: Path) -> tuple[NodeIndex, Path]:
-    node = NodeTierConfig(node_path)
-    directory = open_directory(node, NS)
-    segment, files, _ = open_pool(directory, 0, NodeGeometry(8, SLOT_BYTES, NS.chain_root()), access_of(node))
-    return NodeIndex(segment, EngineLocks(directory, access_of(node)), files), directory
+    return engine_in(node_path, layout="node-tool")
 
 
 def status(node_path: Path, capsys: pytest.CaptureFixture[str]) -> list[dict[str, object]]:

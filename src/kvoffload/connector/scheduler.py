@@ -229,6 +229,10 @@ class ConnectorScheduler:
         """The shared pool's counters (``host_scope`` node), else empty."""
         return self.manager.pool_counters()
 
+    def pool_directory(self) -> str | None:
+        """Where the shared pool lives (``host_scope`` node), else None."""
+        return self.manager.pool_directory()
+
     def close(self) -> None:
         """The engine stops: the tiers release what they hold outside this process, the trace is flushed."""
         self.manager.close()

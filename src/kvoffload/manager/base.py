@@ -181,5 +181,10 @@ class ResidencyManager(ABC):
         empty when it shares none."""
         return {}
 
+    def pool_directory(self) -> str | None:
+        """Where the pool this index shares lives (the node tier's namespace directory), read at scrape time by
+        the engine's /metrics; None when it shares none."""
+        return None
+
     def close(self) -> None:  # noqa: B027 (a hook: an index of this process's memory holds nothing to release)
         """The engine stops: release what this index holds outside the process (the node tier's attachment)."""

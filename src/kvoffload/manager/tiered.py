@@ -119,6 +119,8 @@ class HostTier(LowerTier, Protocol):
 
     def pool_counters(self) -> dict[str, int]: ...
 
+    def pool_directory(self) -> str | None: ...
+
     def close(self) -> None: ...
 
 
@@ -284,6 +286,9 @@ class TieredManager(ResidencyManager):
 
     def pool_counters(self) -> dict[str, int]:
         return self.host.pool_counters()
+
+    def pool_directory(self) -> str | None:
+        return self.host.pool_directory()
 
     def close(self) -> None:
         self.host.close()

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
+
+from kvoffload.tiers.node.status import pools, read_status
 
 DEFAULT_NODE_PATH = Path("/dev/shm")
 
@@ -29,75 +30,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     remove.add_argument("pool", nargs="?", help="its directory, or its namespace as status names it")
     remove.add_argument("--all", action="store_true", help="every pool no live engine uses")
     remove.add_argument("--node-path", type=Path, default=DEFAULT_NODE_PATH, help="the tier's node_path")
-
-
-@dataclass(frozen=True)
-class PoolStatus:
-    """One node pool as ``status`` reports it."""
-
-    directory: str
-    namespace: str
-    owner: str
-    bytes: int
-    engines_attached: int
-    engines_alive: int
-    capacity: int
-    used: int
-    counters: dict[str, int]
-    problem: str | None
-    """None when the files are whole and the index reads; else what is wrong (engines make a new pool)."""
-
-
-def pools(node_path: Path) -> list[Path]:
-    """The namespace directories under ``node_path``."""
-    found = []
-    for owner in sorted(node_path.glob("kvoffload-node-*")):
-        if owner.is_dir() and not owner.is_symlink():
-            found.extend(sorted(d for d in owner.iterdir() if d.is_dir() and not d.is_symlink()))
-    return found
-
-
-def read_status(directory: Path) -> PoolStatus:
-    """``directory``'s pool, read without changing it."""
-    from kvoffload import _mapguard, _nodeindex
-    from kvoffload.tiers.node.files import ENGINES_NAME, INDEX_NAME, POOL_PREFIX
-    from kvoffload.tiers.node.liveness import alive_attachments
-
-    files = [e for e in os.scandir(directory) if e.is_file(follow_symlinks=False)]
-    size = sum(e.stat(follow_symlinks=False).st_size for e in files if e.name == INDEX_NAME
-               or e.name.startswith(POOL_PREFIX))
-    alive = alive_attachments(directory / ENGINES_NAME)
-    problem, stats, attached = None, {}, 0
-    try:
-        with open(directory / INDEX_NAME, "rb") as f:
-            index = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: a damaged index is not touched
-        guard = _mapguard.guard(index)
-        try:
-            stats = _nodeindex.stats(index)
-            attached = len(_nodeindex.attachments(index))
-            problem = _files_problem(directory, index)
-            if _mapguard.lost(guard):
-                problem, stats = "the index was truncated while it was read", {}
-        finally:
-            _mapguard.unguard(guard)
-            index.close()
-    except (OSError, ValueError) as e:
-        problem = f"no index: {e}"
-    except _nodeindex.Damaged as e:
-        problem = str(e)
-    counters = {k: int(v) for k, v in stats.items() if k not in ("capacity", "used", "fingerprint", "attached")}
-    return PoolStatus(str(directory), directory.name, directory.parent.name.removeprefix("kvoffload-node-"), size,
-                      attached, len(alive), int(stats.get("capacity", 0)), int(stats.get("used", 0)), counters,
-                      problem)
-
-
-def _files_problem(directory: Path, index: mmap.mmap) -> str | None:
-    from kvoffload import _nodeindex
-    from kvoffload.tiers.node.files import INDEX_NAME, BoundFiles
-
-    stats = _nodeindex.stats(index)
-    bound = BoundFiles(directory, os.lstat(directory / INDEX_NAME).st_ino, stats["capacity"] * stats["slot_bytes"])
-    return bound.problem(index)
 
 
 def remove(directory: Path) -> str | None:

@@ -10,7 +10,7 @@ from kvoffload import _nodeindex
 from kvoffload.config import NodeTierConfig
 from kvoffload.keys import BlockHash, Namespace, OffloadKey, offload_key
 from kvoffload.specs import HostBlocks
-from kvoffload.tiers.node.files import open_index
+from kvoffload.tiers.node.files import open_index, open_pool
 from kvoffload.tiers.node.index import NodeIndex
 from kvoffload.tiers.node.liveness import EngineLocks
 from kvoffload.tiers.node.segment import NodeGeometry, access_of, open_directory
@@ -61,3 +61,13 @@ def slot_field(index: NodeIndex, slot: int, field: str) -> int:
 def table_offset(index: NodeIndex) -> int:
     """Where the hash table starts in the index's segment."""
     return _nodeindex.HEADER_BYTES + index.capacity * _nodeindex.SLOT_BYTES
+
+
+def engine_in(node_path: Path, layout: str = "node-engine") -> tuple[NodeIndex, Path]:
+    """A new engine of the namespace of ``layout`` with its rank-0 pool file, watching its files as an engine
+    does; and the namespace's directory."""
+    node = NodeTierConfig(node_path)
+    namespace = Namespace(model="m", dtype="bf16", layout=layout)
+    directory = open_directory(node, namespace)
+    segment, files, _ = open_pool(directory, 0, NodeGeometry(8, SLOT_BYTES, namespace.chain_root()), access_of(node))
+    return NodeIndex(segment, EngineLocks(directory, access_of(node)), files), directory

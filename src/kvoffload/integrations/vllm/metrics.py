@@ -22,16 +22,21 @@ the counters that a vLLM server shows on ``/metrics``:
                                                        every engine sharing it (gauges: capacity, used (blocks),
                                                        stores, evictions, cross_hits (hits on blocks another
                                                        engine stored), repairs, reclaimed (dead engines),
-                                                       attached (engines)); and served: this engine's
-                                                       blocks other engines hit
+                                                       attached (engines), busy (lock waits given up)),
+                                                       read from the pool when scraped; and served: this
+                                                       engine's blocks other engines hit, at its last step
 
 Names start with ``vllm:`` so that vLLM's own metric clean-up (between engines in one process) covers them.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -45,12 +50,18 @@ from kvoffload.config import OffloadConfig
 from kvoffload.connector.stats import SchedulerStats, TransferStats
 from kvoffload.specs import Medium, transfer_name
 from kvoffload.tiers.node.index import POOL_COUNTERS
+from kvoffload.tiers.node.status import gauges, read_status
 from kvoffload.tiers.stack import transfer_routes
+
+logger = logging.getLogger(__name__)
 
 TRANSFERS = "transfers"
 LOOKUPS = "lookups"
 HOST_USED_BYTES = "host_used_bytes"
 NODE_POOL = "node_pool"
+NODE_POOL_PATH = "node_pool_path"
+SCRAPE_CACHE_S = 1.0
+"""A scrape reads the pool once for all its gauges."""
 _LOOKUP_FIELDS = ("requests", "query_tokens", "hit_tokens", "failed_load_tokens", "skipped_slow_tokens",
                   "admitted_blocks", "declined_blocks")
 
@@ -58,14 +69,15 @@ _LOOKUP_FIELDS = ("requests", "query_tokens", "hit_tokens", "failed_load_tokens"
 @dataclass
 class KVOffloadStats(KVConnectorStats):
     """``data`` = {"transfers": {direction: counters}, "lookups": {field: int}, "host_used_bytes": int,
-    "node_pool": {counter: int}}.
+    "node_pool": {counter: int}, "node_pool_path": str}.
 
     Counters add up across workers and steps; ``host_used_bytes`` and ``node_pool`` are gauges, the latest wins.
     """
 
     @classmethod
     def of(cls, transfers: TransferStats | None = None, lookups: SchedulerStats | None = None,
-           host_used_bytes: int | None = None, node_pool: dict[str, int] | None = None) -> KVOffloadStats:
+           host_used_bytes: int | None = None, node_pool: dict[str, int] | None = None,
+           node_pool_path: str | None = None) -> KVOffloadStats:
         data: dict[str, Any] = {}
         if transfers is not None and not transfers.is_empty():
             data[TRANSFERS] = transfers.as_dict()
@@ -75,6 +87,8 @@ class KVOffloadStats(KVConnectorStats):
             data[HOST_USED_BYTES] = host_used_bytes
         if node_pool:
             data[NODE_POOL] = dict(node_pool)
+        if node_pool_path:
+            data[NODE_POOL_PATH] = node_pool_path
         return cls(data=data)
 
     @property
@@ -93,8 +107,9 @@ class KVOffloadStats(KVConnectorStats):
         theirs = other if isinstance(other, KVOffloadStats) else KVOffloadStats(data=dict(other.data))
         gauge = theirs.data.get(HOST_USED_BYTES, self.data.get(HOST_USED_BYTES))
         pool = theirs.data.get(NODE_POOL, self.data.get(NODE_POOL))
+        path = theirs.data.get(NODE_POOL_PATH, self.data.get(NODE_POOL_PATH))
         return KVOffloadStats.of(self.transfers.aggregate(theirs.transfers),
-                                 self.lookups.aggregate(theirs.lookups), gauge, pool)
+                                 self.lookups.aggregate(theirs.lookups), gauge, pool, path)
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {}
@@ -163,6 +178,7 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
                 name="vllm:kvoffload_node_pool",
                 documentation="The kvoffload node pool's counters, the same in every engine sharing it.",
                 multiprocess_mode="mostrecent", labelnames=[*labelnames, "counter"])
+        self._live: dict[int, _PoolReader] = {}  # engines whose pool-wide gauges read the pool at scrape time
         self._start_at_zero(transfer_routes(config))
 
     def _start_at_zero(self, routes: Sequence[tuple[Medium, Medium]]) -> None:
@@ -194,8 +210,46 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
         if HOST_USED_BYTES in stats.data:
             self._host_used.labels(*labels).set(stats.data[HOST_USED_BYTES])
         if self._node_pool is not None:
+            path = stats.data.get(NODE_POOL_PATH)
+            if path and engine_idx not in self._live:
+                self._read_at_scrape(engine_idx, labels, path)
+            live = engine_idx in self._live
             for counter, value in stats.data.get(NODE_POOL, {}).items():
-                self._node_pool.labels(*labels, counter).set(value)
+                if not live or counter == "served":  # served is this engine's own: its latest step says it
+                    self._node_pool.labels(*labels, counter).set(value)
+
+    def _read_at_scrape(self, engine_idx: int, labels: list[object], path: str) -> None:
+        """Make the pool-wide gauges read the pool itself when /metrics is scraped, so every engine sharing it
+        shows the same figures at once. Where the gauges cannot (Prometheus multiprocess mode, Ray), they stay
+        the engine's reading at its latest step."""
+        reader = _PoolReader(Path(path))
+        try:
+            for counter in POOL_COUNTERS:
+                if counter != "served":
+                    self._node_pool.labels(*labels, counter).set_function(functools.partial(reader.read, counter))
+        except (AttributeError, ValueError, TypeError) as e:
+            logger.info("kvoffload: the node pool gauges show each step's reading (%s)", e)
+            return
+        self._live[engine_idx] = reader
+
+
+class _PoolReader:
+    """The pool-wide counters of a node pool, read from its files at most once a ``SCRAPE_CACHE_S``."""
+
+    def __init__(self, directory: Path) -> None:
+        self._directory = directory
+        self._at = 0.0
+        self._values: dict[str, int] = {}
+
+    def read(self, counter: str) -> float:
+        now = time.monotonic()
+        if now - self._at >= SCRAPE_CACHE_S:
+            self._at = now
+            try:
+                self._values = gauges(read_status(self._directory))
+            except OSError:
+                self._values = {}  # the pool was removed: its gauges read 0
+        return float(self._values.get(counter, 0))
 
 
 def _offload_config(vllm_config: Any) -> OffloadConfig:

@@ -118,4 +118,5 @@ class SchedulerSide:
         self._reported_host_bytes = used
         changed = pool if pool != self._reported_pool else None
         self._reported_pool = pool
-        return KVOffloadStats.of(lookups=lookups, host_used_bytes=gauge, node_pool=changed)
+        return KVOffloadStats.of(lookups=lookups, host_used_bytes=gauge, node_pool=changed,
+                                 node_pool_path=self.core.pool_directory() if changed else None)

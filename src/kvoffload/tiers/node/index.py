@@ -237,6 +237,10 @@ class NodeIndex(ResidencyManager):
             stats["served"] = self._call(_nodeindex.served, 0, self._segment, self.attachment)
         return {name: int(stats.get(name, 0)) for name in POOL_COUNTERS}
 
+    def pool_directory(self) -> str | None:
+        """The namespace's directory, while this engine uses the pool."""
+        return str(self._files.directory) if self._files is not None and self.detached is None else None
+
     def close(self) -> None:
         """Detach: this engine's pins and unfinished stores go (an engine that dies is reclaimed instead)."""
         if self.attachment >= 0 and self.detached is None:
