@@ -162,15 +162,15 @@ def _open_existing(fd: int, path: Path, geometry: NodeGeometry) -> mmap.mmap | s
         return f"has an index whose header does not match itself or its file ({size} bytes)"
     _check_header(path, fields, size, geometry)
     index = _map(fd, size)
-    problem = _set_problem(path.parent, index, geometry)
+    problem = _set_problem(path.parent, index, os.fstat(fd).st_ino, geometry)
     if problem is None:
         return index
     index.close()
     return problem
 
 
-def _set_problem(directory: Path, index: mmap.mmap, geometry: NodeGeometry) -> str | None:
-    problem = BoundFiles(directory, os.lstat(directory / INDEX_NAME).st_ino, geometry.pool_bytes).problem(index)
+def _set_problem(directory: Path, index: mmap.mmap, inode: int, geometry: NodeGeometry) -> str | None:
+    problem = BoundFiles(directory, inode, geometry.pool_bytes).problem(index)
     if problem is not None:
         return f"is not whole: {problem}"
     try:

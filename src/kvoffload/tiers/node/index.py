@@ -15,12 +15,13 @@ means the same, with what sharing adds:
 - at most once a ``RECLAIM_S`` the index releases what engines that died hold (pins, half-made stores), checks
   the shared index (and repairs it from its slots when damaged) and that the directory still holds this engine's
   files;
-- no engine waits on another unboundedly: an operation that cannot have the index's mutex within its wait
+- no engine waits on another unboundedly: an operation that cannot have the index's lock within its wait
   (``_nodeindex.set_wait_ms``) answers a miss, skips the store or fails the load; completions and unpins owed
   then are settled at the next operation;
 - an index that is damaged past repair, or whose files were removed or replaced, is left: the engine logs once
-  and goes on without the pool (every lookup a miss, every load in flight failed by its worker's check). It
-  keeps its attachment and lock until it exits, so no other engine reuses slots its workers may still write.
+  and goes on without the pool (every lookup a miss; a load in flight is still checked by its worker, and a
+  damaged index fails it). It keeps its attachment and lock until it exits, so no other engine reuses slots its
+  workers may still write.
 
 Not thread-safe, like every manager; the shared index itself is safe across processes.
 """
@@ -61,7 +62,7 @@ RECLAIM_S = 1.0
 """How often an engine looks for dead engines' pins and stores, damage and changed files: the bound on how long
 any of them lasts."""
 ATTACH_WAIT_S = 10.0
-"""How long a starting engine waits for the index's mutex (held by a frozen engine) before it goes without the
+"""How long a starting engine waits for the index's lock (held by a frozen engine) before it goes without the
 pool."""
 _T = TypeVar("_T")
 
@@ -92,7 +93,6 @@ class NodeIndex(ResidencyManager):
         self._in_flight: dict[OffloadKey, tuple[int, int]] = {}  # this engine's stores: key -> (slot, epoch)
         self._events: list[OffloadEvent] = []
         self._owed: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []  # unpins and completions not yet had
-        self._repairs = 0
         self.capacity: int = _nodeindex.stats(segment)["capacity"]
         self._last_reclaim = 0.0
         self.attachment: int = -1  # none yet: the reclaim below skips no one
@@ -104,7 +104,12 @@ class NodeIndex(ResidencyManager):
             raise
 
     def _attach(self) -> None:
-        if _nodeindex.files(self._segment)[1] != self._locks.inode:
+        try:
+            engines_inode = _nodeindex.files(self._segment)[1]
+        except _nodeindex.Damaged as e:
+            self._detach(str(e))
+            return
+        if engines_inode != self._locks.inode:
             self._detach("its engines file was replaced while this engine started")
             return
         self._reclaim(force=True)
@@ -256,7 +261,7 @@ class NodeIndex(ResidencyManager):
         return dict(self._call(_nodeindex.stats, empty, self._segment))
 
     def _call(self, operation: Callable[..., _T], default: _T, *args: Any) -> _T:
-        """``operation(*args)`` on the shared index; ``default`` when this engine left the pool, when the mutex
+        """``operation(*args)`` on the shared index; ``default`` when this engine left the pool, when the lock
         was busy past the wait, or when the index is found damaged past repair (then this engine leaves it)."""
         if self.detached is not None:
             return default
@@ -269,7 +274,7 @@ class NodeIndex(ResidencyManager):
             return default
 
     def _owe(self, operation: Callable[..., None], *args: Any) -> bool:
-        """Run an unpin or a completion now, or owe it (settled at the next operation) when the mutex is busy:
+        """Run an unpin or a completion now, or owe it (settled at the next operation) when the lock is busy:
         a pin or an in-flight slot never stays forever. Whether it ran now."""
         self._settle()
         if self._owed or not self._run(operation, args):
