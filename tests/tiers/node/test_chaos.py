@@ -13,17 +13,15 @@ import contextlib
 import itertools
 import os
 import random
-import shutil
 import signal
 import subprocess
-import sys
 import textwrap
 import threading
 import time
 from collections import Counter
 from pathlib import Path
 
-import pytest
+from tests.tiers.node.users import GROUP, USERS, as_user
 
 from kvoffload import _nodeindex
 from kvoffload.config import NodeTierConfig
@@ -33,8 +31,6 @@ from kvoffload.tiers.node.index import NodeIndex
 from kvoffload.tiers.node.liveness import EngineLocks
 from kvoffload.tiers.node.segment import NodeGeometry, access_of, namespace_directory, open_directory
 
-GROUP = 0
-USERS = (65533, 65534)
 SLOTS, SLOT_BYTES, UNIVERSE = 24, 4096, 48
 LOOP_S = 30.0
 STALL_S = 10.0
@@ -135,21 +131,6 @@ class Engine:
             self.process.send_signal(signal.SIGKILL)
         self.process.wait()
         self._reader.join(timeout=5)
-
-
-def as_user(uid: int) -> list[str]:
-    return ["setpriv", f"--reuid={uid}", f"--regid={GROUP}", "--clear-groups", sys.executable, "-c"]
-
-
-@pytest.fixture
-def shared_path(node_path: Path) -> Path:
-    if os.geteuid() != 0 or shutil.which("setpriv") is None:
-        pytest.skip("needs root and setpriv to run engines as two other users")
-    os.chmod(node_path, 0o1777)
-    probe = subprocess.run([*as_user(USERS[0]), "import kvoffload"], capture_output=True, text=True, cwd="/")
-    if probe.returncode != 0:
-        pytest.skip(f"another user cannot import kvoffload from this checkout: {probe.stderr.strip()[-200:]}")
-    return node_path
 
 
 def directory_of(node_path: Path) -> Path:

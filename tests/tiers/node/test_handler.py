@@ -5,11 +5,13 @@ over a real ``HostCopier``)."""
 from __future__ import annotations
 
 import dataclasses
+import mmap
 from pathlib import Path
 
 import pytest
 from tests.tiers.node.pools import keys, locks_in, segment_in
 
+from kvoffload.keys import OffloadKey
 from kvoffload.specs import HostBlocks, JobId, TransferJob
 from kvoffload.testing.conformance import ALL_CHECKS, Check, HandlerHarness
 from kvoffload.testing.device_host_harness import DeviceHostHarness
@@ -18,18 +20,26 @@ from kvoffload.tiers.node.index import NodeIndex
 from kvoffload.transfer.base import TransferHandler, TransferResult
 
 
+def reserve_every_slot(node_path: Path, inner: DeviceHostHarness,
+                       layout: str) -> tuple[mmap.mmap, NodeIndex, dict[int, int], list[OffloadKey]]:
+    """A node index with as many slots as ``inner``'s pool, every one reserved (in flight) by one engine: the
+    segment, the engine, each slot's epoch, and the keys reserved."""
+    slots = inner.pool.num_slots
+    segment = segment_in(node_path, slots, layout=layout)
+    index = NodeIndex(segment, locks_in(node_path, layout=layout))
+    out = index.prepare_store(keys(slots))
+    assert out is not None and isinstance(out.store_spec, HostBlocks)
+    epochs = dict(zip(out.store_spec.slots, out.store_spec.epochs, strict=True))
+    return segment, index, epochs, list(out.keys_to_store)
+
+
 class NodeLoadHarness(HandlerHarness):
     """``DeviceHostHarness`` loads whose every pool slot holds a ready block of a node index, at its epoch."""
 
     def __init__(self, node_path: Path) -> None:
         self.inner = DeviceHostHarness(store=False)
-        slots = self.inner.pool.num_slots
-        self.segment = segment_in(node_path, slots, layout="node-handler")
-        self.index = NodeIndex(self.segment, locks_in(node_path, layout="node-handler"))
-        out = self.index.prepare_store(keys(slots))
-        assert out is not None and isinstance(out.store_spec, HostBlocks)
-        self.index.complete_store(out.keys_to_store)
-        self.epoch = dict(zip(out.store_spec.slots, out.store_spec.epochs, strict=True))
+        self.segment, self.index, self.epoch, stored = reserve_every_slot(node_path, self.inner, "node-handler")
+        self.index.complete_store(stored)
 
     def pinned(self, job: TransferJob) -> TransferJob:
         src = job.src
@@ -110,12 +120,7 @@ class NodeStoreHarness:
 
     def __init__(self, node_path: Path) -> None:
         self.inner = DeviceHostHarness(store=True)
-        slots = self.inner.pool.num_slots
-        self.segment = segment_in(node_path, slots, layout="node-handler-store")
-        self.index = NodeIndex(self.segment, locks_in(node_path, layout="node-handler-store"))
-        out = self.index.prepare_store(keys(slots))
-        assert out is not None and isinstance(out.store_spec, HostBlocks)
-        self.epoch = dict(zip(out.store_spec.slots, out.store_spec.epochs, strict=True))
+        self.segment, self.index, self.epoch, _ = reserve_every_slot(node_path, self.inner, "node-handler-store")
 
     def job(self, job_id: JobId, shift: int = 0) -> TransferJob:
         job = self.inner.make_job(job_id)

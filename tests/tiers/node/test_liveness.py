@@ -4,22 +4,17 @@ kernel's locks say so (tiers/node/liveness.py), not /proc, which Linux refuses f
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
-import pytest
+from tests.tiers.node.users import GROUP, USERS, as_user
 
 from kvoffload.config import NodeTierConfig
 from kvoffload.keys import Namespace
 from kvoffload.tiers.node.liveness import EngineLocks
 from kvoffload.tiers.node.segment import access_of, open_directory
-
-GROUP = 0  # root's group: both users below are put in it, as an operator puts engines' users in one group
-USERS = (65533, 65534)
 
 ENGINE = textwrap.dedent("""
     import os, sys
@@ -51,21 +46,6 @@ ENGINE = textwrap.dedent("""
         print(counters["reclaimed"], counters["attached"], proc)
         index.close()
 """)
-
-
-def as_user(uid: int) -> list[str]:
-    return ["setpriv", f"--reuid={uid}", f"--regid={GROUP}", "--clear-groups", sys.executable, "-c"]
-
-
-@pytest.fixture
-def shared_path(node_path: Path) -> Path:
-    if os.geteuid() != 0 or shutil.which("setpriv") is None:
-        pytest.skip("needs root and setpriv to run engines as two other users")
-    os.chmod(node_path, 0o1777)  # as /dev/shm is: anyone may make an entry, only its owner may replace it
-    probe = subprocess.run([*as_user(USERS[0]), "import kvoffload"], capture_output=True, text=True, cwd="/")
-    if probe.returncode != 0:
-        pytest.skip(f"another user cannot import kvoffload from this checkout: {probe.stderr.strip()[-200:]}")
-    return node_path
 
 
 def check(path: Path, other_pid: int) -> tuple[int, int, str]:
