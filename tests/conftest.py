@@ -11,7 +11,8 @@ would, takes ``startup_environ``: the environment as it was when pytest started.
 
 The remote tier's tests (its index, its handler, the simulated engine over it) share one real redis-server per
 session (``redis_server``), emptied before each test that takes ``redis_client``. The node tier's tests take
-``node_path``: a private directory on /dev/shm (the node pool refuses anything but a tmpfs).
+``node_path``: a private directory on /dev/shm (the node pool refuses anything but a tmpfs). Tests marked ``ceph``
+share one real single-node Ceph cluster with radosgw, an S3 server (``ceph_rgw``), started on first use.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 
+from kvoffload.testing.ceph_rgw import CephRGW, CephUnavailable  # noqa: E402
 from kvoffload.testing.redis_server import RedisServer, RedisServerUnavailable  # noqa: E402
 
 
@@ -88,6 +90,23 @@ def redis_client(redis_server: RedisServer) -> Iterator[Any]:
     client.flushall()
     yield client
     client.close()
+
+
+@pytest.fixture(scope="session")
+def ceph_rgw() -> Iterator[CephRGW]:
+    """One single-node Ceph cluster with radosgw (S3 on 127.0.0.1) for the session, in a temporary directory
+    removed afterwards; a test that injects a fault (``kill_rgw``, ``stop_osd``) undoes it. Missing Ceph binaries
+    fail the tests that take it (``make setup-ceph`` installs them): an S3 test never passes by skipping."""
+    directory = Path(tempfile.mkdtemp(prefix="kvoffload-ceph-"))
+    try:
+        try:
+            server = CephRGW(directory)
+        except CephUnavailable as e:
+            raise pytest.fail.Exception(str(e), pytrace=False) from None
+        with server:
+            yield server
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture

@@ -10,6 +10,8 @@
 - ``conformance``: checks any ``TransferHandler`` must pass.
 - ``policy_conformance``: checks any eviction ``Policy`` must pass.
 - ``simulate``: the ``kvoffload simulate`` workload.
+- ``redis_server``, ``ceph_rgw``: real servers the tests start on loopback: redis-server, and a single-node Ceph
+  cluster with radosgw (S3) that can lose its radosgw or its OSD on demand.
 - ``outputs``: comparing an engine's outputs with and without kvoffload, with the control that makes the
   comparison able to fail (the e2e tests and ``kvoffload demo`` use it).
 """
