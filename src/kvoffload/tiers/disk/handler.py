@@ -188,6 +188,7 @@ class DiskHandler(LowerTierHandler[DiskBlocks, _Block, _Job]):
         """Move one block; False on any data-path failure (the breaker hears of all but plain misses)."""
         if state.failed or state.finished or not block.usable or not self.breaker.allow() or self._is_late(state):
             return False  # The job fails anyway (a block failed, tier off, deadline passed): skip the I/O.
+        since = self.breaker.errors
         try:
             if state.is_store:
                 write_block(self._ops, block.path, self._fingerprint, block.key,
@@ -209,7 +210,7 @@ class DiskHandler(LowerTierHandler[DiskBlocks, _Block, _Job]):
         except OSError as e:
             self._note_io_error(state, e)
             return False
-        self.breaker.record(True)
+        self.breaker.record(True, since)
         return True
 
     def _read(self, state: _Job, block: _Block) -> bool:

@@ -50,11 +50,19 @@ class CircuitBreaker:
         logger.warning("%s: cool-down over, switching the %s back on", self._tier, self._tier)
         return True
 
-    def record(self, ok: bool) -> None:
-        """Report one I/O outcome; the error that reaches the threshold opens the breaker."""
+    def record(self, ok: bool, since: int | None = None) -> None:
+        """Report one I/O outcome; the error that reaches the threshold opens the breaker.
+
+        Args:
+            since: for a success, ``errors`` when its I/O began. I/O threads report in the order their I/O ends,
+                not the order it happened: a success begun before the latest error says nothing of the tier now,
+                so it does not reset the count (a slow read that started before a disk failed would otherwise
+                keep the breaker from ever opening). None: the I/O began after every error reported.
+        """
         with self._lock:
             if ok:
-                self._errors = 0
+                if since is None or since == self.errors:
+                    self._errors = 0
                 return
             self._errors += 1
             self.errors += 1
