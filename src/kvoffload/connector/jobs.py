@@ -93,9 +93,6 @@ class JobBook:
         self.to_flush |= state.jobs
         state.jobs = set()
 
-    def has_flush(self) -> bool:
-        return bool(self.to_flush or self.to_flush_next)
-
     def take_flush(self) -> set[JobId]:
         """The jobs to flush in the step being built (the caller owns the set)."""
         flush, self.to_flush, self.to_flush_next = self.to_flush, self.to_flush_next, set()

@@ -25,10 +25,6 @@ class BlockPool:
         self._cached: dict[CacheKey, int] = {}
         self._key_of: dict[int, CacheKey] = {}
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
     def allocate(self, n: int) -> list[int] | None:
         """``n`` blocks, or None (and nothing changes) when fewer are free."""
         if n > len(self._free):

@@ -62,3 +62,35 @@ class TransferHandler(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Finish or cancel running jobs and release resources; idempotent."""
+
+
+class HandlerWrapper(TransferHandler):
+    """A handler that decorates ``inner`` (fault injection, checks, skipped writes): it forwards what it does not
+    change. Results it decides itself at submit (``_answer``) are reported first, then ``inner``'s, each passed
+    through ``_checked``."""
+
+    def __init__(self, inner: TransferHandler) -> None:
+        self._inner = inner
+        self._answers: list[TransferResult] = []
+
+    def submit(self, job: TransferJob) -> bool:
+        return self._inner.submit(job)
+
+    def get_finished(self) -> list[TransferResult]:
+        answers, self._answers = self._answers, []
+        return answers + [self._checked(result) for result in self._inner.get_finished()]
+
+    def wait(self, job_ids: Collection[JobId]) -> None:
+        self._inner.wait(job_ids)
+
+    def shutdown(self) -> None:
+        self._inner.shutdown()
+
+    def _answer(self, job: TransferJob, success: bool) -> bool:
+        """Report ``job`` done (``success``) without ``inner``, having copied nothing; accepted."""
+        self._answers.append(TransferResult(job.job_id, success, 0, 0.0, job.transfer_type))
+        return True
+
+    def _checked(self, result: TransferResult) -> TransferResult:
+        """``inner``'s result as this wrapper reports it (unchanged here)."""
+        return result

@@ -9,38 +9,26 @@ would prove nothing.
 
 from __future__ import annotations
 
-from collections.abc import Collection
-
-from kvoffload.specs import NO_BLOCK, DeviceBlocks, HostBlocks, JobId, Medium, TransferJob
-from kvoffload.transfer.base import TransferHandler, TransferResult
+from kvoffload.specs import NO_BLOCK, DeviceBlocks, HostBlocks, Medium, TransferJob
+from kvoffload.transfer.base import HandlerWrapper, TransferHandler
 from kvoffload.transfer.host_pool import HostPool
 
 
-class FailFirstLoads(TransferHandler):
+class FailFirstLoads(HandlerWrapper):
+    """Fails the first ``count`` load jobs without copying; every other job goes to ``inner``."""
+
     def __init__(self, inner: TransferHandler, count: int) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._left = count
-        self._failed: list[TransferResult] = []
 
     def submit(self, job: TransferJob) -> bool:
         if self._left > 0 and job.dst.medium == Medium.DEVICE:
             self._left -= 1
-            self._failed.append(TransferResult(job.job_id, False, 0, 0.0, job.transfer_type))
-            return True
+            return self._answer(job, False)
         return self._inner.submit(job)
 
-    def get_finished(self) -> list[TransferResult]:
-        failed, self._failed = self._failed, []
-        return failed + self._inner.get_finished()
 
-    def wait(self, job_ids: Collection[JobId]) -> None:
-        self._inner.wait(job_ids)
-
-    def shutdown(self) -> None:
-        self._inner.shutdown()
-
-
-class CorruptFirstLoads(TransferHandler):
+class CorruptFirstLoads(HandlerWrapper):
     """Zeroes the host copy of the first offload block that each of the first ``count`` load jobs copies, then
     loads.
 
@@ -51,7 +39,7 @@ class CorruptFirstLoads(TransferHandler):
     """
 
     def __init__(self, inner: TransferHandler, pool: HostPool, factor: int, count: int) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._pool = pool
         self._factor = factor
         self._left = count
@@ -63,15 +51,6 @@ class CorruptFirstLoads(TransferHandler):
                 self._left -= 1
                 self._pool.slot(slot).zero_()
         return self._inner.submit(job)
-
-    def get_finished(self) -> list[TransferResult]:
-        return self._inner.get_finished()
-
-    def wait(self, job_ids: Collection[JobId]) -> None:
-        self._inner.wait(job_ids)
-
-    def shutdown(self) -> None:
-        self._inner.shutdown()
 
 
 def first_copied_slot(device: DeviceBlocks, host: HostBlocks, factor: int) -> int | None:

@@ -38,10 +38,8 @@ from kvoffload.tiers.disk.file_io import FileOps, read_for_slot, write_block
 from kvoffload.tiers.disk.tree import Access, open_tree, scan
 from kvoffload.tiers.lower.block_format import (
     CorruptBlockError,
-    GroupedLayout,
     UnauthenticBlockError,
     block_path,
-    entry_bytes_of,
     rank_directory,
 )
 from kvoffload.tiers.lower.breaker import CircuitBreaker
@@ -121,12 +119,6 @@ class DiskHandler(LowerTierHandler[DiskBlocks, _Block, _Job]):
         self._removal_failures = 0
         self.unauthentic_blocks = 0
         """Block files refused because their MAC was not this tier's secret's (never loaded)."""
-
-    @classmethod
-    def create(cls, config: DiskTierConfig, pool: HostPool, namespace: Namespace, layout: GroupedLayout,
-               factor: int) -> DiskHandler:
-        """The handler of one worker: entries of group ``g`` are ``factor * layout.group_block_bytes(g)``."""
-        return cls(config, pool, namespace, entry_bytes_of(layout, factor))
 
     @property
     def directory(self) -> str:

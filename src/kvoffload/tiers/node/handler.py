@@ -18,26 +18,25 @@ from __future__ import annotations
 
 import logging
 import mmap
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 from kvoffload import _nodeindex
-from kvoffload.specs import HostBlocks, JobId, Medium, TransferJob
+from kvoffload.specs import HostBlocks, JobId, TransferJob
 from kvoffload.tiers.node.segment import MISSING_EPOCH
-from kvoffload.transfer.base import TransferHandler, TransferResult
+from kvoffload.transfer.base import HandlerWrapper, TransferHandler, TransferResult
 
 logger = logging.getLogger(__name__)
 
 
-class NodeCheck(TransferHandler):
+class NodeCheck(HandlerWrapper):
     """``inner`` (a handler reading and writing node pool slots), with every slot read or written checked in
     ``index``; ``pool_lost`` says whether the pool's mapping was lost to a truncated file."""
 
     def __init__(self, inner: TransferHandler, index: mmap.mmap, pool_lost: Callable[[], bool] | None = None) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._index = index
         self._pool_lost = pool_lost
-        self._jobs: dict[JobId, HostBlocks | None] = {}  # the slots each job reads, None for one that writes
-        self._refused: list[TransferResult] = []
+        self._reads: dict[JobId, HostBlocks | None] = {}  # the slots each job reads, None for one that writes
         self.refused = 0
         """Jobs failed by this check (before or after their copies), for tests and logs."""
 
@@ -48,34 +47,23 @@ class NodeCheck(TransferHandler):
         # gone before it was pinned (the check after is the one that counts), or not this pool's slots to write
         if (reads is not None and MISSING_EPOCH in reads.epochs) or self._lost() or \
                 (writes is not None and not self._verify(writes, _nodeindex.IN_FLIGHT)):
-            self._refuse(job.job_id, job.transfer_type)
-            return True
+            return self._refuse(job)
         try:
             accepted = self._inner.submit(job)
         except Exception:
             logger.exception("node tier: a job on the node pool could not be submitted; it fails")
-            self._refuse(job.job_id, job.transfer_type)
-            return True
+            return self._refuse(job)
         if accepted:
-            self._jobs[job.job_id] = reads
+            self._reads[job.job_id] = reads
         return accepted
 
-    def get_finished(self) -> list[TransferResult]:
-        results, self._refused = self._refused, []
-        for result in self._inner.get_finished():
-            reads = self._jobs.pop(result.job_id, None)
-            broken = self._lost() or (reads is not None and not self._verify(reads, _nodeindex.READY))
-            if result.success and broken:
-                self.refused += 1
-                result = TransferResult(result.job_id, False, 0, result.seconds, result.transfer_type)
-            results.append(result)
-        return results
-
-    def wait(self, job_ids: Collection[JobId]) -> None:
-        self._inner.wait(job_ids)
-
-    def shutdown(self) -> None:
-        self._inner.shutdown()
+    def _checked(self, result: TransferResult) -> TransferResult:
+        reads = self._reads.pop(result.job_id, None)
+        broken = self._lost() or (reads is not None and not self._verify(reads, _nodeindex.READY))
+        if not (result.success and broken):
+            return result
+        self.refused += 1
+        return TransferResult(result.job_id, False, 0, result.seconds, result.transfer_type)
 
     def _verify(self, blocks: HostBlocks, state: int) -> bool:
         try:
@@ -86,6 +74,6 @@ class NodeCheck(TransferHandler):
     def _lost(self) -> bool:
         return self._pool_lost is not None and self._pool_lost()
 
-    def _refuse(self, job_id: JobId, transfer_type: tuple[Medium, Medium]) -> None:
+    def _refuse(self, job: TransferJob) -> bool:
         self.refused += 1
-        self._refused.append(TransferResult(job_id, False, 0, 0.0, transfer_type))
+        return self._answer(job, False)
