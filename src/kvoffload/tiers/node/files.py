@@ -140,9 +140,9 @@ def _open_set(directory: Path, geometry: NodeGeometry, access: Access) -> tuple[
 
 
 def _open(path: Path, access: Access) -> tuple[int, bool]:
+    """``path`` opened (``open_checked``), and whether this call created it (the caller holds the set lock)."""
     existed = path.exists()
-    fd = open_checked(path, access, "node_path")
-    return fd, not existed and os.fstat(fd).st_size == 0
+    return open_checked(path, access, "node_path"), not existed
 
 
 def _open_existing(fd: int, path: Path, geometry: NodeGeometry) -> mmap.mmap | str:

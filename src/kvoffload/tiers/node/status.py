@@ -50,11 +50,12 @@ def read_status(directory: Path) -> PoolStatus:
     try:
         with open(directory / INDEX_NAME, "rb") as f:
             index = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: a damaged index is not touched
+            inode = os.fstat(f.fileno()).st_ino
         guard = _mapguard.guard(index)
         try:
             stats = _nodeindex.stats(index)
             attached = len(_nodeindex.attachments(index))
-            problem = _files_problem(directory, index)
+            problem = BoundFiles(directory, inode, stats["capacity"] * stats["slot_bytes"]).problem(index)
             if _mapguard.lost(guard):
                 problem, stats = "the index was truncated while it was read", {}
         finally:
@@ -68,12 +69,6 @@ def read_status(directory: Path) -> PoolStatus:
     return PoolStatus(str(directory), directory.name, directory.parent.name.removeprefix("kvoffload-node-"), size,
                       attached, len(alive), int(stats.get("capacity", 0)), int(stats.get("used", 0)), counters,
                       problem)
-
-
-def _files_problem(directory: Path, index: mmap.mmap) -> str | None:
-    stats = _nodeindex.stats(index)
-    bound = BoundFiles(directory, os.lstat(directory / INDEX_NAME).st_ino, stats["capacity"] * stats["slot_bytes"])
-    return bound.problem(index)
 
 
 def gauges(status: PoolStatus) -> dict[str, int]:
