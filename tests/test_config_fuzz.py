@@ -30,8 +30,8 @@ def shown(key: Any) -> str:
         return f"<{type(key).__name__}>"
 
 
-CONTEXT = {"disk_path": "/tmp/kvoffload-fuzz", "remote_url": "redis://127.0.0.1:6379"}
-"""Valid owners of the disk_*, remote_* and tier_secret_* keys, so a value is judged on its own."""
+CONTEXT = {"disk_path": "/tmp/kvoffload-fuzz", "remote_url": "redis://127.0.0.1:6379", "object_url": "s3://kvoffload-fuzz"}
+"""Valid owners of the disk_*, remote_*, object_* and tier_secret_* keys, so a value is judged on its own."""
 
 ODD_NUMBERS = [math.nan, math.inf, -math.inf, 1e300, -1e300, -1, 0, -0.0, 1e-300, 5e-324, 0.5, 2**31, 2**63 - 1,
                2**63, 2**64, 10**30, 10**400, -(10**400), 10**5000, 1e30]
@@ -39,7 +39,8 @@ ODD_TEXT = ["", " ", "\0", "a\0b", "/tmp/x\0", "~nosuchuser/x", "~nosuchuser", "
             "nan", "inf", "true", "LRU", "x" * 5000, "/" + "d/" * 3000, "\udcff", "\ud800", "redis://h:99999",
             "redis://h:notaport", "redis://[::1", "redis://[::1]:6379", "redis://h:0", "redis://:pw@h:1",
             "redis://h:1/x", "redis://h:1?password=pw", "redis://h:1#f", "rediss://h", "unix://", "unix:///",
-            "unix://host/sock", "http://h:1", "redis://h:1 ", "redis:// h:1", "redis://é:1", "redis://h:1/0?db=1"]
+            "unix://host/sock", "http://h:1", "https://h", "http://u:p@h:1", "http://h:1/b", "s3://", "s3://b",
+            "s3://kvoffload", "s3://kvoffload/a//b", "s3://Kv/x", "s3://1.2.3.4", "s3://a..b", "redis://h:1 ", "redis:// h:1", "redis://é:1", "redis://h:1/0?db=1"]
 VALUES = st.one_of(
     st.none(), st.booleans(), st.integers(), st.floats(), st.sampled_from(ODD_NUMBERS), st.text(max_size=12),
     st.sampled_from(ODD_TEXT), st.binary(max_size=8), st.sampled_from(list(EvictionPolicy)),

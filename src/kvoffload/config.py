@@ -16,9 +16,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvoffload.auth import TierSecret
 from kvoffload.config_choices import EvictionPolicy, HostScope, LoadPolicy, StoreAdmission, WritePolicy
 from kvoffload.config_secrets import password_env, password_file, password_text, secret_env, secret_file
+from kvoffload.config_tiers import (
+    DEFAULT_NODE_PATH,
+    DiskTierConfig,
+    HostTierConfig,
+    NodeTierConfig,
+    ObjectTierConfig,
+    PluginTierConfig,
+    RemoteTierConfig,
+)
 from kvoffload.config_values import (
     GIB,
     MAX_BYTES,
@@ -26,99 +34,25 @@ from kvoffload.config_values import (
     FloatRange,
     IntRange,
     cluster_url_problem,
+    endpoint_url,
     enum_of,
     extra_tiers,
     flag,
     gib_size,
     group,
+    object_url,
     path,
     remote_urls,
     text,
 )
 
-__all__ = ["FAULT_KEYS", "GIB", "KEYS", "REMOTE_SCHEMES", "ConfigError", "DiskTierConfig", "EvictionPolicy",
-           "HostScope", "HostTierConfig", "LoadPolicy", "NodeTierConfig", "OffloadConfig", "PluginTierConfig",
-           "RemoteTierConfig", "StoreAdmission", "WritePolicy"]
+__all__ = ["DEFAULT_NODE_PATH", "FAULT_KEYS", "GIB", "KEYS", "REMOTE_SCHEMES", "ConfigError", "DiskTierConfig",
+           "EvictionPolicy", "HostScope", "HostTierConfig", "LoadPolicy", "NodeTierConfig", "ObjectTierConfig",
+           "OffloadConfig", "PluginTierConfig", "RemoteTierConfig", "StoreAdmission", "WritePolicy"]
 
 
 class ConfigError(ValueError):
     """Bad configuration: the message names every culprit."""
-
-
-DEFAULT_NODE_PATH = Path("/dev/shm")
-
-
-@dataclass(frozen=True)
-class NodeTierConfig:
-    """Where the node pool lives and who may share it (``host_scope`` node)."""
-
-    path: Path = DEFAULT_NODE_PATH
-    """A directory on a tmpfs; the pool's files go in ``kvoffload-node-<owner>/<namespace>/`` under it."""
-    shared_group: int | None = None
-    """gid of the group whose members' engines share the pool; None: this user's engines only."""
-
-
-@dataclass(frozen=True)
-class HostTierConfig:
-    capacity_bytes: int = 4 * GIB
-    """Private scope: per rank of this engine. Node scope: the whole node pool, per rank (every engine sharing it
-    must give the same size)."""
-    policy: EvictionPolicy = EvictionPolicy.LRU
-    copy_threads: int = 2
-    scope: HostScope = HostScope.PRIVATE
-    node: NodeTierConfig | None = None
-    """Set exactly when ``scope`` is node."""
-
-
-@dataclass(frozen=True)
-class DiskTierConfig:
-    path: Path
-    capacity_bytes: int = 64 * GIB
-    policy: EvictionPolicy = EvictionPolicy.LRU
-    io_threads: int = 4
-    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
-    read_deadline_s: float = 2.0
-    breaker_errors: int = 8
-    breaker_cooldown_s: float = 30.0
-    shared_group: int | None = None
-    """gid of the group whose members share the directory (group-writable tree); None: private to the user."""
-    secret: TierSecret | None = None
-    """With a secret every block carries a keyed MAC and is named by it (kvoffload.auth); None: CRC only."""
-
-
-@dataclass(frozen=True)
-class RemoteTierConfig:
-    """A Redis-protocol store (Redis 7+, Valkey, Redis Cluster) below the host tier, shared by many engines."""
-
-    urls: tuple[str, ...]
-    """``redis://host:port``, ``rediss://`` (TLS) or ``unix:///path``; several are a cluster's start-up nodes."""
-    cluster: bool = False
-    username: str | None = None
-    password: TierSecret | None = None
-    """The ACL password (hidden from ``repr``, never logged)."""
-    connect_timeout_s: float = 0.5
-    timeout_s: float = 1.0
-    """Per command; a slower answer is a failed job (a miss, or a skipped store)."""
-    ttl_s: int | None = None
-    capacity_bytes: int = 16 * GIB
-    """What this engine may have written there at once; the server's own ``maxmemory`` bounds the whole store."""
-    policy: EvictionPolicy = EvictionPolicy.LRU
-    breaker_errors: int = 8
-    breaker_cooldown_s: float = 30.0
-    secret: TierSecret | None = None
-    """As the disk tier's: a keyed MAC on every value, names derived from it."""
-
-
-@dataclass(frozen=True)
-class PluginTierConfig:
-    """A tier from another package, under the built-in ones: its entry point's name in the ``kvoffload.tiers``
-    group, and its options as given (its spec parses them: ``kvoffload.tiers.registry``)."""
-
-    name: str
-    options: tuple[tuple[str, Any], ...] = ()
-
-    def option_map(self) -> dict[str, Any]:
-        return dict(self.options)
 
 
 @dataclass(frozen=True)
@@ -130,6 +64,7 @@ class OffloadConfig:
     host: HostTierConfig = field(default_factory=HostTierConfig)
     disk: DiskTierConfig | None = None
     remote: RemoteTierConfig | None = None
+    object: ObjectTierConfig | None = None
     plugin_tiers: tuple[PluginTierConfig, ...] = ()
     """Tiers from other packages, under disk and remote, asked in this order (key ``extra_tiers``)."""
     load_policy: LoadPolicy = LoadPolicy.AUTO
@@ -221,6 +156,19 @@ KEYS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "remote_gib": (_GIB, "the same in GiB; alternative to remote_bytes"),
     "remote_breaker_errors": (_BREAKER_ERRORS, "consecutive remote errors that switch the remote tier off"),
     "remote_breaker_cooldown_s": (_COOLDOWN_S, "how long the remote tier stays off after tripping"),
+    "object_url": (object_url, "object tier: s3://bucket or s3://bucket/prefix (credentials from the client's "
+                               "chain: AWS_ACCESS_KEY_ID/..., shared files, instance roles); no object tier when "
+                               "absent"),
+    "object_endpoint": (endpoint_url, "http(s)://host:port of an S3 server other than AWS (Ceph RGW, MinIO)"),
+    "object_region": (text, "the bucket's region (default: the client chain's, else us-east-1)"),
+    "object_path_style": (flag, "path-style addressing (default: true with object_endpoint, false on AWS)"),
+    "object_connect_timeout_ms": (_REMOTE_TIMEOUT_MS, "connecting to the object store slower than this fails"),
+    "object_timeout_ms": (_REMOTE_TIMEOUT_MS, "an object request waiting longer than this for bytes fails"),
+    "object_bytes": (_BYTES, "bytes this engine may have stored in the object tier (default 64 GiB)"),
+    "object_gib": (_GIB, "the same in GiB; alternative to object_bytes"),
+    "object_io_threads": (_THREADS, "object requests in flight at once per direction"),
+    "object_breaker_errors": (_BREAKER_ERRORS, "consecutive object-store errors that switch the object tier off"),
+    "object_breaker_cooldown_s": (_COOLDOWN_S, "how long the object tier stays off after tripping"),
     "extra_tiers": (extra_tiers, 'tiers from other packages under disk and remote, by their kvoffload.tiers entry '
                                  'point: {"name": {"option": value}}, asked in that order'),
     "tier_secret_file": (secret_file, "file (mode 0600) holding the secret that authenticates disk-tier blocks"),
@@ -235,11 +183,12 @@ FAULT_KEYS = tuple(key for key in KEYS if key.startswith("inject_"))
 name; the worker half, which applies them, logs a warning for every one set (connector/worker.py)."""
 
 _EXCLUSIVE = (("host_bytes", "host_gib"), ("disk_bytes", "disk_gib"), ("tier_secret_file", "tier_secret_env"),
-              ("remote_bytes", "remote_gib"), ("remote_password", "remote_password_env"),
+              ("remote_bytes", "remote_gib"), ("object_bytes", "object_gib"),
+              ("remote_password", "remote_password_env"),
               ("remote_password", "remote_password_file"), ("remote_password_env", "remote_password_file"))
 
 
-_HIDDEN_VALUES = frozenset({"remote_password", "remote_url"})
+_HIDDEN_VALUES = frozenset({"remote_password", "remote_url", "object_endpoint"})
 """Keys whose values may hold a password: errors name the key, never the value."""
 
 
@@ -295,7 +244,7 @@ class _Parser:
         for a, b in _EXCLUSIVE:
             if a in keys and b in keys:
                 self.errors.append(f"give {a} or {b}, not both")
-        for prefix, owner in (("disk_", "disk_path"), ("remote_", "remote_url")):
+        for prefix, owner in (("disk_", "disk_path"), ("remote_", "remote_url"), ("object_", "object_url")):
             dependent = sorted(k for k in keys if k.startswith(prefix) and k != owner)
             if dependent and owner not in keys:
                 self.errors.append(f"{', '.join(dependent)} given without {owner}")
@@ -307,8 +256,9 @@ class _Parser:
             # On evict, blocks wait unwritten in host slots, which other engines may evict from a shared pool.
             self.errors.append("disk_write_policy on_evict cannot be used with host_scope node (use write_through)")
         secret_keys = sorted(k for k in keys if k.startswith("tier_secret_"))
-        if secret_keys and "disk_path" not in keys and "remote_url" not in keys:
-            self.errors.append(f"{', '.join(secret_keys)} given without a shared tier (disk_path or remote_url)")
+        if secret_keys and not keys & {"disk_path", "remote_url", "object_url"}:
+            self.errors.append(f"{', '.join(secret_keys)} given without a shared tier (disk_path, remote_url or "
+                               f"object_url)")
         if self.values.get("remote_cluster") and "remote_url" in self.values:
             problem = cluster_url_problem(self.values["remote_url"])
             if problem:
@@ -331,6 +281,28 @@ class _Parser:
             policy=policy,
             breaker_errors=v.get("remote_breaker_errors", RemoteTierConfig.breaker_errors),
             breaker_cooldown_s=v.get("remote_breaker_cooldown_s", RemoteTierConfig.breaker_cooldown_s),
+            secret=v.get("tier_secret_file", v.get("tier_secret_env")),
+        )
+
+    def _object(self, policy: EvictionPolicy) -> ObjectTierConfig | None:
+        v = self.values
+        if "object_url" not in v:
+            return None
+        connect_ms, timeout_ms = v.get("object_connect_timeout_ms"), v.get("object_timeout_ms")
+        bucket, prefix = v["object_url"]
+        return ObjectTierConfig(
+            bucket=bucket,
+            prefix=prefix,
+            endpoint=v.get("object_endpoint"),
+            region=v.get("object_region"),
+            path_style=v.get("object_path_style"),
+            connect_timeout_s=connect_ms / 1000 if connect_ms else ObjectTierConfig.connect_timeout_s,
+            timeout_s=timeout_ms / 1000 if timeout_ms else ObjectTierConfig.timeout_s,
+            capacity_bytes=v.get("object_bytes", v.get("object_gib", ObjectTierConfig.capacity_bytes)),
+            policy=policy,
+            io_threads=v.get("object_io_threads", ObjectTierConfig.io_threads),
+            breaker_errors=v.get("object_breaker_errors", ObjectTierConfig.breaker_errors),
+            breaker_cooldown_s=v.get("object_breaker_cooldown_s", ObjectTierConfig.breaker_cooldown_s),
             secret=v.get("tier_secret_file", v.get("tier_secret_env")),
         )
 
@@ -367,6 +339,7 @@ class _Parser:
             host=host,
             disk=disk,
             remote=self._remote(host.policy),
+            object=self._object(host.policy),
             plugin_tiers=tuple(PluginTierConfig(name, options) for name, options in v.get("extra_tiers", ())),
             load_policy=v.get("load_policy", LoadPolicy.AUTO),
             store_admission=v.get("store_admission", StoreAdmission.ALL),

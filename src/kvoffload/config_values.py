@@ -216,6 +216,51 @@ def cluster_url_problem(urls: tuple[str, ...]) -> str | None:
     return None
 
 
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+"""S3's bucket naming rules (3-63 characters: lower-case letters, digits, dots and hyphens; alphanumeric ends)."""
+MAX_OBJECT_PREFIX = 512
+"""Object names are at most 1,024 bytes on S3; kvoffload's own part of a name is under 100."""
+
+
+def object_url(v: Any) -> tuple[str, str]:
+    """``s3://bucket`` or ``s3://bucket/prefix``: returns ``(bucket, prefix)``, the prefix without slashes at its
+    ends ("" for none)."""
+    if not isinstance(v, str) or not v.startswith("s3://"):
+        raise ValueError("must be an s3://bucket or s3://bucket/prefix URL")
+    bucket, _, prefix = v[len("s3://"):].partition("/")
+    if not _BUCKET.fullmatch(bucket) or ".." in bucket or re.fullmatch(r"[\d.]+", bucket):
+        raise ValueError(f"bucket {bucket!r} is not a valid S3 bucket name (3-63 lower-case letters, digits, '.' "
+                         f"and '-', starting and ending with a letter or digit)")
+    prefix = prefix.strip("/")
+    if len(prefix.encode()) > MAX_OBJECT_PREFIX or any(c.isspace() or not c.isprintable() for c in prefix) \
+            or "//" in prefix:
+        raise ValueError(f"the prefix after the bucket must be printable, without spaces or empty parts, and at "
+                         f"most {MAX_OBJECT_PREFIX} bytes")
+    return bucket, prefix
+
+
+def endpoint_url(v: Any) -> str:
+    """An ``http://host[:port]`` or ``https://host[:port]`` URL of an S3 server (no credentials, path or query)."""
+    if not isinstance(v, str) or any(c.isspace() or not c.isprintable() for c in v):
+        raise ValueError("must be an http:// or https:// URL without spaces")
+    try:
+        parts = urlsplit(v)
+        port = parts.port
+    except ValueError as e:
+        raise ValueError(f"is not a valid URL: {e}") from None
+    where = f"{parts.scheme}://{parts.hostname}"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("must be an http://host[:port] or https://host[:port] URL")
+    if "@" in parts.netloc:
+        raise ValueError(f"{where}: an endpoint must not carry credentials (they come from the client's chain: "
+                         f"AWS_ACCESS_KEY_ID, shared files, instance roles)")
+    if parts.path.strip("/") or parts.query or parts.fragment:
+        raise ValueError(f"{where}: an endpoint has no path or query (the bucket goes in object_url)")
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError(f"{where}: the port must be in 1..65535")
+    return v.rstrip("/")
+
+
 TIER_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 """A tier from another package is named like a Python identifier, in lower case (it also names its medium)."""
 _OPTION_VALUE = (str, int, float, bool, type(None))
@@ -230,7 +275,7 @@ def extra_tiers(v: Any) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
     for name, options in v.items():
         if not isinstance(name, str) or not TIER_NAME.fullmatch(name):
             raise ValueError(f"tier name {name!r} must be lower-case letters, digits and '_', starting with a letter")
-        if name in ("device", "host", "disk", "remote"):
+        if name in ("device", "host", "disk", "remote", "object"):
             raise ValueError(f"tier name {name!r} is kvoffload's own tier; its keys configure it")
         if not isinstance(options, Mapping):
             raise ValueError(f"{name}: options must be a mapping of names to values")

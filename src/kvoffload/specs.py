@@ -43,6 +43,7 @@ class Medium:
     HOST: ClassVar[Medium]
     DISK: ClassVar[Medium]
     REMOTE: ClassVar[Medium]
+    OBJECT: ClassVar[Medium]
     BUILT_IN: ClassVar[tuple[Medium, ...]]
     """kvoffload's own media, in the order the tiers are stacked."""
 
@@ -68,8 +69,9 @@ class Medium:
         return f"Medium({self.value!r})"
 
 
-Medium.DEVICE, Medium.HOST, Medium.DISK, Medium.REMOTE = (Medium(v) for v in ("device", "host", "disk", "remote"))
-Medium.BUILT_IN = (Medium.DEVICE, Medium.HOST, Medium.DISK, Medium.REMOTE)
+Medium.DEVICE, Medium.HOST, Medium.DISK, Medium.REMOTE, Medium.OBJECT = (
+    Medium(v) for v in ("device", "host", "disk", "remote", "object"))
+Medium.BUILT_IN = (Medium.DEVICE, Medium.HOST, Medium.DISK, Medium.REMOTE, Medium.OBJECT)
 
 
 def _check_groups(name: str, entries: int, group_sizes: tuple[int, ...]) -> None:
@@ -143,6 +145,19 @@ class RemoteBlocks:
 
 
 @dataclass(frozen=True)
+class ObjectBlocks:
+    """Objects of the object tier (an S3-API store), named by key (one entry per offload block)."""
+
+    keys: tuple[OffloadKey, ...]
+    group_sizes: tuple[int, ...]
+
+    medium = Medium.OBJECT
+
+    def __post_init__(self) -> None:
+        _check_groups("ObjectBlocks", len(self.keys), self.group_sizes)
+
+
+@dataclass(frozen=True)
 class TierBlocks:
     """Entries of a tier from another package (``kvoffload.tiers``): its medium, each entry's key and the slot its
     index gave it (a tier addressed by key ignores the slots, one addressed by slot ignores the keys)."""
@@ -160,7 +175,7 @@ class TierBlocks:
             raise ValueError(f"TierBlocks: medium {self.medium.value!r} is kvoffload's own; its tier has its spec")
 
 
-BlockSpec = DeviceBlocks | HostBlocks | DiskBlocks | RemoteBlocks | TierBlocks
+BlockSpec = DeviceBlocks | HostBlocks | DiskBlocks | RemoteBlocks | ObjectBlocks | TierBlocks
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from kvoffload.manager.base import EventKind, LookupResult
 from kvoffload.specs import Medium, RemoteBlocks
 from kvoffload.testing.redis_server import RedisServer
 from kvoffload.tiers.lower.block_format import PLAIN, BlockFormat
-from kvoffload.tiers.remote import index as remote
+from kvoffload.tiers.lower import probed_index
 from kvoffload.tiers.remote.client import value_name
 from kvoffload.tiers.remote.index import RemoteIndex
 from kvoffload.tiers.remote.probe import FIRST_WINDOW, ValueNames
@@ -262,7 +262,7 @@ def test_its_own_deletes_and_stores_update_the_answers(url: str, redis_client: A
 
 
 def test_the_answer_cache_is_bounded(url: str, redis_client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(remote, "SEEN_MAX", 100)
+    monkeypatch.setattr(probed_index, "SEEN_MAX", 100)
     m = make(url, cache_s=60.0)
     ks = keys(300)
     write(redis_client, ks)

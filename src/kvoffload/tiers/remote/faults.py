@@ -1,9 +1,8 @@
 """What went wrong with a remote job, in a few named kinds, each logged once per outage.
 
 ``RemoteHandler`` turns every exception that redis-py (or a value check) raises inside a job into a ``Fault``:
-the job fails and the engine recomputes or skips the store. A server that is down fails every job the same way, so
-``FaultLog`` logs the first fault of each kind at warning level and later ones at debug level, until a job
-succeeds again (then it says so once, and the next outage is logged afresh). Messages come from redis-py's
+the job fails and the engine recomputes or skips the store; ``tiers.lower.fault_log.FaultLog`` logs each kind once
+per outage. Messages come from redis-py's
 exceptions and our own checks: they name the server, never the password (it is only in the client's connection
 arguments).
 
@@ -15,12 +14,13 @@ from __future__ import annotations
 import enum
 import logging
 import ssl
-import threading
 from typing import Any
 
 from kvoffload.tiers.lower.block_format import CorruptBlockError, UnauthenticBlockError
+from kvoffload.tiers.lower.fault_log import FaultLog
 
 logger = logging.getLogger(__name__)
+__all__ = ["Fault", "FaultLog", "classify", "delete_quietly", "raise_first_error"]
 
 
 class Fault(enum.Enum):
@@ -73,45 +73,6 @@ def _tls(error: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
-
-
-class FaultLog:
-    """Logs each kind of fault once per outage; thread-safe (both lanes of a handler report to it)."""
-
-    def __init__(self, where: str) -> None:
-        self._where = where
-        self._lock = threading.Lock()
-        self._seen: set[Fault] = set()
-        self.counts: dict[Fault, int] = dict.fromkeys(Fault, 0)
-        """Faults of each kind so far (for stats and tests)."""
-
-    def note(self, fault: Fault, error: BaseException | str,
-             consequence: str = "the jobs that meet it fail (loads are recomputed, stores skipped)") -> None:
-        with self._lock:
-            self.counts[fault] += 1
-            first = fault not in self._seen
-            self._seen.add(fault)
-        if first:
-            # An error of no known kind may be our bug: its first one comes with the traceback.
-            logger.warning("remote tier (%s): %s: %s; %s; later ones are logged at debug level", self._where,
-                           fault.value, error, consequence,
-                           exc_info=error if fault is Fault.ERROR and isinstance(error, BaseException) else None)
-        else:
-            logger.debug("remote tier (%s): %s: %s", self._where, fault.value, error)
-
-    @property
-    def noted(self) -> int:
-        """Faults noted so far, of every kind (a job's answer ends an outage only if none came after it began)."""
-        with self._lock:
-            return sum(self.counts.values())
-
-    def recovered(self) -> None:
-        """A job succeeded: if faults were logged, say once that the tier serves again."""
-        with self._lock:
-            if not self._seen:
-                return
-            self._seen.clear()
-        logger.warning("remote tier (%s): serving again", self._where)
 
 
 def raise_first_error(replies: list[Any]) -> None:

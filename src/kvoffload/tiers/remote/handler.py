@@ -125,7 +125,7 @@ class RemoteHandler(LowerTierHandler[RemoteBlocks, _Block, _Job]):
         self.breaker = CircuitBreaker(config.breaker_errors, config.breaker_cooldown_s, clock, "remote tier")
         self.store_breaker = CircuitBreaker(config.breaker_errors, config.breaker_cooldown_s, clock,
                                             "remote tier's stores")
-        self.faults = FaultLog(", ".join(config.urls))
+        self.faults = FaultLog(", ".join(config.urls), Fault)
         self._outcomes = threading.Lock()
         """Held while a job's outcome updates the breakers and the log, so both see outcomes in one order."""
         self._link = RemoteLink(config, client)
