@@ -129,6 +129,11 @@ class CephRGW:
             os.kill(proc.pid, signal.SIGSTOP)
             self._frozen = True
 
+    @property
+    def osd_stopped(self) -> bool:
+        """The OSD is frozen by ``stop_osd()`` (and not thawed yet)."""
+        return self._frozen
+
     def start_osd(self) -> None:
         """Undo ``stop_osd``: thaw the frozen OSD, or start a stopped (or crashed) one and wait until the monitor
         has it up. A no-op while it runs."""

@@ -2,7 +2,7 @@
 tier under it.
 
 ``tier_specs`` lists the ``TierSpec`` of each configured tier under host, in the order lookups ask them: disk,
-remote, then the ``extra_tiers`` from other packages. The scheduler half builds its index from them
+remote, object, then the ``extra_tiers`` from other packages. The scheduler half builds its index from them
 (``build_index``), each worker half its handlers (``build_handlers``), and the metrics their routes
 (``transfer_routes``). Adding a tier adds a spec to this list, nothing else here.
 """
@@ -42,6 +42,10 @@ def tier_specs(config: OffloadConfig) -> tuple[TierSpec, ...]:
         from kvoffload.tiers.remote.spec import RemoteTierSpec
 
         specs.append(RemoteTierSpec(config.remote))
+    if config.object is not None:
+        from kvoffload.tiers.object.spec import ObjectTierSpec
+
+        specs.append(ObjectTierSpec(config.object))
     specs += [plugin_spec(plugin) for plugin in config.plugin_tiers]
     return tuple(specs)
 

@@ -1,0 +1,310 @@
+"""Worker side of the object tier: copies blocks between the host pool and objects of an S3-API bucket.
+
+The router sends this handler the jobs of (HOST, OBJECT) and (OBJECT, HOST). One object holds one block: the shared
+tiers' encoding (``tiers.lower.block_codec``: a checked header and the payload, or with a tier secret the payload
+sealed by AES-256-GCM), named as ``tiers.object.client`` says (this rank, this namespace, this secret). A store
+seals each block's host slot bytes into a buffer of its own and sends it with ``PutObject``; a load sends a ranged
+``GetObject`` that reads no more than the object's expected size plus one byte (a planted 5 GiB object costs one
+read of a block), verifies every object and only then copies its payload into the host slot. A PUT replaces an
+object whole, so a half-written object is never read; two engines writing one name write the same block (a name
+is the content's key).
+
+Never on the engine step: ``submit`` only queues. Jobs run on two lanes, one daemon thread each (``IoThreads``):
+stores and loads, so a backlog of stores never delays a load. A lane runs its job's requests on a pool of
+``io_threads`` threads (S3 serves one object per request, so throughput comes from requests in flight) and then
+gives the job its result; jobs of a lane end in submission order, which gives the ordering rule of
+``TransferHandler``: only loads write host slots, only stores write objects.
+
+Failures are outcomes (``tiers.object.faults``): a missing object (expired by a lifecycle rule, deleted by its
+writer) is a miss; a damaged, foreign or oversized one fails the job and is deleted (so that it is stored again
+afresh); a store that is down, refuses us (403, expired credentials), throttles (503 SlowDown) or hangs (an RGW
+whose OSD is down answers nothing) fails the job, each kind logged once per outage. Server faults open
+``breaker`` (jobs then fail at once, without I/O, for the cool-down); a timeout, a refusal or throttling opens it
+at once, since every next request would meet them. A job that has not finished within its budget
+(``connect_timeout_s + 2 * timeout_s``, plus its bytes at ``MIN_RATE``) fails then (``get_finished``, ``wait``
+and ``shutdown`` check), and no slot is read or written for it after that (``_owning``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvoffload.config import ObjectTierConfig
+from kvoffload.keys import Namespace, OffloadKey
+from kvoffload.specs import Medium, ObjectBlocks, TransferJob
+from kvoffload.tiers.lower.block_codec import encode_value, open_into
+from kvoffload.tiers.lower.block_format import CorruptBlockError
+from kvoffload.tiers.lower.breaker import CircuitBreaker
+from kvoffload.tiers.lower.fault_log import FaultLog
+from kvoffload.tiers.lower.handler import LowerJob, LowerTierHandler
+from kvoffload.tiers.lower.io_threads import IoThreads
+from kvoffload.tiers.object.client import connect, rank_prefix
+from kvoffload.tiers.object.faults import Fault, classify, is_missing
+
+if TYPE_CHECKING:
+    from kvoffload.transfer.host_pool import HostPool
+
+HOST_TO_OBJECT = (Medium.HOST, Medium.OBJECT)
+OBJECT_TO_HOST = (Medium.OBJECT, Medium.HOST)
+MIN_RATE = 16 << 20
+"""Bytes per second a job may be slower than its fixed budget by: a large job needs time for its bytes."""
+QUEUED_POLL_S = 0.1
+"""How often ``wait`` looks at a job still queued behind another (whether its lane got stuck)."""
+
+
+@dataclass(frozen=True)
+class _Block:
+    slot: int
+    key: OffloadKey
+    name: str
+    nbytes: int
+
+
+@dataclass(eq=False)
+class _Job(LowerJob[_Block]):
+    budget_s: float = 0.0
+    """How long the job may run once its lane took it up."""
+
+
+class _Miss(Exception):
+    """An object of the job is not there: an ordinary outcome, not a fault."""
+
+
+class _Damaged(Exception):
+    """Object ``name`` failed its checks (``error``): the job deletes it, then fails with ``error``."""
+
+    def __init__(self, name: str, error: CorruptBlockError) -> None:
+        super().__init__(name)
+        self.name, self.error = name, error
+
+
+class ObjectHandler(LowerTierHandler[ObjectBlocks, _Block, _Job]):
+    """Host pool <-> objects of one rank in an S3-API bucket. Register it for (HOST, OBJECT) and (OBJECT, HOST).
+
+    Args:
+        config: the object tier's settings (bucket, endpoint, timeouts, threads, breaker, secret).
+        pool: this worker's host pool; entries are read from and written to the start of its slots.
+        namespace: this rank's namespace; its ``fingerprint()`` is written into and checked in every object.
+        entry_bytes: payload bytes of one offload block of each KV-cache group.
+        client: a boto3 S3 client to use instead of ``tiers.object.client.connect(config)``.
+        clock: monotonic seconds, for job deadlines and the breaker's cool-down.
+    Raises:
+        ValueError: an entry does not fit in a host slot, or ``entry_bytes`` is empty or not positive.
+        ConfigError: boto3 is not installed.
+    """
+
+    store_type = HOST_TO_OBJECT
+    load_type = OBJECT_TO_HOST
+    spec_type = ObjectBlocks
+
+    def __init__(self, config: ObjectTierConfig, pool: HostPool, namespace: Namespace,
+                 entry_bytes: tuple[int, ...], *, client: Any | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(pool, namespace, entry_bytes, config.secret, clock)
+        self._bucket = config.bucket
+        self._prefix = rank_prefix(config, namespace, self._fmt)
+        self._fixed_s = config.connect_timeout_s + 2 * config.timeout_s  # connect, send, answer
+        self.breaker = CircuitBreaker(config.breaker_errors, config.breaker_cooldown_s, clock, "object tier")
+        self.faults = FaultLog(f"{config.endpoint or 'AWS S3'} bucket {config.bucket}", Fault, "object tier")
+        self._outcomes = threading.Lock()
+        """Held while a job's outcome updates the breaker and the log, so both see outcomes in one order."""
+        self._client = client if client is not None else connect(config, pool_size=2 * config.io_threads)
+        self._lanes = {True: IoThreads(1, "kvoffload-object-store", clock),
+                       False: IoThreads(1, "kvoffload-object-load", clock)}
+        self._requests = {True: ThreadPoolExecutor(config.io_threads, "kvoffload-object-put"),
+                          False: ThreadPoolExecutor(config.io_threads, "kvoffload-object-get")}
+        self.requests = 0
+        """Requests sent so far (PUT, GET and DELETE: each costs money on AWS)."""
+        self._start_up(config.breaker_cooldown_s)
+
+    def _start_up(self, cooldown_s: float) -> None:
+        """Ask for the bucket once: a store that is absent or refuses us switches the tier off for a cool-down."""
+        try:
+            self._client.head_bucket(Bucket=self._bucket)
+        except Exception as e:
+            self.breaker.trip()
+            self.faults.note(classify(e), e, f"the object tier is off; every object job fails at once until it "
+                                             f"is tried again in {cooldown_s:.0f} s")
+
+    def _block(self, slot: int, key: OffloadKey, nbytes: int) -> _Block:
+        return _Block(slot, key, self._prefix + self._fmt.name(key), nbytes)
+
+    def _new_job(self, job: TransferJob, blocks: list[_Block]) -> _Job:
+        nbytes = sum(self._fmt.file_bytes(b.nbytes) for b in blocks)
+        return _Job(job, blocks, budget_s=self._fixed_s + nbytes / MIN_RATE)
+
+    def _launch(self, state: _Job) -> None:
+        # Even a job that fails at once (tier off) goes through its lane, behind the jobs before it, so that
+        # results come in submission order.
+        self._lanes[state.is_store].submit(functools.partial(self._run, state))
+
+    def _stop(self) -> None:
+        for lane in self._lanes.values():
+            lane.stop()
+        for requests in self._requests.values():
+            requests.shutdown(wait=False, cancel_futures=True)
+        close = getattr(self._client, "close", None)
+        if close is not None:
+            with contextlib.suppress(Exception):
+                close()
+
+    def _run(self, state: _Job) -> None:
+        """One job, on its lane's thread; every data-path problem ends as a failed result."""
+        with self._lock:
+            if state.finished:
+                return  # failed at its deadline while queued behind a stuck job
+            state.start = self._clock()
+        if not state.blocks:
+            self._end(state, failed=False)
+            return
+        if not self.breaker.allow():
+            self._end(state, failed=True)
+            return
+        began = self.faults.noted
+        request = self._put if state.is_store else self._get
+        try:
+            self._all(state, request)
+        except _Miss:  # the store answered: a miss is no fault
+            self._end(state, failed=True, then=functools.partial(self._note_answer, began))
+            return
+        except Exception as e:
+            self._end(state, failed=True, then=functools.partial(self._note, classify(e), e))
+            return
+        state.copied = sum(b.nbytes for b in state.blocks)
+        self._end(state, failed=False, then=functools.partial(self._note_answer, began))
+
+    def _all(self, state: _Job, request: Callable[[_Job, _Block], None]) -> None:
+        """``request`` for every block of the job, ``io_threads`` at once, until the first error or the budget.
+
+        Raises:
+            The first request's error; TimeoutError when the budget ran out first.
+        """
+        pool = self._requests[state.is_store]
+        futures = [pool.submit(request, state, block) for block in state.blocks]
+        assert state.start is not None
+        done, pending = wait(futures, timeout=max(0.0, state.budget_s - (self._clock() - state.start)),
+                             return_when=FIRST_EXCEPTION)
+        for future in pending:
+            future.cancel()  # those not begun; a request under way ends at its socket timeout, touching no slot
+        errors = [f.exception() for f in futures if f in done and f.exception() is not None]
+        first = next((e for e in errors if not isinstance(e, _Miss)), errors[0] if errors else None)
+        if first is not None:
+            raise first
+        if pending:
+            raise TimeoutError(f"job {state.job.job_id} unanswered after {state.budget_s:.2f} s")
+
+    def _put(self, state: _Job, block: _Block) -> None:
+        with self._owning(state):  # the slot is read only while the job still owns it
+            value = encode_value(self._fmt, self._fingerprint, block.key, self._slots[block.slot, :block.nbytes].data)
+        self.requests += 1
+        self._client.put_object(Bucket=self._bucket, Key=block.name, Body=value)
+
+    def _get(self, state: _Job, block: _Block) -> None:
+        """Read ``block``'s object, at most one byte past its expected size; verify it into its slot.
+
+        Raises:
+            _Miss: the object is not there.
+            CorruptBlockError: it is damaged, foreign, short or too long (and now deleted).
+        """
+        expected = self._fmt.file_bytes(block.nbytes)
+        self.requests += 1
+        try:
+            answer = self._client.get_object(Bucket=self._bucket, Key=block.name, Range=f"bytes=0-{expected}")
+        except Exception as e:
+            if is_missing(e):
+                raise _Miss() from None
+            if getattr(e, "response", {}).get("Error", {}).get("Code") == "InvalidRange":  # an empty object
+                self._delete(block.name)
+                raise CorruptBlockError(f"object {block.name} is empty: deleted") from None
+            raise
+        body = answer["Body"]
+        try:
+            data = body.read(expected + 1)  # an inclusive range: one byte more shows an object too long
+        finally:
+            body.close()  # never reads the rest of an object that is too long
+        try:
+            with self._owning(state):
+                slot = self._slots[block.slot, :block.nbytes].data
+                open_into(self._fmt, self._fingerprint, block.key, data, slot)
+        except CorruptBlockError as e:
+            # Deleted, so that the next store writes it afresh (a name is the content's key).
+            self._delete(block.name)
+            raise type(e)(f"object {block.name}: {e}: deleted") from None
+
+    def _delete(self, name: str) -> None:
+        """Delete a damaged object; a failure is only logged at debug level (the job fails anyway)."""
+        self.requests += 1
+        try:
+            self._client.delete_object(Bucket=self._bucket, Key=name)
+        except Exception as e:
+            self.faults.note(classify(e), e, "a damaged object stays (its next load fails again)")
+
+    @contextlib.contextmanager
+    def _owning(self, state: _Job) -> Iterator[None]:
+        """Holds off ``_end`` while the body touches the job's slots; refuses once the job has ended or is late.
+
+        Raises:
+            TimeoutError: the job has its result already, or is past its budget: its slots may be reused now.
+        """
+        with self._holding_slots(state) as held:
+            if not held:
+                raise TimeoutError(f"job {state.job.job_id} answered after its {state.budget_s:.2f} s budget")
+            yield
+
+    def _note_answer(self, began: int) -> None:
+        """The store answered a job that began when ``began`` faults had been noted.
+
+        The two lanes report in the order their jobs end, not the order their I/O happened: an answer to a job
+        begun before the latest fault says nothing of the store now, so it neither resets the breaker's count nor
+        ends the outage in the log.
+        """
+        with self._outcomes:
+            if self.faults.noted != began:
+                return
+            self.breaker.record(True)
+            self.faults.recovered()
+
+    def _note(self, fault: Fault, error: BaseException | str) -> None:
+        with self._outcomes:
+            if fault.is_server_fault:
+                if fault.at_once:
+                    self.breaker.trip()
+                else:
+                    self.breaker.record(False)
+            self.faults.note(fault, error)
+
+    def _overdue(self, state: _Job, now: float, stuck: dict[bool, bool] | None = None) -> bool:
+        """Started longer than its budget ago, or queued behind a job that is (``stuck[lane]``)."""
+        if state.start is not None:
+            return now - state.start > state.budget_s
+        return stuck is not None and stuck[state.is_store]
+
+    def _is_late(self, state: _Job) -> bool:
+        return self._overdue(state, self._clock())
+
+    def _wait_slice(self, state: _Job) -> float:
+        """How long to wait for ``state`` before checking the deadlines again."""
+        if state.start is None:
+            return QUEUED_POLL_S
+        return max(0.01, state.budget_s - (self._clock() - state.start))
+
+    def _expire(self) -> None:
+        """Fail the jobs past their deadline, even while a request of theirs is stuck in a socket."""
+        now = self._clock()
+        with self._lock:
+            running = [s for s in self._jobs.values() if s.start is not None and not s.finished]
+        # A lane is stuck when the job it runs is past its budget: the jobs queued behind it fail now too.
+        stuck = {lane: any(s.is_store == lane and self._overdue(s, now) for s in running) for lane in (True, False)}
+        with self._lock:
+            late = [s for s in self._jobs.values() if not s.finished and self._overdue(s, now, stuck)]
+        for state in late:
+            timeout = f"job {state.job.job_id} unanswered after {state.budget_s:.2f} s"
+            self._end(state, failed=True, then=functools.partial(self._note, Fault.TIMEOUT, timeout)
+                      if state.start is not None else None)

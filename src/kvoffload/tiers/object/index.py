@@ -1,0 +1,72 @@
+"""Scheduler side of the object tier: which objects the bucket holds, and this engine's budget there.
+
+The lower tier of ``TieredManager`` when ``object_url`` is set (host RAM stays the hub: objects move only to and
+from the host pool, in the workers' ``ObjectHandler``). Like the remote tier's, this index cannot know what the
+bucket holds (lifecycle rules expire objects, other engines write and delete): ``tiers.lower.probed_index`` says
+how such an index works. Here its probe searches a prompt's stored prefix with parallel ``HEAD``s
+(``ObjectProbe``) and deletes with ``DeleteObjects``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvoffload.config import ConfigError, EvictionPolicy, ObjectTierConfig
+from kvoffload.keys import Namespace, OffloadKey
+from kvoffload.specs import Medium, ObjectBlocks
+from kvoffload.tiers.lower.block_format import BlockFormat
+from kvoffload.tiers.lower.breaker import CircuitBreaker
+from kvoffload.tiers.lower.probed_index import LOOKUP_CACHE_S, ProbedIndex
+from kvoffload.tiers.object.client import ObjectNames, connect
+from kvoffload.tiers.object.probe import ObjectProbe
+
+logger = logging.getLogger(__name__)
+
+
+def object_blocks(keys: Sequence[OffloadKey], slots: Sequence[int]) -> ObjectBlocks:
+    """The object tier's spec: objects named by key, one group (the logical slots stay in the index)."""
+    return ObjectBlocks(keys=tuple(keys), group_sizes=(len(keys),))
+
+
+class ObjectIndex(ProbedIndex):
+    """Index of the object tier: the bucket's answers, and this engine's own objects.
+
+    Args:
+        probe: asks the bucket.
+        capacity_blocks: how many objects this engine may have written there at once.
+        policy: eviction policy among this engine's ready, unpinned objects.
+        cache_s: how long an answer is trusted (0: ask every time).
+        clock: monotonic seconds.
+    """
+
+    def __init__(self, probe: ObjectProbe, capacity_blocks: int, policy: EvictionPolicy = EvictionPolicy.LRU,
+                 cache_s: float = LOOKUP_CACHE_S, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(probe, capacity_blocks, Medium.OBJECT, object_blocks, policy, cache_s, clock)
+        self.probe: ObjectProbe = probe
+
+    @classmethod
+    def create(cls, config: ObjectTierConfig, namespace: Namespace, object_bytes: int, *,
+               client: Any | None = None) -> ObjectIndex:
+        """The scheduler's object index; one ``HeadBucket`` tells whether the store is there (if not: misses).
+
+        Args:
+            object_bytes: size of one object (the shared block encoding of the largest group's entry).
+            client: a boto3 S3 client to use (tests); None: ``tiers.object.client.connect(config)``.
+        Raises:
+            ConfigError: ``object_bytes`` (the setting) is below one object, or boto3 is missing.
+        """
+        capacity = config.capacity_bytes // object_bytes
+        if capacity < 1:
+            raise ConfigError(f"object_bytes={config.capacity_bytes} is below one object ({object_bytes} bytes)")
+        names = ObjectNames(config, namespace, BlockFormat.of(config.secret))
+        breaker = CircuitBreaker(config.breaker_errors, config.breaker_cooldown_s, tier="object tier (scheduler)")
+        client = client if client is not None else connect(config, pool_size=config.io_threads * names.copies)
+        probe = ObjectProbe(client, config.bucket, names, fanout=config.io_threads, timeout_s=config.timeout_s,
+                            breaker=breaker)
+        probe.check()
+        logger.info("object tier: this engine may keep %d objects of %d bytes per rank in bucket %s", capacity,
+                    object_bytes, config.bucket)
+        return cls(probe, capacity, config.policy)
