@@ -1,9 +1,10 @@
 """The host tier over the tiers below it behind one ``ResidencyManager`` face: the scheduler half's index.
 
-Below host sit the disk tier (``DiskIndex``), the remote tier (``RemoteIndex``), or both, in that
-order: anything with the ``LowerTier`` interface. Host RAM is the hub: every lower tier moves blocks only to and
-from the host pool, and the lower tiers sit *beside* each other under it, not in a chain (docs/remote.md says
-why: a remote write never waits on a disk read, and a remote hit never passes through the disk).
+Below host sit the disk tier (``DiskIndex``), the remote tier (``RemoteIndex``), the object tier
+(``ObjectIndex``), or several of them, in that order: anything with the ``LowerTier`` interface. Host RAM is the
+hub: every lower tier moves blocks only to and from the host pool, and the lower tiers sit *beside* each other
+under it, not in a chain (docs/remote.md says why: a remote write never waits on a disk read, and a remote hit
+never passes through the disk).
 
 Only host blocks load to the device. A block found only below is promoted first: ``lookup`` reserves host slots,
 pins the lower tiers' entries, queues one lower -> HOST ``TierTransfer`` per run of blocks a tier holds (a prefix
@@ -11,11 +12,12 @@ may begin on disk and go on in the remote tier) and answers ``pending``; the con
 (``take_transfers``) and reports their outcomes (``complete_transfer``). A failed promotion drops the host
 reservation and the lower tier's entry (a missing or corrupt block is a miss: the engine recomputes). The
 lower tiers are asked in order, so a block on disk is read from disk even when the remote tier has it too. A
-block promoted from the remote tier is then written to the disk tier, so the next hit on it is local.
+block promoted from a tier is then written to the tiers before it (from the remote or object tier to the disk), so
+the next hit on it is nearer.
 
 Blocks reach each lower tier by its write policy:
 
-- write-through (default, and always for the remote tier): every block whose host store completes is written
+- write-through (default, and always for the shared tiers, remote and object): every block whose host store completes is written
   below at once. The host entries stay pinned while the write runs, so their slots are not reused under it.
 - on-evict (one tier at most: the disk): only blocks about to leave the host are written. A block fresh on the
   host is *dirty*: it stays pinned on the host (so the host policy cannot evict it) until it is written. When
