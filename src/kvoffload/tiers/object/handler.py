@@ -9,11 +9,10 @@ read of a block), verifies every object and only then copies its payload into th
 object whole, so a half-written object is never read; two engines writing one name write the same block (a name
 is the content's key).
 
-Never on the engine step: ``submit`` only queues. Jobs run on two lanes, one daemon thread each (``IoThreads``):
-stores and loads, so a backlog of stores never delays a load. A lane runs its job's requests on a pool of
-``io_threads`` threads (S3 serves one object per request, so throughput comes from requests in flight) and then
-gives the job its result; jobs of a lane end in submission order, which gives the ordering rule of
-``TransferHandler``: only loads write host slots, only stores write objects.
+Jobs run on two lanes, stores and loads (``tiers.lower.laned.LanedHandler``: never on the engine step, results
+in submission order, budgets, breaker, fault log). A lane runs its job's requests on a pool of ``io_threads``
+threads (S3 serves one object per request, so throughput comes from requests in flight) and then gives the job its
+result.
 
 Failures are outcomes (``tiers.object.faults``): a missing object (expired by a lifecycle rule, deleted by its
 writer) is a miss; a damaged, foreign or oversized one fails the job and is deleted (so that it is stored again
@@ -28,10 +27,8 @@ and ``shutdown`` check), and no slot is read or written for it after that (``_ow
 from __future__ import annotations
 
 import contextlib
-import functools
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -41,10 +38,8 @@ from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.specs import Medium, ObjectBlocks, TransferJob
 from kvoffload.tiers.lower.block_codec import encode_value, open_into
 from kvoffload.tiers.lower.block_format import CorruptBlockError
-from kvoffload.tiers.lower.breaker import CircuitBreaker
-from kvoffload.tiers.lower.fault_log import FaultLog
-from kvoffload.tiers.lower.handler import LowerJob, LowerTierHandler
-from kvoffload.tiers.lower.io_threads import IoThreads
+from kvoffload.tiers.lower.handler import LowerJob
+from kvoffload.tiers.lower.laned import LanedHandler, Miss
 from kvoffload.tiers.object.client import connect, rank_prefix
 from kvoffload.tiers.object.faults import Fault, classify, is_missing
 
@@ -55,8 +50,6 @@ HOST_TO_OBJECT = (Medium.HOST, Medium.OBJECT)
 OBJECT_TO_HOST = (Medium.OBJECT, Medium.HOST)
 MIN_RATE = 16 << 20
 """Bytes per second a job may be slower than its fixed budget by: a large job needs time for its bytes."""
-QUEUED_POLL_S = 0.1
-"""How often ``wait`` looks at a job still queued behind another (whether its lane got stuck)."""
 
 
 @dataclass(frozen=True)
@@ -73,19 +66,7 @@ class _Job(LowerJob[_Block]):
     """How long the job may run once its lane took it up."""
 
 
-class _Miss(Exception):
-    """An object of the job is not there: an ordinary outcome, not a fault."""
-
-
-class _Damaged(Exception):
-    """Object ``name`` failed its checks (``error``): the job deletes it, then fails with ``error``."""
-
-    def __init__(self, name: str, error: CorruptBlockError) -> None:
-        super().__init__(name)
-        self.name, self.error = name, error
-
-
-class ObjectHandler(LowerTierHandler[ObjectBlocks, _Block, _Job]):
+class ObjectHandler(LanedHandler[ObjectBlocks, _Block, _Job]):
     """Host pool <-> objects of one rank in an S3-API bucket. Register it for (HOST, OBJECT) and (OBJECT, HOST).
 
     Args:
@@ -107,17 +88,13 @@ class ObjectHandler(LowerTierHandler[ObjectBlocks, _Block, _Job]):
     def __init__(self, config: ObjectTierConfig, pool: HostPool, namespace: Namespace,
                  entry_bytes: tuple[int, ...], *, client: Any | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(pool, namespace, entry_bytes, config.secret, clock)
+        super().__init__(pool, namespace, entry_bytes, config.secret, clock, tier="object tier",
+                         where=f"{config.endpoint or 'AWS S3'} bucket {config.bucket}", kinds=Fault,
+                         breaker_errors=config.breaker_errors, breaker_cooldown_s=config.breaker_cooldown_s)
         self._bucket = config.bucket
         self._prefix = rank_prefix(config, namespace, self._fmt)
         self._fixed_s = config.connect_timeout_s + 2 * config.timeout_s  # connect, send, answer
-        self.breaker = CircuitBreaker(config.breaker_errors, config.breaker_cooldown_s, clock, "object tier")
-        self.faults = FaultLog(f"{config.endpoint or 'AWS S3'} bucket {config.bucket}", Fault, "object tier")
-        self._outcomes = threading.Lock()
-        """Held while a job's outcome updates the breaker and the log, so both see outcomes in one order."""
         self._client = client if client is not None else connect(config, pool_size=2 * config.io_threads)
-        self._lanes = {True: IoThreads(1, "kvoffload-object-store", clock),
-                       False: IoThreads(1, "kvoffload-object-load", clock)}
         self._requests = {True: ThreadPoolExecutor(config.io_threads, "kvoffload-object-put"),
                           False: ThreadPoolExecutor(config.io_threads, "kvoffload-object-get")}
         self.requests = 0
@@ -140,14 +117,7 @@ class ObjectHandler(LowerTierHandler[ObjectBlocks, _Block, _Job]):
         nbytes = sum(self._fmt.file_bytes(b.nbytes) for b in blocks)
         return _Job(job, blocks, budget_s=self._fixed_s + nbytes / MIN_RATE)
 
-    def _launch(self, state: _Job) -> None:
-        # Even a job that fails at once (tier off) goes through its lane, behind the jobs before it, so that
-        # results come in submission order.
-        self._lanes[state.is_store].submit(functools.partial(self._run, state))
-
-    def _stop(self) -> None:
-        for lane in self._lanes.values():
-            lane.stop()
+    def _close(self) -> None:
         for requests in self._requests.values():
             requests.shutdown(wait=False, cancel_futures=True)
         close = getattr(self._client, "close", None)
@@ -155,30 +125,23 @@ class ObjectHandler(LowerTierHandler[ObjectBlocks, _Block, _Job]):
             with contextlib.suppress(Exception):
                 close()
 
-    def _run(self, state: _Job) -> None:
-        """One job, on its lane's thread; every data-path problem ends as a failed result."""
-        with self._lock:
-            if state.finished:
-                return  # failed at its deadline while queued behind a stuck job
-            state.start = self._clock()
-        if not state.blocks:
-            self._end(state, failed=False)
+    def _classify(self, error: BaseException) -> Fault:
+        return classify(error)
+
+    def _budget(self, state: _Job) -> float:
+        return state.budget_s
+
+    def _count(self, fault: Fault) -> None:
+        if not fault.is_server_fault:
             return
-        if not self.breaker.allow():
-            self._end(state, failed=True)
-            return
-        began = self.faults.noted
-        request = self._put if state.is_store else self._get
-        try:
-            self._all(state, request)
-        except _Miss:  # the store answered: a miss is no fault
-            self._end(state, failed=True, then=functools.partial(self._note_answer, began))
-            return
-        except Exception as e:
-            self._end(state, failed=True, then=functools.partial(self._note, classify(e), e))
-            return
+        if fault.at_once:
+            self.breaker.trip()
+        else:
+            self.breaker.record(False)
+
+    def _io(self, state: _Job) -> None:
+        self._all(state, self._put if state.is_store else self._get)
         state.copied = sum(b.nbytes for b in state.blocks)
-        self._end(state, failed=False, then=functools.partial(self._note_answer, began))
 
     def _all(self, state: _Job, request: Callable[[_Job, _Block], None]) -> None:
         """``request`` for every block of the job, ``io_threads`` at once, until the first error or the budget.
@@ -194,7 +157,7 @@ class ObjectHandler(LowerTierHandler[ObjectBlocks, _Block, _Job]):
         for future in pending:
             future.cancel()  # those not begun; a request under way ends at its socket timeout, touching no slot
         errors = [f.exception() for f in futures if f in done and f.exception() is not None]
-        first = next((e for e in errors if not isinstance(e, _Miss)), errors[0] if errors else None)
+        first = next((e for e in errors if not isinstance(e, Miss)), errors[0] if errors else None)
         if first is not None:
             raise first
         if pending:
@@ -210,7 +173,7 @@ class ObjectHandler(LowerTierHandler[ObjectBlocks, _Block, _Job]):
         """Read ``block``'s object, at most one byte past its expected size; verify it into its slot.
 
         Raises:
-            _Miss: the object is not there.
+            Miss: the object is not there.
             CorruptBlockError: it is damaged, foreign, short or too long (and now deleted).
         """
         expected = self._fmt.file_bytes(block.nbytes)
@@ -219,7 +182,7 @@ class ObjectHandler(LowerTierHandler[ObjectBlocks, _Block, _Job]):
             answer = self._client.get_object(Bucket=self._bucket, Key=block.name, Range=f"bytes=0-{expected}")
         except Exception as e:
             if is_missing(e):
-                raise _Miss() from None
+                raise Miss() from None
             if getattr(e, "response", {}).get("Error", {}).get("Code") == "InvalidRange":  # an empty object
                 self._delete(block.name)
                 raise CorruptBlockError(f"object {block.name} is empty: deleted") from None
@@ -239,72 +202,9 @@ class ObjectHandler(LowerTierHandler[ObjectBlocks, _Block, _Job]):
             raise type(e)(f"object {block.name}: {e}: deleted") from None
 
     def _delete(self, name: str) -> None:
-        """Delete a damaged object; a failure is only logged at debug level (the job fails anyway)."""
+        """Delete a damaged object; a failure is noted as the fault it is (the job fails anyway)."""
         self.requests += 1
         try:
             self._client.delete_object(Bucket=self._bucket, Key=name)
         except Exception as e:
             self.faults.note(classify(e), e, "a damaged object stays (its next load fails again)")
-
-    @contextlib.contextmanager
-    def _owning(self, state: _Job) -> Iterator[None]:
-        """Holds off ``_end`` while the body touches the job's slots; refuses once the job has ended or is late.
-
-        Raises:
-            TimeoutError: the job has its result already, or is past its budget: its slots may be reused now.
-        """
-        with self._holding_slots(state) as held:
-            if not held:
-                raise TimeoutError(f"job {state.job.job_id} answered after its {state.budget_s:.2f} s budget")
-            yield
-
-    def _note_answer(self, began: int) -> None:
-        """The store answered a job that began when ``began`` faults had been noted.
-
-        The two lanes report in the order their jobs end, not the order their I/O happened: an answer to a job
-        begun before the latest fault says nothing of the store now, so it neither resets the breaker's count nor
-        ends the outage in the log.
-        """
-        with self._outcomes:
-            if self.faults.noted != began:
-                return
-            self.breaker.record(True)
-            self.faults.recovered()
-
-    def _note(self, fault: Fault, error: BaseException | str) -> None:
-        with self._outcomes:
-            if fault.is_server_fault:
-                if fault.at_once:
-                    self.breaker.trip()
-                else:
-                    self.breaker.record(False)
-            self.faults.note(fault, error)
-
-    def _overdue(self, state: _Job, now: float, stuck: dict[bool, bool] | None = None) -> bool:
-        """Started longer than its budget ago, or queued behind a job that is (``stuck[lane]``)."""
-        if state.start is not None:
-            return now - state.start > state.budget_s
-        return stuck is not None and stuck[state.is_store]
-
-    def _is_late(self, state: _Job) -> bool:
-        return self._overdue(state, self._clock())
-
-    def _wait_slice(self, state: _Job) -> float:
-        """How long to wait for ``state`` before checking the deadlines again."""
-        if state.start is None:
-            return QUEUED_POLL_S
-        return max(0.01, state.budget_s - (self._clock() - state.start))
-
-    def _expire(self) -> None:
-        """Fail the jobs past their deadline, even while a request of theirs is stuck in a socket."""
-        now = self._clock()
-        with self._lock:
-            running = [s for s in self._jobs.values() if s.start is not None and not s.finished]
-        # A lane is stuck when the job it runs is past its budget: the jobs queued behind it fail now too.
-        stuck = {lane: any(s.is_store == lane and self._overdue(s, now) for s in running) for lane in (True, False)}
-        with self._lock:
-            late = [s for s in self._jobs.values() if not s.finished and self._overdue(s, now, stuck)]
-        for state in late:
-            timeout = f"job {state.job.job_id} unanswered after {state.budget_s:.2f} s"
-            self._end(state, failed=True, then=functools.partial(self._note, Fault.TIMEOUT, timeout)
-                      if state.start is not None else None)

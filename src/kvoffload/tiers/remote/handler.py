@@ -14,10 +14,8 @@ replicated namespace's ranks share one name per key, written by rank 0 alone: ``
 (every writer of one name writes the same bytes: the name is the content's key), and a value already there is a
 successful store.
 
-Never on the engine step: ``submit`` only queues. Jobs run on two lanes, one daemon thread each (``IoThreads``):
-stores and loads, so a backlog of stores never delays a load (a request waits for its loads, never for stores).
-Each lane runs its jobs in submission order, which gives the ordering rule of ``TransferHandler``: only loads write
-host slots, only stores write values.
+Never on the engine step: ``submit`` only queues. Jobs run on two lanes, stores and loads
+(``tiers.lower.laned.LanedHandler``: results in submission order, budgets, breaker, fault log).
 
 Failures are outcomes (``tiers.remote.faults``): a missing value (evicted by the server, or its TTL passed), a damaged
 or unauthentic one (then deleted, so that the next ``SET NX`` can replace it), a dead, restarted, stalled or full
@@ -35,11 +33,9 @@ indexed; the scheduler half never loads it, and the server's eviction or the TTL
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -50,10 +46,10 @@ from kvoffload.specs import Medium, RemoteBlocks, TransferJob
 from kvoffload.tiers.lower.block_codec import open_into
 from kvoffload.tiers.lower.block_format import CorruptBlockError, GroupedLayout, entry_bytes_of
 from kvoffload.tiers.lower.breaker import CircuitBreaker
-from kvoffload.tiers.lower.handler import SHUTDOWN_GRACE_S, LowerJob, LowerTierHandler
-from kvoffload.tiers.lower.io_threads import IoThreads
+from kvoffload.tiers.lower.handler import SHUTDOWN_GRACE_S, LowerJob
+from kvoffload.tiers.lower.laned import QUEUED_POLL_S, LanedHandler, Miss
 from kvoffload.tiers.remote.client import rank_prefix
-from kvoffload.tiers.remote.faults import Fault, FaultLog, classify, delete_quietly, raise_first_error
+from kvoffload.tiers.remote.faults import Fault, classify, delete_quietly, raise_first_error
 from kvoffload.tiers.remote.link import RemoteLink
 from kvoffload.tiers.remote.reads import read_bounded
 from kvoffload.tiers.remote.stage import BATCH_BYTES, SealStage, batches, overlapped
@@ -63,8 +59,6 @@ if TYPE_CHECKING:
 
 HOST_TO_REMOTE = (Medium.HOST, Medium.REMOTE)
 REMOTE_TO_HOST = (Medium.REMOTE, Medium.HOST)
-QUEUED_POLL_S = 0.1
-"""How often ``wait`` looks at a job still queued behind another (whether its lane got stuck)."""
 __all__ = ["HOST_TO_REMOTE", "QUEUED_POLL_S", "REMOTE_TO_HOST", "SHUTDOWN_GRACE_S", "RemoteHandler"]
 
 
@@ -80,10 +74,6 @@ _Job = LowerJob[_Block]
 """A job's ``start`` is when its lane took it up (None while queued)."""
 
 
-class _Miss(Exception):
-    """A value of the job is not there: an ordinary outcome, not a fault."""
-
-
 class _Damaged(Exception):
     """Value ``name`` failed its checks (``error``): the lane deletes it, then the job fails with ``error``."""
 
@@ -92,7 +82,7 @@ class _Damaged(Exception):
         self.name, self.error = name, error
 
 
-class RemoteHandler(LowerTierHandler[RemoteBlocks, _Block, _Job]):
+class RemoteHandler(LanedHandler[RemoteBlocks, _Block, _Job]):
     """Host pool <-> values of one rank in a Redis-protocol store. Register it for (HOST, REMOTE) and
     (REMOTE, HOST).
 
@@ -118,19 +108,15 @@ class RemoteHandler(LowerTierHandler[RemoteBlocks, _Block, _Job]):
     def __init__(self, config: RemoteTierConfig, pool: HostPool, namespace: Namespace,
                  entry_bytes: tuple[int, ...], *, client: Any | None = None,
                  clock: Callable[[], float] = time.monotonic, batch_bytes: int = BATCH_BYTES) -> None:
-        super().__init__(pool, namespace, entry_bytes, config.secret, clock)
+        super().__init__(pool, namespace, entry_bytes, config.secret, clock, tier="remote tier",
+                         where=", ".join(config.urls), kinds=Fault, breaker_errors=config.breaker_errors,
+                         breaker_cooldown_s=config.breaker_cooldown_s)
         self._prefix = rank_prefix(namespace, self._fmt)  # once: it hashes the namespace (5 us a block otherwise)
         self._ttl_s = config.ttl_s
         self._budget_s = config.connect_timeout_s + 2 * config.timeout_s  # connect, send, answer
-        self.breaker = CircuitBreaker(config.breaker_errors, config.breaker_cooldown_s, clock, "remote tier")
         self.store_breaker = CircuitBreaker(config.breaker_errors, config.breaker_cooldown_s, clock,
                                             "remote tier's stores")
-        self.faults = FaultLog(", ".join(config.urls), Fault)
-        self._outcomes = threading.Lock()
-        """Held while a job's outcome updates the breakers and the log, so both see outcomes in one order."""
         self._link = RemoteLink(config, client)
-        self._lanes = {True: IoThreads(1, "kvoffload-remote-store", clock),
-                       False: IoThreads(1, "kvoffload-remote-load", clock)}
         # Each lane's helper seals or verifies one batch while the lane sends or receives the next.
         self._helpers = {True: ThreadPoolExecutor(1, "kvoffload-remote-seal"),
                          False: ThreadPoolExecutor(1, "kvoffload-remote-verify")}
@@ -160,40 +146,33 @@ class RemoteHandler(LowerTierHandler[RemoteBlocks, _Block, _Job]):
     def _new_job(self, job: TransferJob, blocks: list[_Block]) -> _Job:
         return _Job(job, blocks)
 
-    def _launch(self, state: _Job) -> None:
-        # Even a job that fails at once (tier off) goes through its lane, behind the jobs before it, so that
-        # results come in submission order.
-        self._lanes[state.is_store].submit(functools.partial(self._run, state))
-
-    def _stop(self) -> None:
-        for lane in self._lanes.values():
-            lane.stop()
+    def _close(self) -> None:
         for helper in self._helpers.values():
             helper.shutdown(wait=False)
         self._link.close()  # also breaks a lane out of a socket it is stuck on
 
-    def _run(self, state: _Job) -> None:
-        """One job, on its lane's thread; every data-path problem ends as a failed result."""
-        with self._lock:
-            if state.finished:
-                return  # failed at its deadline while queued behind a stuck job
-            state.start = self._clock()
-        if not state.blocks:
-            self._end(state, failed=False)
-            return
-        if not self.breaker.allow() or (state.is_store and not self.store_breaker.allow()):
-            self._end(state, failed=True)
-            return
-        began = self.faults.noted
-        try:
-            self._store(state) if state.is_store else self._load(state)
-        except _Miss:  # the server answered: a miss is no fault
-            self._end(state, failed=True, then=functools.partial(self._note_answer, began))
-            return
-        except Exception as e:
-            self._end(state, failed=True, then=functools.partial(self._note, classify(e), e))
-            return
-        self._end(state, failed=False, then=functools.partial(self._note_answer, began, stored=state.is_store))
+    def _classify(self, error: BaseException) -> Fault:
+        return classify(error)
+
+    def _budget(self, state: _Job) -> float:
+        return self._budget_s
+
+    def _allows(self, state: _Job) -> bool:
+        return self.breaker.allow() and (not state.is_store or self.store_breaker.allow())
+
+    def _count(self, fault: Fault) -> None:
+        if fault is Fault.FULL:
+            self.store_breaker.record(False)  # a full server still serves loads
+        elif fault.is_server_fault:
+            self.breaker.record(False)
+
+    def _answered(self, state: _Job) -> None:
+        self.breaker.record(True)
+        if state.is_store:
+            self.store_breaker.record(True)
+
+    def _io(self, state: _Job) -> None:
+        self._store(state) if state.is_store else self._load(state)
 
     def _store(self, state: _Job) -> None:
         """Seal and send the job's values, one pipeline of ``SET NX`` per batch.
@@ -251,7 +230,7 @@ class RemoteHandler(LowerTierHandler[RemoteBlocks, _Block, _Job]):
         if found.damage is not None:
             raise found.damage  # a damaged value, not a server fault
         if found.missing:
-            raise _Miss()
+            raise Miss()
         return found.values
 
 
@@ -266,65 +245,3 @@ class RemoteHandler(LowerTierHandler[RemoteBlocks, _Block, _Job]):
                     open_into(self._fmt, self._fingerprint, block.key, value, slot)
                 except CorruptBlockError as e:
                     raise _Damaged(block.name, e) from None
-
-    @contextlib.contextmanager
-    def _owning(self, state: _Job) -> Iterator[None]:
-        """Holds off ``_end`` while the body touches the job's slots; refuses once the job has ended or is late.
-
-        Raises:
-            TimeoutError: the job has its result already, or is past its budget: its slots may be reused now.
-        """
-        with self._holding_slots(state) as held:
-            if not held:
-                raise TimeoutError(f"job {state.job.job_id} answered after its {self._budget_s:.2f} s budget")
-            yield
-
-    def _note_answer(self, began: int, stored: bool = False) -> None:
-        """The server answered a job that began when ``began`` faults had been noted.
-
-        The two lanes report in the order their jobs end, not the order their I/O happened: a job answered just
-        before the server died may end after the other lane noted the outage. Its answer says nothing of the
-        server now, so unless it began after the latest fault it neither resets the breakers' count of errors nor
-        ends the outage in the log (which would then log the same outage twice).
-        """
-        with self._outcomes:
-            if self.faults.noted != began:
-                return
-            self.breaker.record(True)
-            if stored:
-                self.store_breaker.record(True)
-            self.faults.recovered()
-
-    def _note(self, fault: Fault, error: BaseException | str) -> None:
-        with self._outcomes:
-            if fault is Fault.FULL:
-                self.store_breaker.record(False)
-            elif fault.is_server_fault:
-                self.breaker.record(False)
-            self.faults.note(fault, error)
-
-    def _overdue(self, state: _Job, now: float, stuck: dict[bool, bool] | None = None) -> bool:
-        """Started longer than the budget ago, or queued behind a job that is (``stuck[lane]``)."""
-        if state.start is not None:
-            return now - state.start > self._budget_s
-        return stuck is not None and stuck[state.is_store]
-
-    def _is_late(self, state: _Job) -> bool:
-        return self._overdue(state, self._clock())
-
-    def _wait_slice(self, state: _Job) -> float:
-        """How long to wait for ``state`` before checking the deadlines again."""
-        if state.start is None:
-            return min(self._budget_s, QUEUED_POLL_S)
-        return max(0.01, self._budget_s - (self._clock() - state.start))
-
-    def _expire(self) -> None:
-        """Fail the jobs past their deadline, even while their lane's thread is stuck in a socket."""
-        now = self._clock()
-        stuck = {is_store: lane.stuck(self._budget_s) > 0 for is_store, lane in self._lanes.items()}
-        with self._lock:
-            late = [s for s in self._jobs.values() if not s.finished and self._overdue(s, now, stuck)]
-        for state in late:
-            timeout = f"job {state.job.job_id} unanswered after {self._budget_s:.2f} s"
-            self._end(state, failed=True, then=functools.partial(self._note, Fault.TIMEOUT, timeout)
-                      if state.start is not None else None)
