@@ -16,8 +16,8 @@ from kvoffload.config import ConfigError, OffloadConfig, RemoteTierConfig
 from kvoffload.manager.base import EventKind, LookupResult
 from kvoffload.specs import Medium, RemoteBlocks
 from kvoffload.testing.redis_server import RedisServer
-from kvoffload.tiers.lower.block_format import PLAIN, BlockFormat
 from kvoffload.tiers.lower import probed_index
+from kvoffload.tiers.lower.block_format import PLAIN, BlockFormat
 from kvoffload.tiers.remote.client import value_name
 from kvoffload.tiers.remote.index import RemoteIndex
 from kvoffload.tiers.remote.probe import FIRST_WINDOW, ValueNames
