@@ -18,7 +18,8 @@ the next hit on it is nearer.
 Blocks reach each lower tier by its write policy:
 
 - write-through (default, and always for the shared tiers, remote and object): every block whose host store
-  completes is written below at once. The host entries stay pinned while the write runs, so their slots are not reused under it.
+  completes is written below at once. The host entries stay pinned while the write runs, so their slots are not
+  reused under it.
 - on-evict (one tier at most: the disk): only blocks about to leave the host are written. A block fresh on the
   host is *dirty*: it stays pinned on the host (so the host policy cannot evict it) until it is written. When
   dirty blocks exceed ``capacity - low_water`` host slots, the least recently used dirty blocks are written; once
