@@ -26,10 +26,11 @@ import functools
 import threading
 from abc import abstractmethod
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvoffload.auth import TierSecret
-from kvoffload.keys import Namespace
+from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.tiers.lower.breaker import CircuitBreaker
 from kvoffload.tiers.lower.fault_log import FaultLog
 from kvoffload.tiers.lower.handler import BlockT, JobT, LowerTierHandler, SpecT
@@ -40,6 +41,16 @@ if TYPE_CHECKING:
 
 QUEUED_POLL_S = 0.1
 """How often ``wait`` looks at a job still queued behind another (whether its lane got stuck)."""
+
+
+@dataclass(frozen=True)
+class NamedBlock:
+    """One block of a job: host slot ``slot`` <-> ``key``'s value or object, at ``name`` in the tier."""
+
+    slot: int
+    key: OffloadKey
+    name: str
+    nbytes: int
 
 
 class Miss(Exception):

@@ -39,7 +39,7 @@ from kvoffload.specs import Medium, ObjectBlocks, TransferJob
 from kvoffload.tiers.lower.block_codec import encode_value, open_into
 from kvoffload.tiers.lower.block_format import CorruptBlockError
 from kvoffload.tiers.lower.handler import LowerJob
-from kvoffload.tiers.lower.laned import LanedHandler, Miss
+from kvoffload.tiers.lower.laned import LanedHandler, Miss, NamedBlock
 from kvoffload.tiers.object.client import connect, rank_prefix
 from kvoffload.tiers.object.faults import Fault, classify, is_missing
 
@@ -52,21 +52,13 @@ MIN_RATE = 16 << 20
 """Bytes per second a job may be slower than its fixed budget by: a large job needs time for its bytes."""
 
 
-@dataclass(frozen=True)
-class _Block:
-    slot: int
-    key: OffloadKey
-    name: str
-    nbytes: int
-
-
 @dataclass(eq=False)
-class _Job(LowerJob[_Block]):
+class _Job(LowerJob[NamedBlock]):
     budget_s: float = 0.0
     """How long the job may run once its lane took it up."""
 
 
-class ObjectHandler(LanedHandler[ObjectBlocks, _Block, _Job]):
+class ObjectHandler(LanedHandler[ObjectBlocks, NamedBlock, _Job]):
     """Host pool <-> objects of one rank in an S3-API bucket. Register it for (HOST, OBJECT) and (OBJECT, HOST).
 
     Args:
@@ -110,10 +102,10 @@ class ObjectHandler(LanedHandler[ObjectBlocks, _Block, _Job]):
             self.faults.note(classify(e), e, f"the object tier is off; every object job fails at once until it "
                                              f"is tried again in {cooldown_s:.0f} s")
 
-    def _block(self, slot: int, key: OffloadKey, nbytes: int) -> _Block:
-        return _Block(slot, key, self._prefix + self._fmt.name(key), nbytes)
+    def _block(self, slot: int, key: OffloadKey, nbytes: int) -> NamedBlock:
+        return NamedBlock(slot, key, self._prefix + self._fmt.name(key), nbytes)
 
-    def _new_job(self, job: TransferJob, blocks: list[_Block]) -> _Job:
+    def _new_job(self, job: TransferJob, blocks: list[NamedBlock]) -> _Job:
         nbytes = sum(self._fmt.file_bytes(b.nbytes) for b in blocks)
         return _Job(job, blocks, budget_s=self._fixed_s + nbytes / MIN_RATE)
 
@@ -143,7 +135,7 @@ class ObjectHandler(LanedHandler[ObjectBlocks, _Block, _Job]):
         self._all(state, self._put if state.is_store else self._get)
         state.copied = sum(b.nbytes for b in state.blocks)
 
-    def _all(self, state: _Job, request: Callable[[_Job, _Block], None]) -> None:
+    def _all(self, state: _Job, request: Callable[[_Job, NamedBlock], None]) -> None:
         """``request`` for every block of the job, ``io_threads`` at once, until the first error or the budget.
 
         Raises:
@@ -163,13 +155,13 @@ class ObjectHandler(LanedHandler[ObjectBlocks, _Block, _Job]):
         if pending:
             raise TimeoutError(f"job {state.job.job_id} unanswered after {state.budget_s:.2f} s")
 
-    def _put(self, state: _Job, block: _Block) -> None:
+    def _put(self, state: _Job, block: NamedBlock) -> None:
         with self._owning(state):  # the slot is read only while the job still owns it
             value = encode_value(self._fmt, self._fingerprint, block.key, self._slots[block.slot, :block.nbytes].data)
         self.requests += 1
         self._client.put_object(Bucket=self._bucket, Key=block.name, Body=value)
 
-    def _get(self, state: _Job, block: _Block) -> None:
+    def _get(self, state: _Job, block: NamedBlock) -> None:
         """Read ``block``'s object, at most one byte past its expected size; verify it into its slot.
 
         Raises:

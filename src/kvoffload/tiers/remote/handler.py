@@ -37,7 +37,6 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvoffload.config import RemoteTierConfig
@@ -47,7 +46,7 @@ from kvoffload.tiers.lower.block_codec import open_into
 from kvoffload.tiers.lower.block_format import CorruptBlockError, GroupedLayout, entry_bytes_of
 from kvoffload.tiers.lower.breaker import CircuitBreaker
 from kvoffload.tiers.lower.handler import SHUTDOWN_GRACE_S, LowerJob
-from kvoffload.tiers.lower.laned import QUEUED_POLL_S, LanedHandler, Miss
+from kvoffload.tiers.lower.laned import QUEUED_POLL_S, LanedHandler, Miss, NamedBlock
 from kvoffload.tiers.remote.client import rank_prefix
 from kvoffload.tiers.remote.faults import Fault, classify, delete_quietly, raise_first_error
 from kvoffload.tiers.remote.link import RemoteLink
@@ -62,15 +61,7 @@ REMOTE_TO_HOST = (Medium.REMOTE, Medium.HOST)
 __all__ = ["HOST_TO_REMOTE", "QUEUED_POLL_S", "REMOTE_TO_HOST", "SHUTDOWN_GRACE_S", "RemoteHandler"]
 
 
-@dataclass(frozen=True)
-class _Block:
-    slot: int
-    key: OffloadKey
-    name: str
-    nbytes: int
-
-
-_Job = LowerJob[_Block]
+_Job = LowerJob[NamedBlock]
 """A job's ``start`` is when its lane took it up (None while queued)."""
 
 
@@ -82,7 +73,7 @@ class _Damaged(Exception):
         self.name, self.error = name, error
 
 
-class RemoteHandler(LanedHandler[RemoteBlocks, _Block, _Job]):
+class RemoteHandler(LanedHandler[RemoteBlocks, NamedBlock, _Job]):
     """Host pool <-> values of one rank in a Redis-protocol store. Register it for (HOST, REMOTE) and
     (REMOTE, HOST).
 
@@ -140,10 +131,10 @@ class RemoteHandler(LanedHandler[RemoteBlocks, _Block, _Job]):
             self.faults.note(classify(e), e, f"the remote tier is off; every remote job fails at once until it "
                                              f"is tried again in {cooldown_s:.0f} s")
 
-    def _block(self, slot: int, key: OffloadKey, nbytes: int) -> _Block:
-        return _Block(slot, key, self._prefix + self._fmt.name(key), nbytes)  # = value_name()
+    def _block(self, slot: int, key: OffloadKey, nbytes: int) -> NamedBlock:
+        return NamedBlock(slot, key, self._prefix + self._fmt.name(key), nbytes)  # = value_name()
 
-    def _new_job(self, job: TransferJob, blocks: list[_Block]) -> _Job:
+    def _new_job(self, job: TransferJob, blocks: list[NamedBlock]) -> _Job:
         return _Job(job, blocks)
 
     def _close(self) -> None:
@@ -189,11 +180,11 @@ class RemoteHandler(LanedHandler[RemoteBlocks, _Block, _Job]):
                        functools.partial(self._send, client), helper_produces=True)
         state.copied = sum(b.nbytes for b in state.blocks)
 
-    def _seal(self, state: _Job, buffer: int, batch: Sequence[_Block]) -> list[memoryview]:
+    def _seal(self, state: _Job, buffer: int, batch: Sequence[NamedBlock]) -> list[memoryview]:
         with self._owning(state):  # the slots are read only while the job still owns them
             return self._stage.seal(buffer, [(b.key, self._slots[b.slot, :b.nbytes]) for b in batch])
 
-    def _send(self, client: Any, batch: Sequence[_Block], values: list[memoryview]) -> None:
+    def _send(self, client: Any, batch: Sequence[NamedBlock], values: list[memoryview]) -> None:
         pipe = client.pipeline(transaction=False)
         for block, value in zip(batch, values, strict=True):
             pipe.set(block.name, value, nx=True, ex=self._ttl_s)
@@ -224,7 +215,7 @@ class RemoteHandler(LanedHandler[RemoteBlocks, _Block, _Job]):
             raise e.error from None
         state.copied = sum(b.nbytes for b in state.blocks)
 
-    def _fetch(self, client: Any, _buffer: int, batch: Sequence[_Block]) -> list[bytes]:
+    def _fetch(self, client: Any, _buffer: int, batch: Sequence[NamedBlock]) -> list[bytes]:
         """``batch``'s values, none read past its expected size (``tiers.remote.reads``: planted ones are deleted)."""
         found = read_bounded(client, [(b.name, self._fmt.file_bytes(b.nbytes)) for b in batch])
         if found.damage is not None:
@@ -234,7 +225,7 @@ class RemoteHandler(LanedHandler[RemoteBlocks, _Block, _Job]):
         return found.values
 
 
-    def _copy_in(self, state: _Job, batch: Sequence[_Block], values: list[bytes]) -> None:
+    def _copy_in(self, state: _Job, batch: Sequence[NamedBlock], values: list[bytes]) -> None:
         """Open every value of ``batch`` into its slot (``tiers.lower.block_codec.open_into``: checked, and decrypted
         with a secret) while the job owns the slots; a failed check fails the whole job, whose slots are then
         dropped."""
