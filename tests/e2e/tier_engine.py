@@ -1,5 +1,5 @@
-"""One vLLM engine with a shared tier (remote, node), in its own process, for test_remote_tier.py and
-test_node_tier.py.
+"""One vLLM engine with a shared tier (remote, node, object), in its own process, for test_remote_tier.py,
+test_node_tier.py and test_object_tier.py.
 
 Run as ``python -m tests.e2e.tier_engine MODEL_DIR REQUEST_JSON``: it builds an in-process engine on the tiny
 model with ``kv_connector_extra_config`` from the request, serves the request's rounds of prompts (one request at
@@ -38,6 +38,9 @@ def main(model_dir: str, request: str) -> None:
     counters = {"hit_tokens": metric(llm, "vllm:kvoffload_hit_tokens"),
                 "remote_to_host": metric(llm, "vllm:kvoffload_transfer_bytes", direction="remote_to_host"),
                 "host_to_remote": metric(llm, "vllm:kvoffload_transfer_bytes", direction="host_to_remote"),
+                "object_to_host": metric(llm, "vllm:kvoffload_transfer_bytes", direction="object_to_host"),
+                "host_to_object": metric(llm, "vllm:kvoffload_transfer_bytes", direction="host_to_object"),
+                "failed_jobs": metric(llm, "vllm:kvoffload_transfer_failed_jobs"),
                 "node_cross_hits": metric(llm, "vllm:kvoffload_node_pool", counter="cross_hits")}
     os.write(result_fd, (json.dumps({"rounds": rounds, "counters": counters}) + "\n").encode())
     while spec.get("loop"):
