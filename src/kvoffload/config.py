@@ -188,7 +188,7 @@ _EXCLUSIVE = (("host_bytes", "host_gib"), ("disk_bytes", "disk_gib"), ("tier_sec
               ("remote_password", "remote_password_file"), ("remote_password_env", "remote_password_file"))
 
 
-_HIDDEN_VALUES = frozenset({"remote_password", "remote_url", "object_endpoint"})
+_HIDDEN_VALUES = frozenset({"remote_password", "remote_url", "object_url", "object_endpoint"})
 """Keys whose values may hold a password: errors name the key, never the value."""
 
 

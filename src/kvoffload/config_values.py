@@ -228,6 +228,9 @@ def object_url(v: Any) -> tuple[str, str]:
     if not isinstance(v, str) or not v.startswith("s3://"):
         raise ValueError("must be an s3://bucket or s3://bucket/prefix URL")
     bucket, _, prefix = v[len("s3://"):].partition("/")
+    if "@" in bucket:
+        raise ValueError("an object URL must not carry credentials (they come from the client's chain: "
+                         "AWS_ACCESS_KEY_ID, shared files, instance roles)")
     if not _BUCKET.fullmatch(bucket) or ".." in bucket or re.fullmatch(r"[\d.]+", bucket):
         raise ValueError(f"bucket {bucket!r} is not a valid S3 bucket name (3-63 lower-case letters, digits, '.' "
                          f"and '-', starting and ending with a letter or digit)")

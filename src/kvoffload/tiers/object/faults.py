@@ -44,6 +44,11 @@ _THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExce
 _MISSING = {"NoSuchKey", "404", "NotFound"}
 
 
+def error_code(error: BaseException) -> str:
+    """The S3 error code of a ``ClientError`` ("" for anything else)."""
+    return _code(error)[0]
+
+
 def _code(error: BaseException) -> tuple[str, int]:
     response: Any = getattr(error, "response", None)
     if not isinstance(response, dict):

@@ -41,7 +41,7 @@ from kvoffload.tiers.lower.block_format import CorruptBlockError
 from kvoffload.tiers.lower.handler import LowerJob
 from kvoffload.tiers.lower.laned import LanedHandler, Miss, NamedBlock
 from kvoffload.tiers.object.client import connect, rank_prefix
-from kvoffload.tiers.object.faults import Fault, classify, is_missing
+from kvoffload.tiers.object.faults import Fault, classify, error_code, is_missing
 
 if TYPE_CHECKING:
     from kvoffload.transfer.host_pool import HostPool
@@ -175,7 +175,7 @@ class ObjectHandler(LanedHandler[ObjectBlocks, NamedBlock, _Job]):
         except Exception as e:
             if is_missing(e):
                 raise Miss() from None
-            if getattr(e, "response", {}).get("Error", {}).get("Code") == "InvalidRange":  # an empty object
+            if error_code(e) == "InvalidRange":  # an empty object
                 self._delete(block.name)
                 raise CorruptBlockError(f"object {block.name} is empty: deleted") from None
             raise

@@ -5,13 +5,14 @@ Place in the data flow: ``ObjectIndex`` asks ``ObjectProbe.leading_run(keys)`` h
 rank's object in the bucket (a promotion may read them now), and ``delete(keys)`` when keys leave its own budget.
 The workers' ``ObjectHandler`` moves the objects; nothing here reads or writes one.
 
-Cost is the point of this module. S3 has no multi-key existence test, and a ``HEAD`` costs 2-3 ms here (10-30 ms
-on AWS): the 2,048 keys of a long prompt, one by one, would be seconds. Keys are chained content hashes, so what a
-bucket holds of a prompt is nearly always a prefix, and its length is found by search: one ``HEAD`` of the first
-key (a new prompt, the common case, costs one request), then rounds of ``fanout`` parallel ``HEAD``s spread
-evenly over the keys still in doubt; each round divides them by ``fanout + 1``. A 2,048-key prompt takes 1 + 4
-rounds at a fan-out of 8 (``bench object`` has the figures). The first round over the rest includes its last key,
-so a prompt stored whole is found in two rounds.
+Cost is the point of this module. S3 has no multi-key existence test, and one existence request (a GET of an
+object's first byte: ``_exists`` says why not a ``HEAD``) costs 2-3 ms here, 10-30 ms on AWS: the 2,048 keys of a
+long prompt, one by one, would be seconds. Keys are chained content hashes, so what a bucket holds of a prompt is
+nearly always a prefix, and its length is found by search: one request for the first key (a new prompt, the
+common case, costs one request), then rounds of ``fanout`` parallel requests spread evenly over the keys still in
+doubt; each round divides them by ``fanout``. A 2,048-key prompt takes at most 1 + 4 rounds at a fan-out of 8
+(``bench object`` has the figures). The first round over the rest includes its last key, so a prompt stored whole
+is found in two rounds.
 
 The answer assumes the stored keys are a prefix. Where they are not (a lifecycle rule or another engine deleted
 a block inside the run), the run may count a key that is gone: its promotion fails in the worker, which reads
@@ -29,12 +30,13 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from concurrent.futures import TimeoutError as futures_timeout
+from typing import Any, NoReturn
 
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.lower.breaker import CircuitBreaker
 from kvoffload.tiers.object.client import ObjectNames
-from kvoffload.tiers.object.faults import classify, is_missing
+from kvoffload.tiers.object.faults import classify, error_code, is_missing
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +55,7 @@ class ObjectProbe:
         client: a boto3 S3 client (thread-safe).
         bucket: the bucket.
         names: the object names of this world.
-        fanout: ``HEAD``s in flight at once in a search round.
+        fanout: existence requests in flight at once in a search round.
         timeout_s: the most one ``leading_run`` may take over all its rounds; a slower one is a timeout.
         breaker: switches the probe off after failures.
         clock: monotonic seconds.
@@ -70,7 +72,7 @@ class ObjectProbe:
         self._clock = clock
         self._pool = ThreadPoolExecutor(self._fanout * names.copies, "kvoffload-object-probe")
         self.requests = 0
-        """``HEAD`` requests sent so far (for the bench and tests)."""
+        """Existence requests sent so far (for the bench and tests)."""
         self.rounds = 0
         """Search rounds so far (one round: requests in parallel, then their answers)."""
         self.delete_errors = 0
@@ -131,7 +133,7 @@ class ObjectProbe:
                 if answer.get("Errors"):
                     raise RuntimeError(f"{len(answer['Errors'])} objects not deleted: {answer['Errors'][0]}")
         except Exception as e:
-            self._failed(e)
+            self._tell_breaker(e)
             self.delete_errors += len(keys)
             return False
         return True
@@ -140,19 +142,18 @@ class ObjectProbe:
         self._pool.shutdown(wait=False)
 
     def _round(self, keys: Sequence[OffloadKey], probes: list[int], started: float) -> list[bool]:
-        """Whether every rank's object of each probed key exists: one round of parallel ``HEAD``s."""
+        """Whether every rank's object of each probed key exists: one round of parallel requests."""
         remaining = self._timeout_s - (self._clock() - started)
         if remaining <= 0:
             self._failed(TimeoutError(f"an existence search took longer than the {self._timeout_s:.3f} s timeout"))
         names = [(p, name) for p in probes for name in self.names.of(keys[p])]
-        futures = [self._pool.submit(self._head, name) for _, name in names]
+        futures = [self._pool.submit(self._exists, name) for _, name in names]
         self.rounds += 1
         self.requests += len(names)
         try:
             answers = [f.result(timeout=remaining) for f in futures]
-        except TimeoutError as e:
+        except (TimeoutError, futures_timeout):  # one class from Python 3.11 on, two before
             self._failed(TimeoutError(f"an existence search took longer than the {self._timeout_s:.3f} s timeout"))
-            raise AssertionError from e  # not reached: _failed raised
         errors = [a for a in answers if isinstance(a, BaseException)]
         if errors:
             self._failed(errors[0])
@@ -161,28 +162,43 @@ class ObjectProbe:
             exists[p] = exists[p] and answer is True
         return [exists[p] for p in probes]
 
-    def _head(self, name: str) -> bool | BaseException:
+    def _exists(self, name: str) -> bool | BaseException:
+        """Whether object ``name`` exists, by a GET of its first byte; an error other than a miss is returned.
+
+        Not a ``HEAD``: a HEAD's error has no body, so a missing bucket answers the same 404 as a missing object
+        and a deleted bucket would look empty (a miss) instead of a fault. A one-byte GET costs a GET (priced as a
+        HEAD on AWS), and its error names ``NoSuchKey`` or ``NoSuchBucket``. An empty object (416) exists: the
+        worker's load finds it damaged and deletes it.
+        """
         try:
-            self._client.head_object(Bucket=self._bucket, Key=name)
+            body = self._client.get_object(Bucket=self._bucket, Key=name, Range="bytes=0-0")["Body"]
+            body.close()
         except Exception as e:
-            return False if is_missing(e) else e
+            if is_missing(e):
+                return False
+            return True if error_code(e) == "InvalidRange" else e
         return True
 
     def _answered(self, run: int) -> int:
         self.breaker.record(True)
         return run
 
-    def _failed(self, error: BaseException) -> None:
-        """Tell the breaker (at once for a fault every next request would meet), then end the search."""
-        fault = classify(error)
-        if fault.at_once:
-            if not self.breaker.is_open:
-                logger.error("object tier (scheduler): %s: %s; lookups are misses and deletes are skipped for "
-                             "a cool-down", fault.value, error)
-            self.breaker.trip()
-        else:
-            self.breaker.record(False)
+    def _failed(self, error: BaseException) -> NoReturn:
+        """Tell the breaker, then end the search."""
+        self._tell_breaker(error)
         raise _Failed() from error
+
+    def _tell_breaker(self, error: BaseException) -> None:
+        """Count a failure; a fault every next request would meet (a timeout, a refusal, throttling, no bucket)
+        opens the breaker at once."""
+        fault = classify(error)
+        if not fault.at_once:
+            self.breaker.record(False)
+            return
+        if not self.breaker.is_open:
+            logger.error("object tier (scheduler): %s: %s; lookups are misses and deletes are skipped for a "
+                         "cool-down", fault.value, error)
+        self.breaker.trip()
 
 
 def _spread(low: int, high: int, fanout: int) -> list[int]:

@@ -10,8 +10,8 @@ the same client settings (``tiers.object.client.connect``). Rows report medians 
 raw (target: at least 0.9) and the requests each block cost. Objects are deleted between sides (not timed).
 
 The lookup figures: a fresh ``ObjectIndex`` (no cached answers) searches a 2,048-key prompt of which none, 1,500
-or all 2,048 keys are stored, at each ``--fanouts``: median and worst milliseconds, search rounds and ``HEAD``
-requests. Without ``--endpoint`` the bench starts its own single-node Ceph cluster with radosgw
+or all 2,048 keys are stored, at each ``--fanouts``: median and worst milliseconds, search rounds and existence
+requests (one-byte GETs). Without ``--endpoint`` the bench starts its own single-node Ceph cluster with radosgw
 (``testing.ceph_rgw``, ~20 s); with it, credentials come from boto3's chain and ``--bucket`` must exist.
 """
 
@@ -242,7 +242,7 @@ def bench_lookup(config: Any, fanout: int, stored: int, rounds: int) -> Lookup:
     keys = [offload_key(i.to_bytes(16, "little"), 0) for i in range(LOOKUP_KEYS)]  # type: ignore[arg-type]
     names = ObjectNames(config, ns, BlockFormat.of(config.secret))
     client = connect(config, pool_size=16)
-    with ThreadPoolExecutor(16) as threads:  # HEAD reads no body: a byte stands in for a block
+    with ThreadPoolExecutor(16) as threads:  # the search reads one byte: a byte stands in for a block
         list(threads.map(lambda key: client.put_object(Bucket=config.bucket, Key=names.of(key)[0], Body=b"v"),
                          keys[:stored]))
     times, counts = [], []
@@ -282,6 +282,6 @@ def _report(rows: list[Row], lookups: list[Lookup], args: argparse.Namespace) ->
             print(f"{r.block_bytes // KIB:>7}K store {r.sealed_store_gbps:.3f} ({r.sealed_store_ratio:.2f} of "
                   f"plain) load {r.sealed_load_gbps:.3f} ({r.sealed_load_ratio:.2f} of plain)")
     print(f"lookup of a {LOOKUP_KEYS}-key prompt (fresh index, no cached answers):")
-    print(f"{'fanout':>7} {'stored':>7} {'median ms':>10} {'max ms':>8} {'rounds':>7} {'HEADs':>6}")
+    print(f"{'fanout':>7} {'stored':>7} {'median ms':>10} {'max ms':>8} {'rounds':>7} {'requests':>9}")
     for x in lookups:
-        print(f"{x.fanout:>7} {x.stored:>7} {x.median_ms:>10.1f} {x.max_ms:>8.1f} {x.rounds:>7} {x.requests:>6}")
+        print(f"{x.fanout:>7} {x.stored:>7} {x.median_ms:>10.1f} {x.max_ms:>8.1f} {x.rounds:>7} {x.requests:>9}")
