@@ -3,6 +3,8 @@ after the latest error (I/O threads report in the order their I/O ends)."""
 
 from __future__ import annotations
 
+import pytest
+
 from kvoffload.tiers.lower.breaker import CircuitBreaker
 
 
@@ -41,3 +43,23 @@ def test_the_breaker_closes_after_its_cool_down() -> None:
     assert breaker.is_open and not breaker.allow()
     clock.now = 10.0
     assert breaker.allow() and not breaker.is_open
+
+
+def test_a_failure_every_next_attempt_would_meet_opens_it_at_once_and_logs_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    breaker = CircuitBreaker(8, 10.0, clock, tier="object tier (scheduler)")
+    breaker.fail("request timeout", at_once=True)
+    breaker.fail("request timeout", at_once=True)  # a search already under way when it opened
+    assert breaker.is_open and breaker.trips == 1 and breaker.errors == 2
+    assert [r.getMessage() for r in caplog.records].count(
+        "object tier (scheduler): request timeout; switching the object tier (scheduler) off for 10.0 s") == 1
+    clock.now = 10.0
+    assert breaker.allow() and not breaker.is_open
+
+
+def test_an_ordinary_failure_only_counts_towards_the_threshold() -> None:
+    """The control: the same failure not ``at_once`` leaves the breaker closed below its threshold."""
+    breaker = CircuitBreaker(8, 10.0, Clock())
+    breaker.fail("server error")
+    assert not breaker.is_open and breaker.errors == 1

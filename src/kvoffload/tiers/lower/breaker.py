@@ -2,9 +2,10 @@
 
 A failing disk (EIO on every block, a full file system, reads slower than their deadline) or an unreachable
 remote server would otherwise cost every job its full I/O attempt and the engine a log line per block. After
-``threshold`` consecutive errors the breaker opens: the handler (``DiskHandler``, ``RemoteHandler``) fails jobs at
-once, without I/O, until ``cooldown_s`` has passed; then it closes and I/O is tried again. Opening and closing are
-logged once each, under the tier's name.
+``threshold`` consecutive errors (or one that every next attempt would meet: ``fail(at_once=True)``) the breaker
+opens: the handler (``DiskHandler``, ``RemoteHandler``, ``ObjectHandler``) or the scheduler's probe of a shared store
+fails at once, without I/O, until ``cooldown_s`` has passed; then it closes and I/O is tried again. Opening and
+closing are logged once each, under the tier's name.
 """
 
 from __future__ import annotations
@@ -73,6 +74,20 @@ class CircuitBreaker:
             errors = self._errors
         logger.error("%s: %d consecutive I/O errors, switching the %s off for %.1f s",
                      self._tier, errors, self._tier, self._cooldown_s)
+
+    def fail(self, error: BaseException | str, at_once: bool = False) -> None:
+        """Report one failure; ``at_once``: a failure every next attempt would meet too (a timeout that would cost
+        the caller the same wait, a refusal), which opens the breaker now, logged with ``error``."""
+        if not at_once:
+            self.record(False)
+            return
+        with self._lock:
+            self._errors += 1
+            self.errors += 1
+            opening = self._open_until is None or self._clock() >= self._open_until
+        if opening:
+            logger.error("%s: %s; switching the %s off for %.1f s", self._tier, error, self._tier, self._cooldown_s)
+        self.trip()
 
     def trip(self) -> None:
         """Open now, for one cool-down (the caller logs why: e.g. a server that is down at start-up)."""

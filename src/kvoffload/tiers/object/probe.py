@@ -189,16 +189,10 @@ class ObjectProbe:
         raise _Failed() from error
 
     def _tell_breaker(self, error: BaseException) -> None:
-        """Count a failure; a fault every next request would meet (a timeout, a refusal, throttling, no bucket)
-        opens the breaker at once."""
+        """Count a failure; one every next request would meet (a timeout, a refusal, throttling, no bucket) opens
+        the breaker at once."""
         fault = classify(error)
-        if not fault.at_once:
-            self.breaker.record(False)
-            return
-        if not self.breaker.is_open:
-            logger.error("object tier (scheduler): %s: %s; lookups are misses and deletes are skipped for a "
-                         "cool-down", fault.value, error)
-        self.breaker.trip()
+        self.breaker.fail(f"{fault.value}: {error}", at_once=fault.at_once)
 
 
 def _spread(low: int, high: int, fanout: int) -> list[int]:

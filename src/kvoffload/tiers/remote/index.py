@@ -19,9 +19,10 @@ from kvoffload.config import ConfigError, EvictionPolicy, RemoteTierConfig
 from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.specs import Medium, RemoteBlocks
 from kvoffload.tiers.lower.block_format import BlockFormat
+from kvoffload.tiers.lower.breaker import CircuitBreaker
 from kvoffload.tiers.lower.probed_index import LOOKUP_CACHE_S, ProbedIndex
 from kvoffload.tiers.remote.client import connect
-from kvoffload.tiers.remote.probe import Breaker, RemoteProbe, ValueNames
+from kvoffload.tiers.remote.probe import RemoteProbe, ValueNames
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class RemoteIndex(ProbedIndex):
         if capacity < 1:
             raise ConfigError(f"remote_bytes={config.capacity_bytes} is below one value ({value_bytes} bytes)")
         names = ValueNames(namespace, BlockFormat.of(config.secret))
-        breaker = Breaker(config.breaker_errors, config.breaker_cooldown_s)
+        breaker = CircuitBreaker(config.breaker_errors, config.breaker_cooldown_s, tier="remote tier (scheduler)")
         probe = RemoteProbe((lambda: client) if client is not None else (lambda: connect(config)), names,
                             cluster=config.cluster, timeout_s=config.timeout_s, breaker=breaker)
         if not probe.check():

@@ -20,7 +20,6 @@ further attempt would cost the scheduler the same wait), other errors count towa
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -30,9 +29,8 @@ from redis import exceptions as rex
 
 from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.tiers.lower.block_format import BlockFormat
+from kvoffload.tiers.lower.breaker import CircuitBreaker
 from kvoffload.tiers.remote.client import rank_prefix, without_retries
-
-logger = logging.getLogger(__name__)
 
 FIRST_WINDOW = 64
 GROWTH = 8
@@ -77,53 +75,6 @@ class ValueNames:
         return out
 
 
-class Breaker:
-    """Failures in a row switch the probe off for a cool-down; one call then tries again.
-
-    Used by the scheduler thread alone (no lock); logs once when it opens and once when it closes.
-    """
-
-    def __init__(self, threshold: int, cooldown_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self._threshold = threshold
-        self._cooldown_s = cooldown_s
-        self._clock = clock
-        self._failures = 0
-        self._open_until: float | None = None
-        self.trips = 0
-        self.errors = 0
-
-    def allow(self) -> bool:
-        if self._open_until is None:
-            return True
-        if self._clock() < self._open_until:
-            return False
-        self._open_until, self._failures = None, 0
-        logger.warning("remote tier (scheduler): cool-down over, asking the server again")
-        return True
-
-    def record(self, ok: bool, error: BaseException | None = None, at_once: bool = False) -> None:
-        if ok:
-            self._failures = 0
-            return
-        self.errors += 1
-        self._failures += 1
-        if self._open_until is None and (at_once or self._failures >= self._threshold):
-            self._open_until = self._clock() + self._cooldown_s
-            self.trips += 1
-            logger.error("remote tier (scheduler): %s; lookups are misses and deletes are skipped for %.1f s",
-                         error, self._cooldown_s)
-
-    def trip(self) -> None:
-        """Open now, for one cool-down (the caller logs why)."""
-        if self._open_until is None:
-            self.trips += 1
-        self._open_until = self._clock() + self._cooldown_s
-
-    @property
-    def is_open(self) -> bool:
-        return self._open_until is not None and self._clock() < self._open_until
-
-
 class RemoteProbe:
     """Existence counts and deletes against the server, behind a breaker.
 
@@ -137,7 +88,7 @@ class RemoteProbe:
     """
 
     def __init__(self, connect: Callable[[], Any], names: ValueNames, *, cluster: bool, timeout_s: float,
-                 breaker: Breaker, clock: Callable[[], float] = time.monotonic) -> None:
+                 breaker: CircuitBreaker, clock: Callable[[], float] = time.monotonic) -> None:
         self._connect = connect
         self._client: Any | None = None
         self.names = names
@@ -193,7 +144,7 @@ class RemoteProbe:
                 self._client = without_retries(self._connect())
             result = command(self._client)
         except _FAILURES as e:
-            self.breaker.record(False, e, at_once=isinstance(e, _AT_ONCE))
+            self.breaker.fail(e, at_once=isinstance(e, _AT_ONCE))
             return None
         self.breaker.record(True)
         return result
