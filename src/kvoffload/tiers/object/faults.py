@@ -74,7 +74,9 @@ def classify(error: BaseException) -> Fault:
         return Fault.CORRUPT
     if isinstance(error, bex.ClientError):
         code, status = _code(error)
-        if code == "NoSuchBucket":
+        if code == "NoSuchBucket" or status == 404:
+            # A missing object is a miss (``is_missing``), never classified; a 404 here is a HeadBucket's, whose
+            # answer has no body to name its code.
             return Fault.NO_BUCKET
         if code in _DENIED or status in (401, 403):
             return Fault.DENIED

@@ -5,7 +5,9 @@ tiers' encoding (``tiers.lower.block_codec``: a checked header and the payload, 
 sealed by AES-256-GCM), named as ``tiers.object.client`` says (this rank, this namespace, this secret). A store
 seals each block's host slot bytes into a buffer of its own and sends it with ``PutObject``; a load sends a ranged
 ``GetObject`` that reads no more than the object's expected size plus one byte (a planted 5 GiB object costs one
-read of a block), verifies every object and only then copies its payload into the host slot. A PUT replaces an
+read of a block) and opens every object into its host slot (``open_into``: a plain object is checked before a byte
+reaches the slot; a sealed one is decrypted into it and then judged on its tag, so a failed load's slots hold
+garbage, and the scheduler drops them). A PUT replaces an
 object whole, so a half-written object is never read; two engines writing one name write the same block (a name
 is the content's key).
 
@@ -158,7 +160,7 @@ class ObjectHandler(LanedHandler[ObjectBlocks, NamedBlock, _Job]):
     def _put(self, state: _Job, block: NamedBlock) -> None:
         with self._owning(state):  # the slot is read only while the job still owns it
             value = encode_value(self._fmt, self._fingerprint, block.key, self._slots[block.slot, :block.nbytes].data)
-        self.requests += 1
+        self._count_request()
         self._client.put_object(Bucket=self._bucket, Key=block.name, Body=value)
 
     def _get(self, state: _Job, block: NamedBlock) -> None:
@@ -169,7 +171,7 @@ class ObjectHandler(LanedHandler[ObjectBlocks, NamedBlock, _Job]):
             CorruptBlockError: it is damaged, foreign, short or too long (and now deleted).
         """
         expected = self._fmt.file_bytes(block.nbytes)
-        self.requests += 1
+        self._count_request()
         try:
             answer = self._client.get_object(Bucket=self._bucket, Key=block.name, Range=f"bytes=0-{expected}")
         except Exception as e:
@@ -193,9 +195,13 @@ class ObjectHandler(LanedHandler[ObjectBlocks, NamedBlock, _Job]):
             self._delete(block.name)
             raise type(e)(f"object {block.name}: {e}: deleted") from None
 
+    def _count_request(self) -> None:
+        with self._lock:  # request threads count at once
+            self.requests += 1
+
     def _delete(self, name: str) -> None:
         """Delete a damaged object; a failure is noted as the fault it is (the job fails anyway)."""
-        self.requests += 1
+        self._count_request()
         try:
             self._client.delete_object(Bucket=self._bucket, Key=name)
         except Exception as e:
