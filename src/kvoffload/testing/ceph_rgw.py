@@ -302,7 +302,9 @@ osd memory target = 1073741824
 osd client watch timeout = 5
 [{RGW}]
 rgw data = {d}/rgw
-rgw frontends = beast endpoint=127.0.0.1:{rgw_port}
+# tcp_nodelay: beast writes a response's headers and body apart; with Nagle on, a small body waits for the client's
+# delayed ACK, and every GET of a small object or an error (a miss) took 44 ms instead of 2.
+rgw frontends = beast endpoint=127.0.0.1:{rgw_port} tcp_nodelay=1
 rgw thread pool size = 64
 # Lifecycle threads make SIGTERM take ~10 s after a restart; turn them on where a test needs expiry.
 rgw enable lc threads = false

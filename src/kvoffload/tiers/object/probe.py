@@ -171,8 +171,8 @@ class ObjectProbe:
         worker's load finds it damaged and deletes it.
         """
         try:
-            body = self._client.get_object(Bucket=self._bucket, Key=name, Range="bytes=0-0")["Body"]
-            body.close()
+            # Read, not closed unread: only a connection whose answer was read whole goes back to the pool.
+            self._client.get_object(Bucket=self._bucket, Key=name, Range="bytes=0-0")["Body"].read()
         except Exception as e:
             if is_missing(e):
                 return False
