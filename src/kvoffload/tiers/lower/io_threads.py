@@ -1,9 +1,10 @@
-"""The disk tier's I/O threads: daemons that say when they are stuck.
+"""A lower tier's I/O threads (the disk tier's readers and writers, the remote and object tiers' lanes): daemons
+that say when they are stuck.
 
-A read from a hung network mount can hold a thread in the kernel for good. ``ThreadPoolExecutor`` joins its
-threads at interpreter exit, so one such read would hang the process's exit; these threads are daemons, and
-``stop`` never waits for them. ``stuck`` counts the threads busy on one task for longer than a deadline, so the
-``DiskHandler`` can switch the tier off while none is left to serve.
+A read from a hung network mount, or a socket to a server that stopped answering, can hold a thread for good.
+``ThreadPoolExecutor`` joins its threads at interpreter exit, so one such read would hang the process's exit; these
+threads are daemons, and ``stop`` never waits for them. ``stuck`` counts the threads busy on one task for longer
+than a deadline, so a handler can switch its tier off while none is left to serve.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class IoThreads:
         self._idle = threading.Condition(self._lock)
         self._busy_since: dict[int, float] = {}
         self.size = count
+        self._name = name
         for i in range(count):
             threading.Thread(target=self._serve, args=(i,), name=f"{name}-{i}", daemon=True).start()
 
@@ -63,7 +65,7 @@ class IoThreads:
             try:
                 task()
             except Exception:  # A task's bug must not kill the thread that serves the others.
-                logger.exception("disk tier: an I/O task raised")
+                logger.exception("%s: an I/O task raised", self._name)
             finally:
                 with self._lock:
                     del self._busy_since[index]
