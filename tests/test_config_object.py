@@ -180,7 +180,7 @@ def test_object_url_alone_gives_the_documented_defaults() -> None:
     config = parsed()
     assert (config.prefix, config.endpoint, config.region, config.path_style) == ("", None, None, None)
     assert (config.connect_timeout_s, config.timeout_s) == (1.0, 2.0)
-    assert (config.capacity_bytes, config.io_threads) == (64 * GIB, 8)
+    assert (config.capacity_bytes, config.io_threads, config.lookup_fanout) == (64 * GIB, 8, 4)
     assert (config.breaker_errors, config.breaker_cooldown_s, config.secret) == (8, 30.0, None)
     assert config.policy is EvictionPolicy.LRU
 
@@ -189,12 +189,13 @@ def test_every_object_key_is_typed_and_milliseconds_become_seconds() -> None:
     config = OffloadConfig.from_dict({
         "object_url": "s3://kv-cache/prod", "object_endpoint": "https://s3.example.com:8443",
         "object_region": "eu-west-1", "object_path_style": False, "object_connect_timeout_ms": 250,
-        "object_timeout_ms": 1500.5, "object_gib": 0.5, "object_io_threads": 32, "object_breaker_errors": 2,
+        "object_timeout_ms": 1500.5, "object_gib": 0.5, "object_io_threads": 32, "object_lookup_fanout": 16,
+        "object_breaker_errors": 2,
         "object_breaker_cooldown_s": 0.5, "eviction_policy": "arc"})
     assert config.object == ObjectTierConfig(
         bucket="kv-cache", prefix="prod", endpoint="https://s3.example.com:8443", region="eu-west-1",
         path_style=False, connect_timeout_s=0.25, timeout_s=1.5005, capacity_bytes=GIB // 2,
-        policy=EvictionPolicy.ARC, io_threads=32, breaker_errors=2, breaker_cooldown_s=0.5)
+        policy=EvictionPolicy.ARC, io_threads=32, lookup_fanout=16, breaker_errors=2, breaker_cooldown_s=0.5)
     assert parsed(object_bytes=12345).capacity_bytes == 12345
 
 
@@ -203,6 +204,8 @@ def test_every_object_key_is_typed_and_milliseconds_become_seconds() -> None:
     ("object_connect_timeout_ms", 3_600_001, "object_connect_timeout_ms=3600001"),
     ("object_io_threads", 0, "object_io_threads=0"),
     ("object_io_threads", 257, "object_io_threads=257"),
+    ("object_lookup_fanout", 0, "object_lookup_fanout=0"),
+    ("object_lookup_fanout", 65, "object_lookup_fanout=65"),
     ("object_bytes", 0, "object_bytes=0"),
     ("object_path_style", "yes", "object_path_style='yes': must be true or false"),
     ("object_region", "", "object_region='': must be a non-empty string"),

@@ -166,7 +166,8 @@ KEYS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "object_timeout_ms": (_REMOTE_TIMEOUT_MS, "an object request waiting longer than this for bytes fails"),
     "object_bytes": (_BYTES, "bytes this engine may have stored in the object tier (default 64 GiB)"),
     "object_gib": (_GIB, "the same in GiB; alternative to object_bytes"),
-    "object_io_threads": (_THREADS, "object requests in flight at once per direction"),
+    "object_io_threads": (_THREADS, "object requests in flight at once per direction in each worker"),
+    "object_lookup_fanout": (IntRange(1, 64), "existence requests in flight at once in one round of a lookup"),
     "object_breaker_errors": (_BREAKER_ERRORS, "consecutive object-store errors that switch the object tier off"),
     "object_breaker_cooldown_s": (_COOLDOWN_S, "how long the object tier stays off after tripping"),
     "extra_tiers": (extra_tiers, 'tiers from other packages under disk and remote, by their kvoffload.tiers entry '
@@ -301,6 +302,7 @@ class _Parser:
             capacity_bytes=v.get("object_bytes", v.get("object_gib", ObjectTierConfig.capacity_bytes)),
             policy=policy,
             io_threads=v.get("object_io_threads", ObjectTierConfig.io_threads),
+            lookup_fanout=v.get("object_lookup_fanout", ObjectTierConfig.lookup_fanout),
             breaker_errors=v.get("object_breaker_errors", ObjectTierConfig.breaker_errors),
             breaker_cooldown_s=v.get("object_breaker_cooldown_s", ObjectTierConfig.breaker_cooldown_s),
             secret=v.get("tier_secret_file", v.get("tier_secret_env")),

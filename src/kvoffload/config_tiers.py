@@ -100,7 +100,9 @@ class ObjectTierConfig:
     """What this engine may have written there at once; lifecycle rules bound the whole bucket."""
     policy: EvictionPolicy = EvictionPolicy.LRU
     io_threads: int = 8
-    """Requests in flight at once per direction (stores, loads) in each worker, and per lookup in the scheduler."""
+    """Requests in flight at once per direction (stores, loads) in each worker."""
+    lookup_fanout: int = 4
+    """Existence requests in flight at once in a round of the scheduler's prefix search (``ObjectProbe``)."""
     breaker_errors: int = 8
     breaker_cooldown_s: float = 30.0
     secret: TierSecret | None = None

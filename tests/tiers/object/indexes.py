@@ -93,8 +93,8 @@ def probe(config: ObjectTierConfig, ns: Namespace = NS, client: Any = None, fano
     names = ObjectNames(config, ns, BlockFormat.of(config.secret))
     clock = clock or time.monotonic
     breaker = CircuitBreaker(config.breaker_errors, config.breaker_cooldown_s, clock, tier="object tier (test)")
-    client = client if client is not None else connect(config, pool_size=config.io_threads * names.copies)
-    return ObjectProbe(client, config.bucket, names, fanout=fanout or config.io_threads, timeout_s=config.timeout_s,
+    client = client if client is not None else connect(config, pool_size=config.lookup_fanout * names.copies)
+    return ObjectProbe(client, config.bucket, names, fanout=fanout or config.lookup_fanout, timeout_s=config.timeout_s,
                        breaker=breaker, clock=clock)
 
 
@@ -127,7 +127,7 @@ def delete(s3: Any, config: ObjectTierConfig, ks: Sequence[OffloadKey], ns: Name
 
 
 def listed(s3: Any, bucket: str) -> set[str]:
-    """Every object name in ``bucket`` (by LIST: independent of the HEADs the probe sends)."""
+    """Every object name in ``bucket`` (by LIST: independent of the requests the probe sends)."""
     pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket)
     return {o["Key"] for page in pages for o in page.get("Contents", [])}
 

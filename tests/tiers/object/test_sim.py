@@ -122,7 +122,7 @@ def test_a_hole_the_search_counts_past_fails_the_load_and_costs_a_recompute(ceph
     prompt = tokens(16, seed=5)
     first.add_request("a", prompt)
     run_checked(first)
-    second = make_engine(ceph, bucket, object_io_threads=1)
+    second = make_engine(ceph, bucket, object_lookup_fanout=1)
     probe = object_index(second).probe
     search = probe.leading_run
     asked: list[tuple[int, int | None, int]] = []  # per search: keys asked, the answer, the HEADs it sent

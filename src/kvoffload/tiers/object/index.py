@@ -63,8 +63,8 @@ class ObjectIndex(ProbedIndex):
             raise ConfigError(f"object_bytes={config.capacity_bytes} is below one object ({object_bytes} bytes)")
         names = ObjectNames(config, namespace, BlockFormat.of(config.secret))
         breaker = CircuitBreaker(config.breaker_errors, config.breaker_cooldown_s, tier="object tier (scheduler)")
-        client = client if client is not None else connect(config, pool_size=config.io_threads * names.copies)
-        probe = ObjectProbe(client, config.bucket, names, fanout=config.io_threads, timeout_s=config.timeout_s,
+        client = client if client is not None else connect(config, pool_size=config.lookup_fanout * names.copies)
+        probe = ObjectProbe(client, config.bucket, names, fanout=config.lookup_fanout, timeout_s=config.timeout_s,
                             breaker=breaker)
         probe.check()
         logger.info("object tier: this engine may keep %d objects of %d bytes per rank in bucket %s", capacity,

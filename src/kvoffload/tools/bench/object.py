@@ -237,7 +237,7 @@ def bench_lookup(config: Any, fanout: int, stored: int, rounds: int) -> Lookup:
     from kvoffload.tiers.object.client import ObjectNames, connect
     from kvoffload.tiers.object.index import ObjectIndex
 
-    config = replace(config, io_threads=fanout, timeout_s=5.0)
+    config = replace(config, lookup_fanout=fanout, timeout_s=5.0)
     ns = Namespace(model="bench", dtype="int8", layout=f"lookup-{stored}")
     keys = [offload_key(i.to_bytes(16, "little"), 0) for i in range(LOOKUP_KEYS)]  # type: ignore[arg-type]
     names = ObjectNames(config, ns, BlockFormat.of(config.secret))
