@@ -30,6 +30,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvoffload.tools.bench.jobs import timed_job
+
 KIB = 1 << 10
 MIB = 1 << 20
 
@@ -187,12 +189,12 @@ def bench_block_size(root: Path, block_bytes: int, args: argparse.Namespace, dro
             # still being written back.
             order = list(handlers.items())[rnd % len(handlers):] + list(handlers.items())[:rnd % len(handlers)]
             for side, handler in order:
-                results["w" + side].append(_run(handler, TransferJob(JobId(next(job_ids)), host, disk)))
+                results["w" + side].append(timed_job(handler, TransferJob(JobId(next(job_ids)), host, disk)))
             results["rw"].append(_raw_write(root / "raw", data, blocks))
             for side, handler in order:
                 if drop:
                     drop_caches()
-                results["r" + side].append(_run(handler, TransferJob(JobId(next(job_ids)), disk, host)))
+                results["r" + side].append(timed_job(handler, TransferJob(JobId(next(job_ids)), disk, host)))
             if drop:
                 drop_caches()
             results["rr"].append(_raw_read(root / "raw", buf, blocks))
@@ -204,21 +206,6 @@ def bench_block_size(root: Path, block_bytes: int, args: argparse.Namespace, dro
               "seal_gbps": _seal_gbps(block_bytes)} if args.tier_secret else {}
     return Row(block_bytes, blocks, gbps["w"], gbps["rw"], gbps["w"] / gbps["rw"], gbps["r"], gbps["rr"],
                gbps["r"] / gbps["rr"], _crc_gbps(block_bytes), **sealed)
-
-
-def _run(handler: object, job: object) -> float:
-    from kvoffload.specs import TransferJob
-    from kvoffload.tiers.disk.handler import DiskHandler
-
-    assert isinstance(handler, DiskHandler) and isinstance(job, TransferJob)
-    start = time.perf_counter()
-    handler.submit(job)
-    handler.wait([job.job_id])
-    elapsed = time.perf_counter() - start
-    (result,) = handler.get_finished()
-    if not result.success:
-        raise RuntimeError(f"bench disk: job {job.job_id} failed (see the log)")
-    return elapsed
 
 
 def bench_rebuild(root: Path, blocks: int) -> float:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload.tools.bench.disk import KIB, MIB, _size, add_tier_secret_argument, sealed_ratio
+from kvoffload.tools.bench.jobs import round_trip, timed_job
 
 LOOKUP_KEYS = 2048
 LOOKUP_STORED = (0, 1500, LOOKUP_KEYS)
@@ -133,6 +134,7 @@ def bench_block_size(config: Any, block_bytes: int, args: argparse.Namespace) ->
 
     from kvoffload.auth import TierSecret
     from kvoffload.keys import Namespace
+    from kvoffload.specs import ObjectBlocks
     from kvoffload.tiers.object.client import connect
     from kvoffload.tiers.object.handler import ObjectHandler
     from kvoffload.transfer.host_pool import HostPool
@@ -151,7 +153,7 @@ def bench_block_size(config: Any, block_bytes: int, args: argparse.Namespace) ->
     requests: dict[str, list[int]] = {"store": [], "load": []}
     try:
         for rnd in range(args.rounds):
-            store, load = _jobs(rnd, blocks)
+            store, load = round_trip(rnd, blocks, ObjectBlocks)
             names = [f"bench-raw/{rnd}/{i}" for i in range(blocks)]
             sides: dict[str, list[tuple[str, Callable[[], float]]]] = {
                 "handler": [("store", partial(_counted, handler, store, requests["store"])),
@@ -159,8 +161,8 @@ def bench_block_size(config: Any, block_bytes: int, args: argparse.Namespace) ->
                 "raw": [("put", partial(_raw_puts, raw, threads, config.bucket, names, payloads)),
                         ("get", partial(_raw_gets, raw, threads, config.bucket, names, block_bytes))]}
             if sealed is not None:
-                sides["sealed"] = [("sealed_store", partial(_run, sealed, store)),
-                                   ("sealed_load", partial(_run, sealed, load))]
+                sides["sealed"] = [("sealed_store", partial(timed_job, sealed, store)),
+                                   ("sealed_load", partial(timed_job, sealed, load))]
             order = sorted(sides)
             for side in order[rnd % len(order):] + order[:rnd % len(order)]:
                 for measure, run_side in sides[side]:
@@ -178,30 +180,9 @@ def bench_block_size(config: Any, block_bytes: int, args: argparse.Namespace) ->
                gbps.get("sealed_store"), gbps.get("sealed_load"))
 
 
-def _jobs(rnd: int, blocks: int) -> tuple[Any, Any]:
-    from kvoffload.keys import offload_key
-    from kvoffload.specs import HostBlocks, JobId, ObjectBlocks, TransferJob
-
-    keys = tuple(offload_key(rnd.to_bytes(4, "little") + i.to_bytes(8, "little"), 0)  # type: ignore[arg-type]
-                 for i in range(blocks))
-    host, objects = HostBlocks(tuple(range(blocks)), (blocks,)), ObjectBlocks(keys, (blocks,))
-    return TransferJob(JobId(2 * rnd), host, objects), TransferJob(JobId(2 * rnd + 1), objects, host)
-
-
-def _run(handler: Any, job: Any) -> float:
-    start = time.perf_counter()
-    handler.submit(job)
-    handler.wait([job.job_id])
-    elapsed = time.perf_counter() - start
-    (result,) = handler.get_finished()
-    if not result.success:
-        raise RuntimeError(f"bench object: job {job.job_id} failed (see the log)")
-    return elapsed
-
-
 def _counted(handler: Any, job: Any, requests: list[int]) -> float:
     before = handler.requests
-    elapsed = _run(handler, job)
+    elapsed = timed_job(handler, job)
     requests.append(handler.requests - before)
     return elapsed
 

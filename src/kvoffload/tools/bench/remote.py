@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from kvoffload.tools.bench.disk import KIB, MIB, _size, add_tier_secret_argument, sealed_ratio
+from kvoffload.tools.bench.jobs import round_trip, timed_job
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ def bench_block_size(url: str, block_bytes: int, args: argparse.Namespace) -> Ro
     from kvoffload.auth import TierSecret
     from kvoffload.config import RemoteTierConfig
     from kvoffload.keys import Namespace
+    from kvoffload.specs import RemoteBlocks
     from kvoffload.tiers.remote.client import in_place_connection
     from kvoffload.tiers.remote.handler import RemoteHandler
     from kvoffload.transfer.host_pool import HostPool
@@ -102,17 +104,17 @@ def bench_block_size(url: str, block_bytes: int, args: argparse.Namespace) -> Ro
     gets = [("GET", f"raw:{i}") for i in range(blocks)]
     try:
         for rnd in range(args.rounds):
-            store, load = _jobs(rnd, blocks)
+            store, load = round_trip(rnd, blocks, RemoteBlocks)
             sides: dict[str, list[tuple[str, Callable[[], float]]]] = {
-                "handler": [("store", functools.partial(_run, handler, store)),
-                            ("load", functools.partial(_run, handler, load))],
+                "handler": [("store", functools.partial(timed_job, handler, store)),
+                            ("load", functools.partial(timed_job, handler, load))],
                 "raw": [("set", functools.partial(_on, raw_thread, functools.partial(_raw, raw, sets))),
                         ("get", functools.partial(_on, raw_thread, functools.partial(_raw, raw, gets)))],
                 "in_place": [("set_in_place",
                               functools.partial(_on, raw_thread, functools.partial(_raw, raw_in_place, sets)))]}
             if sealed is not None:
-                sides["sealed"] = [("sealed_store", functools.partial(_run, sealed, store)),
-                                   ("sealed_load", functools.partial(_run, sealed, load))]
+                sides["sealed"] = [("sealed_store", functools.partial(timed_job, sealed, store)),
+                                   ("sealed_load", functools.partial(timed_job, sealed, load))]
             # Every side writes into a server just flushed (a fuller server is slower to grow), and which side
             # goes first turns round by round (the first after a flush may find colder caches).
             names = sorted(sides)
@@ -132,27 +134,6 @@ def bench_block_size(url: str, block_bytes: int, args: argparse.Namespace) -> Ro
     return Row(block_bytes, blocks, gbps["store"], gbps["set"], gbps["store"] / gbps["set"], gbps["load"],
                gbps["get"], gbps["load"] / gbps["get"], gbps["set_in_place"], gbps["store"] / gbps["set_in_place"],
                gbps.get("sealed_store"), gbps.get("sealed_load"))
-
-
-def _jobs(rnd: int, blocks: int) -> tuple[Any, Any]:
-    from kvoffload.keys import offload_key
-    from kvoffload.specs import HostBlocks, JobId, RemoteBlocks, TransferJob
-
-    keys = tuple(offload_key(rnd.to_bytes(4, "little") + i.to_bytes(8, "little"), 0)  # type: ignore[arg-type]
-                 for i in range(blocks))
-    host, remote = HostBlocks(tuple(range(blocks)), (blocks,)), RemoteBlocks(keys, (blocks,))
-    return TransferJob(JobId(2 * rnd), host, remote), TransferJob(JobId(2 * rnd + 1), remote, host)
-
-
-def _run(handler: Any, job: Any) -> float:
-    start = time.perf_counter()
-    handler.submit(job)
-    handler.wait([job.job_id])
-    elapsed = time.perf_counter() - start
-    (result,) = handler.get_finished()
-    if not result.success:
-        raise RuntimeError(f"bench remote: job {job.job_id} failed (see the log)")
-    return elapsed
 
 
 def _on(thread: ThreadPoolExecutor, measure: Callable[[], float]) -> float:
