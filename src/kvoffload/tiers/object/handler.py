@@ -68,7 +68,7 @@ class ObjectHandler(LanedHandler[ObjectBlocks, NamedBlock, _Job]):
         pool: this worker's host pool; entries are read from and written to the start of its slots.
         namespace: this rank's namespace; its ``fingerprint()`` is written into and checked in every object.
         entry_bytes: payload bytes of one offload block of each KV-cache group.
-        client: a boto3 S3 client to use instead of ``tiers.object.client.connect(config)``.
+        client: a boto3 S3 client to use instead of ``tiers.object.client.connect(config)`` (the caller closes it).
         clock: monotonic seconds, for job deadlines and the breaker's cool-down.
     Raises:
         ValueError: an entry does not fit in a host slot, or ``entry_bytes`` is empty or not positive.
@@ -88,6 +88,7 @@ class ObjectHandler(LanedHandler[ObjectBlocks, NamedBlock, _Job]):
         self._bucket = config.bucket
         self._prefix = rank_prefix(config, namespace, self._fmt)
         self._fixed_s = config.connect_timeout_s + 2 * config.timeout_s  # connect, send, answer
+        self._owns_client = client is None  # a caller's client is the caller's to close
         self._client = client if client is not None else connect(config, pool_size=2 * config.io_threads)
         self._requests = {True: ThreadPoolExecutor(config.io_threads, "kvoffload-object-put"),
                           False: ThreadPoolExecutor(config.io_threads, "kvoffload-object-get")}
@@ -116,7 +117,7 @@ class ObjectHandler(LanedHandler[ObjectBlocks, NamedBlock, _Job]):
     def _close(self) -> None:
         for requests in self._requests.values():
             requests.shutdown(wait=False, cancel_futures=True)
-        close = getattr(self._client, "close", None)
+        close = getattr(self._client, "close", None) if self._owns_client else None
         if close is not None:
             with contextlib.suppress(Exception):
                 close()
