@@ -40,7 +40,8 @@ ODD_TEXT = ["", " ", "\0", "a\0b", "/tmp/x\0", "~nosuchuser/x", "~nosuchuser", "
             "redis://h:notaport", "redis://[::1", "redis://[::1]:6379", "redis://h:0", "redis://:pw@h:1",
             "redis://h:1/x", "redis://h:1?password=pw", "redis://h:1#f", "rediss://h", "unix://", "unix:///",
             "unix://host/sock", "http://h:1", "https://h", "http://u:p@h:1", "http://h:1/b", "s3://", "s3://b",
-            "s3://kvoffload", "s3://kvoffload/a//b", "s3://Kv/x", "s3://1.2.3.4", "s3://a..b", "redis://h:1 ", "redis:// h:1", "redis://é:1", "redis://h:1/0?db=1"]
+            "s3://kvoffload", "s3://kvoffload/a//b", "s3://Kv/x", "s3://1.2.3.4", "s3://a..b", "s3://u:p@kv/x",
+            "redis://h:1 ", "redis:// h:1", "redis://é:1", "redis://h:1/0?db=1"]
 VALUES = st.one_of(
     st.none(), st.booleans(), st.integers(), st.floats(), st.sampled_from(ODD_NUMBERS), st.text(max_size=12),
     st.sampled_from(ODD_TEXT), st.binary(max_size=8), st.sampled_from(list(EvictionPolicy)),
