@@ -38,7 +38,9 @@ from kvoffload.tiers.lower.block_format import (
 from kvoffload.tiers.remote.client import value_name
 from kvoffload.tiers.remote.faults import Fault
 from kvoffload.tiers.remote.handler import RemoteHandler
+from kvoffload.tiers.remote.spec import RemoteTierSpec
 from kvoffload.tiers.remote.stage import BATCH_BYTES
+from kvoffload.tiers.spec import TierContext
 
 redis = pytest.importorskip("redis")
 
@@ -163,14 +165,14 @@ def test_malformed_jobs_raise_value_error(handler: RemoteHandler) -> None:
         RemoteHandler(make_config("redis://127.0.0.1:1"), make_pool(), NS, (SLOT + 1,))
 
 
-def test_create_sizes_the_entries_from_the_layout(config: RemoteTierConfig) -> None:
+def test_the_spec_sizes_the_entries_from_the_layout(config: RemoteTierConfig) -> None:
     class Layout:
         groups = ("attention", "state")
 
         def group_block_bytes(self, group: int) -> int:
             return (16, 8)[group]
 
-    h = RemoteHandler.create(config, make_pool(), NS, Layout(), factor=2)
+    h = RemoteTierSpec(config).make_handler(TierContext(NS, Layout(), factor=2), make_pool())
     try:
         assert h._entry_bytes == (32, 16)
     finally:

@@ -43,7 +43,7 @@ from kvoffload.config import RemoteTierConfig
 from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.specs import Medium, RemoteBlocks, TransferJob
 from kvoffload.tiers.lower.block_codec import open_into
-from kvoffload.tiers.lower.block_format import CorruptBlockError, GroupedLayout, entry_bytes_of
+from kvoffload.tiers.lower.block_format import CorruptBlockError
 from kvoffload.tiers.lower.breaker import CircuitBreaker
 from kvoffload.tiers.lower.handler import SHUTDOWN_GRACE_S, LowerJob
 from kvoffload.tiers.lower.laned import QUEUED_POLL_S, LanedHandler, Miss, NamedBlock
@@ -115,12 +115,6 @@ class RemoteHandler(LanedHandler[RemoteBlocks, NamedBlock, _Job]):
         self._per_batch = max(1, batch_bytes // value_bytes)
         self._stage = SealStage(self._fmt, self._fingerprint, value_bytes, self._per_batch)
         self._start_up(config.breaker_cooldown_s)
-
-    @classmethod
-    def create(cls, config: RemoteTierConfig, pool: HostPool, namespace: Namespace, layout: GroupedLayout,
-               factor: int) -> RemoteHandler:
-        """The handler of one worker: entries of group ``g`` are ``factor * layout.group_block_bytes(g)``."""
-        return cls(config, pool, namespace, entry_bytes_of(layout, factor))
 
     def _start_up(self, cooldown_s: float) -> None:
         """Probe the server once: one that is absent or refuses us switches the tier off for a cool-down."""
