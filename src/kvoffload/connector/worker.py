@@ -159,8 +159,8 @@ class ConnectorWorker:
         return poll
 
     def wait_all(self) -> None:
-        """Submit deferred stores and wait for every job in flight: a test's way to reach a quiet state (``shutdown``
-        does not wait for stores: the engine is going away)."""
+        """Submit deferred stores and wait for every job in flight: a test's way to reach a quiet state
+        (``shutdown`` leaves the deferred stores unsubmitted: the engine is going away)."""
         self._submit_deferred_stores()
         self.transfers.wait(list(self.transfers.pending_job_ids))
 
