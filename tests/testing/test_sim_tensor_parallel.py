@@ -2,7 +2,7 @@
 
 Under tensor parallelism each rank holds a different shard of every KV page (its own KV heads), and so does the
 simulated engine: a page's bytes are a function of its tokens and of the rank that computed it
-(``sim.page_bytes``, ``SimEngine.page_ranks``). A rank that stored, or loaded, another rank's shard is then
+(``sim_values.page_bytes``, ``SimEngine.page_ranks``). A rank that stored, or loaded, another rank's shard is then
 visible. The properties, each shown once to catch a deliberately wrong result (a ``mutant`` case or a test
 named ``..._is_caught``):
 
@@ -23,7 +23,7 @@ from kvoffload.connector.metadata import WorkerMetadata
 from kvoffload.connector.worker import WorkerPoll
 from kvoffload.keys import Namespace
 from kvoffload.specs import Medium
-from kvoffload.testing import sim, sim_workload
+from kvoffload.testing import sim_values, sim_workload
 from kvoffload.testing.sim import SimEngine, SimRequest, Status
 from kvoffload.testing.sim_workload import tokens
 from kvoffload.tiers.lower.block_format import HEADER_BYTES, rank_directory
@@ -47,7 +47,7 @@ def run_checked(engine: SimEngine) -> None:
 
 def expected_pages(engine: SimEngine, req: SimRequest, rank: int) -> set[bytes]:
     """The bytes rank ``rank`` computed for each full block of ``req``."""
-    return {sim.page_bytes(engine.kvs[rank], 0, h, rank).numpy().tobytes() for h in req.hashes}
+    return {sim_values.page_bytes(engine.kvs[rank], 0, h, rank).numpy().tobytes() for h in req.hashes}
 
 
 def shard_problems(engine: SimEngine, disk: Path, req: SimRequest) -> list[str]:

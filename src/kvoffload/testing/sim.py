@@ -22,10 +22,8 @@ token needs only the state after the last computed block.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
@@ -36,64 +34,21 @@ from kvoffload.connector.requests import ScheduledRequest, StepSchedule
 from kvoffload.connector.scheduler import ConnectorScheduler
 from kvoffload.connector.stats import TransferStats
 from kvoffload.connector.worker import ConnectorWorker
-from kvoffload.keys import BlockHash, Namespace, hash_block
+from kvoffload.keys import Namespace
 from kvoffload.layout import KVCacheLayout
 from kvoffload.testing.block_pool import NULL_BLOCK, BlockPool
+from kvoffload.testing.sim_values import (
+    NULL_SENTINEL,
+    HookOrder,
+    SimRequest,
+    Status,
+    StepReport,
+    block_matches,
+    next_token,
+    write_block,
+)
 
 KVCaches = Mapping[str, torch.Tensor]
-
-NULL_SENTINEL = 0x5A
-"""Every byte of the null block, on every worker: no write may change it."""
-
-
-class HookOrder(enum.Enum):
-    """Where a step's ``prepare_store_kv`` (vLLM's ``wait_for_save``) runs among the worker's hooks."""
-
-    SAVE_FIRST = "save first"
-    """Before the step's reports: vLLM's model runners without speculative decoding."""
-    REPORT_FIRST = "report first"
-    """After them: vLLM's runners with speculative decoding, which call ``wait_for_save`` once the drafter ran
-    (V1's ``finalize_kv_connector``; Model Runner V2's ``finalize_step``, vLLM 0.33)."""
-
-
-class Status(enum.Enum):
-    WAITING = "waiting"
-    LOADING = "loading"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass(eq=False)
-class SimRequest:
-    request_id: str
-    all_token_ids: list[int]
-    max_new_tokens: int
-    extra_keys: tuple[str, ...] = ()
-    status: Status = Status.WAITING
-    num_prompt_tokens: int = 0
-    num_computed_tokens: int = 0
-    block_ids: list[list[int]] = field(default_factory=list)
-    sent_blocks: list[int] = field(default_factory=list)
-    pending_load_tokens: int = 0
-    loaded_tokens: int = 0
-    device_hit_tokens: int = 0
-    preemptions: int = 0
-    first_token_step: int | None = None
-    hashes: list[BlockHash] = field(default_factory=list)
-
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.all_token_ids) - self.num_prompt_tokens
-
-
-@dataclass(frozen=True)
-class StepReport:
-    step: int
-    scheduled_tokens: int
-    finished: tuple[str, ...]
-    idle: bool
-    """The step's connector metadata was empty (no job started or flushed)."""
-
 
 class SimEngine:
     """Engine block pool + both connector halves (one scheduler, ``num_workers`` workers with their own KV).
@@ -283,7 +238,7 @@ class SimEngine:
 
     def _device_hits(self, req: SimRequest) -> list[list[int]]:
         limit = (len(req.all_token_ids) - 1) // self.block_size
-        hashes = self._hashes(req, limit)
+        hashes = req.block_hashes(limit, self.block_size)
         hits: list[list[int]] = [[] for _ in range(self.num_groups)]
         for i in range(limit):
             blocks = [self.pool.lookup((g, hashes[i])) for g in range(self.num_groups)]
@@ -344,12 +299,12 @@ class SimEngine:
             for i in range(start // self.block_size, (end - 1) // self.block_size + 1):
                 filled = min(end, (i + 1) * self.block_size)
                 for g in range(self.num_groups):
-                    write_block(kv, g, req.block_ids[g][i], self._page_seed(req, i, filled), page_rank)
+                    write_block(kv, g, req.block_ids[g][i], req.page_seed(i, filled, self.block_size), page_rank)
 
     def _sample(self) -> None:
         for req, start, end in self._work:
             self.computed_tokens += end - start
-            hashes = self._hashes(req, end // self.block_size)
+            hashes = req.block_hashes(end // self.block_size, self.block_size)
             for g in range(self.num_groups):
                 for i, h in enumerate(hashes):
                     if req.block_ids[g][i] != NULL_BLOCK:
@@ -386,7 +341,7 @@ class SimEngine:
 
     def _verify_loaded(self, req: SimRequest, first: int, end: int) -> None:
         """Check every loaded block, on every worker, against the bytes its tokens must produce."""
-        hashes = self._hashes(req, end)
+        hashes = req.block_hashes(end, self.block_size)
         for i in range(first, end):
             good = all(block_matches(kv, g, req.block_ids[g][i], hashes[i], self.page_ranks[rank])
                        for rank, kv in enumerate(self.kvs) for g in range(self.num_groups)
@@ -406,20 +361,6 @@ class SimEngine:
 
     # ---- expected bytes ---------------------------------------------------------------------------------------
 
-    def _hashes(self, req: SimRequest, num_blocks: int) -> list[BlockHash]:
-        bs = self.block_size
-        while len(req.hashes) < num_blocks:
-            i = len(req.hashes)
-            parent = req.hashes[-1] if req.hashes else b"sim-engine"
-            req.hashes.append(hash_block(parent, req.all_token_ids[i * bs:(i + 1) * bs], req.extra_keys))
-        return req.hashes[:num_blocks]
-
-    def _page_seed(self, req: SimRequest, block: int, filled: int) -> bytes:
-        if filled == (block + 1) * self.block_size:
-            return self._hashes(req, block + 1)[block]
-        parent = self._hashes(req, block)[-1] if block else b"sim-engine"
-        return hash_block(parent, req.all_token_ids[block * self.block_size:filled], req.extra_keys)
-
     def check_device_blocks(self, req: SimRequest) -> list[tuple[int, int, int]]:
         """(rank, group, block index) of every computed full block whose device bytes are not what they must be."""
         bad = []
@@ -429,7 +370,7 @@ class SimEngine:
                 for i in range(full):
                     if req.block_ids[g][i] == NULL_BLOCK:
                         continue
-                    seed = self._hashes(req, i + 1)[i]
+                    seed = req.block_hashes(i + 1, self.block_size)[i]
                     if not block_matches(kv, g, req.block_ids[g][i], seed, self.page_ranks[rank]):
                         bad.append((rank, g, i))
         return bad
@@ -448,31 +389,3 @@ class SimEngine:
         if not self.null_block_intact():
             raise AssertionError("the null block was written")
         self.scheduler.manager.check_integrity()
-
-
-def next_token(tokens: Sequence[int], vocab_size: int) -> int:
-    """The simulated model's greedy choice: a deterministic function of the recent context."""
-    return int.from_bytes(hash_block(b"sim-sample", tokens[-8:])[:4], "little") % vocab_size
-
-
-def page_bytes(kv: CanonicalKV, group: int, seed: bytes, rank: int = 0) -> torch.Tensor:
-    """A block's bytes: a function of its tokens' ``seed``, its group and the rank that computed it."""
-    # The CPU generator keeps only a seed's low 32 bits: group and rank go there.
-    gen = torch.Generator().manual_seed(int.from_bytes(seed[:8], "little") >> 1 ^ group ^ rank << 16)
-    return torch.randint(-128, 128, (kv.group_block_bytes(group),), dtype=torch.int8, generator=gen)
-
-
-def write_block(kv: CanonicalKV, group: int, block: int, seed: bytes, rank: int = 0) -> None:
-    data, offset = page_bytes(kv, group, seed, rank), 0
-    for ref in kv.group_refs[group]:
-        kv.views[ref.view][block, :ref.nbytes].copy_(data[offset:offset + ref.nbytes])
-        offset += ref.nbytes
-
-
-def block_matches(kv: CanonicalKV, group: int, block: int, seed: bytes, rank: int = 0) -> bool:
-    data, offset = page_bytes(kv, group, seed, rank), 0
-    for ref in kv.group_refs[group]:
-        if not torch.equal(kv.views[ref.view][block, :ref.nbytes], data[offset:offset + ref.nbytes]):
-            return False
-        offset += ref.nbytes
-    return True
