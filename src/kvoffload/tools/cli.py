@@ -12,7 +12,7 @@ import sys
 
 # name -> (module, help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "simulate": ("kvoffload.testing.simulate", "run a multi-turn chat workload through the simulated engine"),
+    "simulate": ("kvoffload.tools.simulate", "run a multi-turn chat workload through the simulated engine"),
     "demo": ("kvoffload.tools.vllm.demo", "real vLLM (CPU) with and without kvoffload, TTFT per turn"),
     "replay": ("kvoffload.tools.replay.replay_command",
                "a request trace through every policy, beside the offline optimum"),
