@@ -114,3 +114,17 @@ def tier_crossings(graph: Graph, tiers: str) -> list[tuple[str, str]]:
         if handler in graph and index in reach(graph, handler, folder):
             found.append((handler, index))
     return found
+
+
+def foreign_tier_imports(graph: Graph, tiers: str, shared: str = "lower") -> list[tuple[str, str]]:
+    """``(module, imported)`` for each module of a tier folder under ``tiers`` that imports a module of another
+    tier folder; the folder ``shared`` holds what tiers share, and any tier may import it."""
+    depth = tiers.count(".") + 2  # tiers.<folder>.<module>
+
+    def folder(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[depth - 1] if module.startswith(tiers + ".") and len(parts) > depth else None
+
+    return sorted((m, dep) for m, deps in graph.items() for dep in deps
+                  if (own := folder(m)) is not None and (other := folder(dep)) is not None
+                  and other not in (own, shared))

@@ -6,7 +6,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.architecture_rules import cycles, imports_into, module_graph, oversized, tier_crossings
+from tests.architecture_rules import (
+    cycles,
+    foreign_tier_imports,
+    imports_into,
+    module_graph,
+    oversized,
+    tier_crossings,
+)
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "kvoffload"
 
@@ -97,6 +104,12 @@ def test_no_tier_index_imports_its_handler_nor_the_reverse():
         "kvoffload.tiers.disk", "kvoffload.tiers.remote"}  # the rule sees the tiers
 
 
+def test_a_tier_imports_no_other_tiers_folder_only_the_shared_one():
+    assert foreign_tier_imports(GRAPH, "kvoffload.tiers") == []
+    assert {m.split(".")[2] for m in GRAPH if m.count(".") >= 3 and m.startswith("kvoffload.tiers.")} >= {
+        "disk", "remote", "object", "node", "lower"}  # the rule sees the folders
+
+
 def test_no_file_in_src_is_over_the_line_limit():
     over = oversized(SRC, LINE_LIMIT)
     assert set(over) <= set(OVER_THE_LIMIT), f"new files over {LINE_LIMIT} lines: {set(over) - set(OVER_THE_LIMIT)}"
@@ -113,7 +126,8 @@ def write_tree(root: Path, files: dict[str, str]) -> Path:
 @pytest.fixture
 def broken(tmp_path: Path) -> Path:
     """A package that breaks every rule once: a cycle, the core importing a tool, a half importing the other,
-    a file over the limit, a tier's index reaching its handler."""
+    a file over the limit, a tier's index reaching its handler, a tier importing another tier's module (the shared
+    folder ``lower`` is allowed)."""
     return write_tree(tmp_path / "pkg", {
         "__init__.py": "",
         "a.py": "from pkg import b\n",
@@ -136,6 +150,9 @@ def broken(tmp_path: Path) -> Path:
         "tiers/u/__init__.py": "",
         "tiers/u/index.py": "",
         "tiers/u/handler.py": "from pkg.tiers.u.index import Index\n",
+        "tiers/u/borrowed.py": "from pkg.tiers.t.names import later\nfrom pkg.tiers.lower import shared\n",
+        "tiers/lower/__init__.py": "",
+        "tiers/lower/shared.py": "",
     })
 
 
@@ -149,3 +166,4 @@ def test_each_rule_fails_on_a_tree_that_breaks_it(broken: Path):
     assert suite_importers(broken) == ["uses_tests.py"]
     assert tier_crossings(graph, "pkg.tiers") == [("pkg.tiers.t.index", "pkg.tiers.t.handler"),
                                                    ("pkg.tiers.u.handler", "pkg.tiers.u.index")]
+    assert foreign_tier_imports(graph, "pkg.tiers") == [("pkg.tiers.u.borrowed", "pkg.tiers.t.names")]

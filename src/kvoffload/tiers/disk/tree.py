@@ -13,7 +13,6 @@ are removed. docs/security.md says what this protects against. No torch, no bloc
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import logging
 import os
@@ -28,41 +27,23 @@ from kvoffload.config import ConfigError
 from kvoffload.keys import KEY_BYTES, OffloadKey
 from kvoffload.tiers.lower.block_format import (
     BLOCK_SUFFIX,
-    DIR_MODE,
-    FILE_MODE,
     PLAIN,
     STALE_TMP_S,
     TMP_SUFFIX,
     BlockFormat,
 )
+from kvoffload.tiers.lower.trust import (
+    Access,
+    ancestor_problems,
+    untrusted,
+)
 
 logger = logging.getLogger(__name__)
 
-SHARED_DIR_MODE = 0o2770
-"""Group-shared directories: setgid, so files and directories made in them belong to the shared group."""
-SHARED_FILE_MODE = 0o660
 FAN_OUTS = tuple(f"{i:02x}" for i in range(256))
 _KEY_HEX = KEY_BYTES * 2
 _OUR_TMP = re.compile(rf"([0-9a-f]{{{_KEY_HEX}}})\.(\d+)-\d+{re.escape(TMP_SUFFIX)}")
 """``<key hex>.<pid>-<n>.tmp``, the only temporary name ``tiers.disk.file_io.write_block`` makes."""
-
-
-@dataclass(frozen=True)
-class Access:
-    """Who may write the tree: this user alone (``gid`` None), or this user and the members of group ``gid``."""
-
-    gid: int | None = None
-    tier: str = "disk"
-    """Whose settings an error names: ``<tier>_path``, ``<tier>_shared_group`` (the node tier's files follow the
-    same rules)."""
-
-    @property
-    def dir_mode(self) -> int:
-        return DIR_MODE if self.gid is None else SHARED_DIR_MODE
-
-    @property
-    def file_mode(self) -> int:
-        return FILE_MODE if self.gid is None else SHARED_FILE_MODE
 
 
 @dataclass(frozen=True)
@@ -137,25 +118,6 @@ def _check(directory: Path, access: Access, follow: bool, disk_path: Path) -> No
         raise ConfigError(f"disk_path={str(disk_path)!r}: {directory} is {problem}")
 
 
-def untrusted(info: os.stat_result, access: Access) -> str | None:
-    """Why a directory with this status could hold blocks someone else planted; None when it cannot."""
-    uid = os.geteuid()
-    shared = access.gid is not None and info.st_gid == access.gid
-    if info.st_uid != uid and not shared:
-        return f"owned by uid {info.st_uid}, not by this user (uid {uid}); another user could plant blocks in it"
-    if info.st_mode & stat.S_IWOTH:
-        return (f"writable by others; another user could plant blocks in it (chmod o-w, or use another "
-                f"{access.tier}_path)")
-    if info.st_mode & stat.S_IWGRP and not shared:
-        return (f"writable by group {info.st_gid}; set {access.tier}_shared_group to share it with that group, or "
-                f"chmod g-w")
-    return None
-
-
-_MAX_LINKS = 40
-"""Symbolic links followed in resolving one path before giving up (as Linux does)."""
-
-
 def _check_ancestors(disk_path: Path, access: Access, fmt: BlockFormat) -> None:
     """Refuse (or, with a tier secret, warn about) the directories above ``disk_path`` that are not safe."""
     problems = ancestor_problems(disk_path, access)
@@ -168,67 +130,6 @@ def _check_ancestors(disk_path: Path, access: Access, fmt: BlockFormat) -> None:
             f"and plant blocks that load; fix that directory, or set tier_secret_file or tier_secret_env")
     logger.warning("disk tier: disk_path=%r: %s: another user could replace the tier's tree; blocks they plant "
                    "fail authentication (tier secret set)", str(disk_path), found)
-
-
-def ancestor_problems(disk_path: Path, access: Access) -> list[str]:
-    """Why the directories that resolving ``disk_path`` goes through could let someone swap what it names.
-
-    As OpenSSH's ``StrictModes``: each such directory (symbolic links followed, ``/`` included) must be owned by
-    root, by this user or (as the tree's own) by the shared group, and not be writable by anyone else, unless it
-    is sticky (``/tmp``) and the entry on our path in it is owned by such an owner: others then cannot rename or
-    remove it. An empty list: none could.
-    """
-    problems = []
-    for directory, entry in _lookups(disk_path):
-        info = os.lstat(directory)
-        writer = _other_writer(info, access)
-        if not _trusted_owner(info, access):
-            problems.append(f"{directory} is owned by uid {info.st_uid} (not root, nor this user)")
-        elif writer and not (info.st_mode & stat.S_ISVTX):
-            problems.append(f"{directory} is writable by {writer} (and not sticky)")
-        elif writer and not _trusted_owner(owner := os.lstat(entry), access):
-            problems.append(f"{directory} is writable by {writer}, sticky, but {entry} in it is owned by uid "
-                            f"{owner.st_uid}")
-    return problems
-
-
-def _trusted_owner(info: os.stat_result, access: Access) -> bool:
-    return info.st_uid in (0, os.geteuid()) or (access.gid is not None and info.st_gid == access.gid)
-
-
-def _other_writer(info: os.stat_result, access: Access) -> str | None:
-    if info.st_mode & stat.S_IWOTH:
-        return "others"
-    if info.st_mode & stat.S_IWGRP and info.st_gid != access.gid:
-        return f"group {info.st_gid}"
-    return None
-
-
-def _lookups(path: Path) -> list[tuple[Path, Path]]:
-    """Each (real directory, entry in it) that resolving ``path`` looks up, symbolic links followed, top first."""
-    steps: list[tuple[Path, Path]] = []
-    pending = list(reversed(path.absolute().parts[1:]))
-    current, links = Path("/"), 0
-    while pending:
-        name = pending.pop()
-        if name == "..":
-            current = current.parent  # ``current`` is never a link: its lexical parent is its real one
-            continue
-        entry = current / name
-        steps.append((current, entry))
-        if not entry.is_symlink():
-            current = entry
-            continue
-        links += 1
-        if links > _MAX_LINKS:
-            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path))
-        target = Path(os.readlink(entry))
-        if target.is_absolute():
-            current, names = Path("/"), target.parts[1:]
-        else:
-            names = target.parts
-        pending.extend(reversed(names))
-    return steps
 
 
 def _fan_outs(rank_dir: Path, access: Access, disk_path: Path) -> list[str]:

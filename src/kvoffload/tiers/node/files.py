@@ -30,7 +30,7 @@ from pathlib import Path
 
 from kvoffload import _mapguard, _nodeindex
 from kvoffload.config import ConfigError
-from kvoffload.tiers.disk.tree import Access
+from kvoffload.tiers.lower.trust import Access
 from kvoffload.tiers.node.liveness import ENGINES_NAME
 from kvoffload.tiers.node.segment import NodeGeometry, open_checked
 

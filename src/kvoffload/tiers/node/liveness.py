@@ -26,7 +26,7 @@ from pathlib import Path
 
 from kvoffload import _nodeindex
 from kvoffload.config import ConfigError
-from kvoffload.tiers.disk.tree import Access
+from kvoffload.tiers.lower.trust import Access
 from kvoffload.tiers.node.segment import open_checked
 
 ENGINES_NAME = "engines"

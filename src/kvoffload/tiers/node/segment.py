@@ -24,7 +24,7 @@ from pathlib import Path
 from kvoffload import _nodeindex
 from kvoffload.config import ConfigError, NodeTierConfig
 from kvoffload.keys import Namespace
-from kvoffload.tiers.disk.tree import Access, ancestor_problems, untrusted
+from kvoffload.tiers.lower.trust import Access, ancestor_problems, untrusted
 
 TMPFS = frozenset({"tmpfs"})
 MISSING_EPOCH = 0
