@@ -45,4 +45,4 @@ def test_bench_object_json_reports_both_directions_beside_boto3_and_the_lookups(
     assert [(x["fanout"], x["stored"], x["found"]) for x in lookups] == [(2, n, n) for n in LOOKUP_STORED]
     miss, _, whole = lookups
     assert (miss["rounds"], miss["requests"]) == (1, 1) and whole["rounds"] == 2
-    assert LOOKUP_STORED[-1] == LOOKUP_KEYS
+    assert whole["found"] == LOOKUP_KEYS  # the prompt stored whole was found whole

@@ -90,12 +90,13 @@ def run(args: argparse.Namespace) -> int:
 
     sizes = [_size(s) for s in args.block_sizes.split(",")]
     with tempfile.TemporaryDirectory(prefix="kvoffload-bench-ceph-") as directory:
-        server = None
-        if args.endpoint is None:
+        server, endpoint = None, args.endpoint
+        if endpoint is None:
             server = _start_server(Path(directory), args.bucket)
+            endpoint = server.endpoint
         try:
-            config = ObjectTierConfig(bucket=args.bucket, endpoint=args.endpoint or _endpoint(server),
-                                      timeout_s=30.0, io_threads=args.io_threads)
+            config = ObjectTierConfig(bucket=args.bucket, endpoint=endpoint, timeout_s=30.0,
+                                      io_threads=args.io_threads)
             rows = [bench_block_size(config, size, args) for size in sizes]
             lookups = [bench_lookup(config, int(f), stored, args.rounds)
                        for f in args.fanouts.split(",") for stored in LOOKUP_STORED]
@@ -115,11 +116,6 @@ def _start_server(directory: Path, bucket: str) -> Any:
     admin = _client_of(server.endpoint, bucket)
     admin.create_bucket(Bucket=bucket)
     return server
-
-
-def _endpoint(server: Any) -> str:
-    endpoint: str = server.endpoint
-    return endpoint
 
 
 def _client_of(endpoint: str, bucket: str) -> Any:
