@@ -9,7 +9,7 @@ of the tree, else on ``package`` itself.
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 Graph = dict[str, set[str]]
@@ -128,3 +128,17 @@ def foreign_tier_imports(graph: Graph, tiers: str, shared: str = "lower") -> lis
     return sorted((m, dep) for m, deps in graph.items() for dep in deps
                   if (own := folder(m)) is not None and (other := folder(dep)) is not None
                   and other not in (own, shared))
+
+
+def tier_halves(graph: Graph, tiers: str) -> tuple[set[str], set[str]]:
+    """The modules under ``tiers`` of each half, derived from file names: a module named ``index`` or ``*_index``
+    (an index, scheduler side) or ``handler`` (a handler, worker side), with what it reaches under ``tiers``. A
+    module both sides reach (a codec, object names, a breaker) belongs to neither half; one side reaching the
+    other's index or handler is ``tier_crossings``'s to report."""
+    def side(is_root: Callable[[str], bool]) -> set[str]:
+        roots = {m for m in graph if m.startswith(tiers + ".") and is_root(m.rsplit(".", 1)[1])}
+        return roots.union(*(reach(graph, m, tiers) for m in roots))
+
+    scheduler = side(lambda name: name == "index" or name.endswith("_index"))
+    worker = side(lambda name: name == "handler")
+    return scheduler - worker, worker - scheduler

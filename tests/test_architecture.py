@@ -13,6 +13,7 @@ from tests.architecture_rules import (
     module_graph,
     oversized,
     tier_crossings,
+    tier_halves,
 )
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "kvoffload"
@@ -47,7 +48,8 @@ def imports_torch(*modules: str) -> bool:
 def test_the_scheduler_side_index_imports_no_torch():
     assert not imports_torch("kvoffload.manager.slot_index", "kvoffload.manager.tiered", "kvoffload.tiers.disk.index",
                              "kvoffload.tiers.remote.index", "kvoffload.tiers.stack", "kvoffload.tiers.disk.spec",
-                             "kvoffload.tiers.remote.spec", "kvoffload.tiers.registry")
+                             "kvoffload.tiers.remote.spec", "kvoffload.tiers.registry", "kvoffload.tiers.host.spec",
+                             "kvoffload.tiers.node.spec")
     assert imports_torch("kvoffload.transfer.host_pool")  # the check sees a module that does
 
 
@@ -64,14 +66,11 @@ def test_trace_replay_imports_no_torch_and_no_engine():
 GRAPH = module_graph(SRC)
 TOOLS_AND_HELPERS = ("kvoffload.tools", "kvoffload.testing")
 CORE = sorted(m for m in GRAPH if not any(m == p or m.startswith(p + ".") for p in TOOLS_AND_HELPERS))
+TIER_SCHEDULER, TIER_WORKER = tier_halves(GRAPH, "kvoffload.tiers")
+"""Each tier's modules by half, derived from file names: an index and what it reaches, a handler and its I/O."""
 SCHEDULER_HALF = ("kvoffload.manager", "kvoffload.connector.scheduler", "kvoffload.connector.loads",
-                  "kvoffload.connector.stores", "kvoffload.connector.jobs", "kvoffload.tiers.disk.index",
-                  "kvoffload.tiers.remote.index", "kvoffload.tiers.remote.probe", "kvoffload.tiers.lower.probed_index",
-                  "kvoffload.tiers.object.index", "kvoffload.tiers.object.probe")
-WORKER_HALF = ("kvoffload.transfer", "kvoffload.connector.worker", "kvoffload.tiers.lower.handler",
-               "kvoffload.tiers.disk.handler", "kvoffload.tiers.disk.file_io", "kvoffload.tiers.remote.handler",
-               "kvoffload.tiers.remote.link", "kvoffload.tiers.remote.reads", "kvoffload.tiers.remote.stage",
-               "kvoffload.tiers.lower.laned", "kvoffload.tiers.object.handler")
+                  "kvoffload.connector.stores", "kvoffload.connector.jobs", *sorted(TIER_SCHEDULER))
+WORKER_HALF = ("kvoffload.transfer", "kvoffload.connector.worker", *sorted(TIER_WORKER))
 LINE_LIMIT = 400
 OVER_THE_LIMIT: dict[str, int] = {}
 """Files still over the limit; each may shrink, none may grow, no other may join them (none is left)."""
@@ -96,6 +95,13 @@ def suite_importers(root: Path) -> list[str]:
 def test_the_two_halves_never_import_each_other():
     assert imports_into(GRAPH, SCHEDULER_HALF, WORKER_HALF) == []
     assert imports_into(GRAPH, WORKER_HALF, SCHEDULER_HALF) == []
+    # the derived halves see every tier's index, probe, handler and I/O
+    scheduler = {f"kvoffload.tiers.{m}" for m in ("disk.index", "remote.index", "remote.probe", "object.index",
+                                                  "object.probe", "node.index", "lower.probed_index")}
+    worker = {f"kvoffload.tiers.{m}" for m in ("disk.handler", "disk.file_io", "remote.handler", "remote.link",
+                                               "object.handler", "node.handler", "lower.laned", "lower.handler")}
+    assert scheduler <= TIER_SCHEDULER
+    assert worker <= TIER_WORKER
 
 
 def test_no_tier_index_imports_its_handler_nor_the_reverse():
@@ -153,6 +159,12 @@ def broken(tmp_path: Path) -> Path:
         "tiers/u/borrowed.py": "from pkg.tiers.t.names import later\nfrom pkg.tiers.lower import shared\n",
         "tiers/lower/__init__.py": "",
         "tiers/lower/shared.py": "",
+        "tiers/v/__init__.py": "",
+        "tiers/v/index.py": "from pkg.tiers.v import names\n",
+        "tiers/v/names.py": "",  # both halves reach it: in neither
+        "tiers/v/handler.py": "from pkg.tiers.v import io, names\n",
+        "tiers/v/io.py": "",
+        "manager/uses_io.py": "from pkg.tiers.v.io import read\n",  # the scheduler half reaching a handler's I/O
     })
 
 
@@ -167,3 +179,7 @@ def test_each_rule_fails_on_a_tree_that_breaks_it(broken: Path):
     assert tier_crossings(graph, "pkg.tiers") == [("pkg.tiers.t.index", "pkg.tiers.t.handler"),
                                                    ("pkg.tiers.u.handler", "pkg.tiers.u.index")]
     assert foreign_tier_imports(graph, "pkg.tiers") == [("pkg.tiers.u.borrowed", "pkg.tiers.t.names")]
+    scheduler, worker = tier_halves(graph, "pkg.tiers")
+    assert {m for m in scheduler | worker if m.startswith("pkg.tiers.v.")} == {"pkg.tiers.v.index",
+                                                                              "pkg.tiers.v.handler", "pkg.tiers.v.io"}
+    assert imports_into(graph, ["pkg.manager", *scheduler], worker) == [("pkg.manager.uses_io", "pkg.tiers.v.io")]

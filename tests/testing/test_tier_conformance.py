@@ -13,9 +13,8 @@ import pytest
 
 from kvoffload.config import DiskTierConfig, RemoteTierConfig
 from kvoffload.keys import BlockHash, Namespace, OffloadKey, offload_key
-from kvoffload.manager.base import LookupResult
+from kvoffload.manager.base import LookupResult, LowerTier
 from kvoffload.manager.slot_index import SlotIndex
-from kvoffload.manager.tiered import LowerTier
 from kvoffload.specs import BlockSpec, Medium
 from kvoffload.testing.tier_conformance import (
     ALL_INDEX_CHECKS,

@@ -23,8 +23,8 @@ it runs a speculative drafter (testing/sim.HookOrder). Nothing here depends on w
 queues, the next step's ``handle_preemptions`` submits, and a job is reported once, from the handler's result,
 after it was submitted.
 
-The host pool and the tiers under host come from ``tiers.stack`` (a replicated namespace's ranks share one copy in
-the shared tiers: ``transfer.skip_writes``). The host pool is per rank: each rank's own memory, or its rank's
+The host pool and every handler, the device<->host one included, come from ``tiers.stack.build_worker``; this half
+only routes jobs to them and keeps their books. The host pool is per rank: each rank's own memory, or its rank's
 slots of the node pool that every engine on the machine maps (``host_scope`` node, ``tiers/node/``).
 """
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvoffload.canonical import CanonicalKV, canonicalize
-from kvoffload.config import KEYS, OffloadConfig
+from kvoffload.config import OffloadConfig
 from kvoffload.connector.metadata import ConnectorMetadata, WorkerMetadata
 from kvoffload.connector.stats import TransferStats
 from kvoffload.keys import Namespace
@@ -45,21 +45,11 @@ from kvoffload.layout import KVCacheLayout
 from kvoffload.specs import DeviceBlocks, JobId, Medium, TransferJob
 from kvoffload.tiers.sizing import offload_factor
 from kvoffload.tiers.spec import TierContext
-from kvoffload.tiers.stack import build_handlers, build_pool, check_reads
-from kvoffload.transfer.base import TransferHandler
-from kvoffload.transfer.faults import CorruptFirstLoads, FailFirstLoads
-from kvoffload.transfer.host_copier import HostCopier
+from kvoffload.tiers.stack import build_worker
 from kvoffload.transfer.host_pool import HostPool
 from kvoffload.transfer.router import JobRouter
 
 logger = logging.getLogger(__name__)
-
-
-def _warn_of_faults(config: OffloadConfig) -> None:
-    """One warning per fault-injection key set: a worker applying one serves failed or wrong loads on purpose."""
-    for key, count in config.injected_faults().items():
-        logger.warning("kvoffload FAULT INJECTION is on in this worker: %s=%d (%s); a testing knob, never for "
-                       "production", key, count, KEYS[key][1])
 
 
 @dataclass(frozen=True)
@@ -104,21 +94,11 @@ class ConnectorWorker:
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Canonicalize the engine's KV tensors, allocate the host pool and start the handlers."""
         self.kv = canonicalize(self.layout, kv_caches)
-        context = TierContext(self.namespace, self.layout, self.factor)
-        self.pool = build_pool(self.config, context, pin_memory=self.kv.views[0].is_cuda)
-        handler: TransferHandler = HostCopier(self.kv, self.pool, self.factor,
-                                                     threads=self.config.host.copy_threads)
-        _warn_of_faults(self.config)
-        if self.config.inject_load_failures:
-            handler = FailFirstLoads(handler, self.config.inject_load_failures)
-        if self.config.inject_load_corruption:
-            handler = CorruptFirstLoads(handler, self.pool, self.factor, self.config.inject_load_corruption)
-        handler = check_reads(self.pool, handler)
-        self.transfers.register(Medium.DEVICE, Medium.HOST, handler)
-        self.transfers.register(Medium.HOST, Medium.DEVICE, handler)
-        for routes, tier_handler in build_handlers(self.config, context, self.pool):
+        tiers = build_worker(self.config, TierContext(self.namespace, self.layout, self.factor), self.kv)
+        self.pool = tiers.pool
+        for routes, handler in tiers.handlers:
             for src, dst in routes:
-                self.transfers.register(src, dst, tier_handler)
+                self.transfers.register(src, dst, handler)
         logger.info("kvoffload worker rank %d: %d host slots of %d bytes (%.2f GiB)", self.namespace.rank,
                     self.pool.num_slots, self.pool.slot_bytes, self.pool.nbytes / 2**30)
 

@@ -188,3 +188,49 @@ class ResidencyManager(ABC):
 
     def close(self) -> None:  # noqa: B027 (a hook: an index of this process's memory holds nothing to release)
         """The engine stops: release what this index holds outside the process (the node tier's attachment)."""
+
+
+class LowerTier(Protocol):
+    """The index of a tier under host, as ``TieredManager`` uses it (``DiskIndex``, ``RemoteIndex``).
+
+    The methods mean what they mean on ``ResidencyManager``, with the keys of one tier transfer at a time:
+    ``lookup`` counts the leading keys a promotion can read now (its ``pending`` is not used); ``prepare_load``
+    pins them for a promotion and returns the promotion's source spec (this tier's medium, one entry per key,
+    one group); ``prepare_store`` reserves room for a write. Like every manager, none of them raises on a data-path
+    failure: an unreachable tier is a miss, or a store refused with None.
+    """
+
+    @property
+    def medium(self) -> Medium: ...
+
+    def lookup(self, keys: Sequence[OffloadKey]) -> LookupResult: ...
+
+    def prepare_load(self, keys: Sequence[OffloadKey]) -> BlockSpec: ...
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None: ...
+
+    def complete_load(self, keys: Sequence[OffloadKey], success: bool = True) -> None: ...
+
+    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None: ...
+
+    def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None: ...
+
+    def take_events(self) -> list[OffloadEvent]: ...
+
+    def reset(self) -> None: ...
+
+    def check_integrity(self) -> None: ...
+
+    def usage(self) -> list[TierUsage]: ...
+
+
+class HostTier(ResidencyManager):
+    """The host tier's index as ``TieredManager`` uses it: ``SlotIndex``, or the node tier's ``NodeIndex``."""
+
+    medium = Medium.HOST
+    capacity: int
+    """Host slots: the host pool's slot count."""
+
+    @abstractmethod
+    def complete_store_keys(self, keys: Sequence[OffloadKey], success: bool = True) -> list[OffloadKey]:
+        """``complete_store``, returning the keys it made ready (those the tiers below then write through)."""

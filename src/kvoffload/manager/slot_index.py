@@ -34,11 +34,11 @@ from kvoffload.config import EvictionPolicy
 from kvoffload.keys import OffloadKey
 from kvoffload.manager.base import (
     EventKind,
+    HostTier,
     IntegrityError,
     LookupResult,
     OffloadEvent,
     PrepareStoreOutput,
-    ResidencyManager,
     TierUsage,
 )
 from kvoffload.manager.policies.base import Policy
@@ -56,7 +56,7 @@ def host_blocks(keys: Sequence[OffloadKey], slots: Sequence[int]) -> HostBlocks:
     return HostBlocks(slots=tuple(slots), group_sizes=(len(slots),))
 
 
-class SlotIndex(ResidencyManager):
+class SlotIndex(HostTier):
     """A fixed number of slots, indexed by key.
 
     Args:

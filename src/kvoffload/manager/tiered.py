@@ -36,14 +36,15 @@ import enum
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from kvoffload.config import WritePolicy
 from kvoffload.keys import OffloadKey
 from kvoffload.manager.base import (
+    HostTier,
     IntegrityError,
     LoadAdvisor,
     LookupResult,
+    LowerTier,
     OffloadEvent,
     PrepareStoreOutput,
     ResidencyManager,
@@ -73,58 +74,6 @@ class _Run:
     tier: int
     start: int
     end: int
-
-
-class LowerTier(Protocol):
-    """The index of a tier under host, as ``TieredManager`` uses it (``DiskIndex``, ``RemoteIndex``).
-
-    The methods mean what they mean on ``ResidencyManager``, with the keys of one tier transfer at a time:
-    ``lookup`` counts the leading keys a promotion can read now (its ``pending`` is not used); ``prepare_load``
-    pins them for a promotion and returns the promotion's source spec (this tier's medium, one entry per key,
-    one group); ``prepare_store`` reserves room for a write. Like every manager, none of them raises on a data-path
-    failure: an unreachable tier is a miss, or a store refused with None.
-    """
-
-    @property
-    def medium(self) -> Medium: ...
-
-    def lookup(self, keys: Sequence[OffloadKey]) -> LookupResult: ...
-
-    def prepare_load(self, keys: Sequence[OffloadKey]) -> BlockSpec: ...
-
-    def touch(self, keys: Sequence[OffloadKey]) -> None: ...
-
-    def complete_load(self, keys: Sequence[OffloadKey], success: bool = True) -> None: ...
-
-    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None: ...
-
-    def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None: ...
-
-    def take_events(self) -> list[OffloadEvent]: ...
-
-    def reset(self) -> None: ...
-
-    def check_integrity(self) -> None: ...
-
-    def usage(self) -> list[TierUsage]: ...
-
-
-class HostTier(LowerTier, Protocol):
-    """The host tier's index as ``TieredManager`` uses it: ``SlotIndex``, or the node tier's ``NodeIndex``."""
-
-    @property
-    def capacity(self) -> int: ...
-
-    def complete_store_keys(self, keys: Sequence[OffloadKey], success: bool = True) -> list[OffloadKey]: ...
-
-    @property
-    def host_policy(self) -> Policy | None: ...
-
-    def pool_counters(self) -> dict[str, int]: ...
-
-    def pool_directory(self) -> str | None: ...
-
-    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
 from kvoffload.keys import OffloadKey
-from kvoffload.manager.base import EventKind, IntegrityError, PrepareStoreOutput
-from kvoffload.manager.tiered import LowerTier
+from kvoffload.manager.base import EventKind, IntegrityError, LowerTier, PrepareStoreOutput
 from kvoffload.specs import BlockSpec, DeviceBlocks, HostBlocks, TierBlocks
 from kvoffload.testing.conformance import ConformanceError
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvoffload.config import ConfigError, HostScope, OffloadConfig
+from kvoffload.config import ConfigError, OffloadConfig
 from kvoffload.tiers.lower.block_format import GroupedLayout, entry_bytes_of
 
 
@@ -28,7 +28,7 @@ def host_num_slots(config: OffloadConfig, layout: GroupedLayout, factor: int) ->
     """Slots of the host tier; both halves size it here, so both refuse the same bad sizes.
 
     Raises:
-        ConfigError: the tier is below one slot, or larger than this machine's available memory.
+        ConfigError: the tier is below one slot, or over the container's memory limit.
     """
     slot = host_slot_bytes(layout, factor)
     slots = config.host.capacity_bytes // slot
@@ -44,16 +44,23 @@ def host_num_slots(config: OffloadConfig, layout: GroupedLayout, factor: int) ->
         raise ConfigError(
             f"host_bytes/host_gib: the host tier ({slots * slot} bytes) does not fit in this container's memory "
             f"limit ({limit} bytes, cgroup memory.max); set host_bytes well below it, or raise the limit")
-    if config.host.scope is HostScope.NODE:
-        return slots  # a shared pool may already be in memory; making it checks the tmpfs has room (node/segment)
+    return slots
+
+
+def check_available(pool_bytes: int) -> None:
+    """Refuse a private pool larger than this machine's available memory. A node pool skips it: it may already be
+    in memory, and making it checks the tmpfs has room (``tiers/node/segment``).
+
+    Raises:
+        ConfigError: ``pool_bytes`` is over MemAvailable.
+    """
     available = available_memory_bytes()
-    if available is not None and slots * slot > available:
+    if available is not None and pool_bytes > available:
         # Pinned memory is committed at once: such a pool fails, or swaps the machine, long after start-up.
         raise ConfigError(
-            f"host_bytes/host_gib: the host tier ({slots * slot} bytes per rank) is larger than this machine's "
+            f"host_bytes/host_gib: the host tier ({pool_bytes} bytes per rank) is larger than this machine's "
             f"available memory (MemAvailable {available} bytes); lower it"
         )
-    return slots
 
 
 def available_memory_bytes() -> int | None:

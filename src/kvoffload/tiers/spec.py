@@ -1,4 +1,4 @@
-"""``TierSpec``: what binds one tier under host, from its configuration section to both halves.
+"""``TierSpec`` and ``HostSpec``: what binds one tier, from its configuration section to both halves.
 
 vLLM binds the two halves of one medium in one ``OffloadingSpec``; this is ours. A spec is made from one
 configuration section (``DiskTierConfig``, ``RemoteTierConfig``, a ``PluginTierConfig``'s options) and makes:
@@ -8,6 +8,10 @@ configuration section (``DiskTierConfig``, ``RemoteTierConfig``, a ``PluginTierC
 - ``make_handler``, in each worker process: the tier's ``TransferHandler``, which moves the bytes between the host
   pool and the tier as the index's jobs say;
 - ``routes``: the copy directions its handler serves (host -> tier and tier -> host).
+
+The host tier has a spec of its own shape (``HostSpec``): private (``tiers/host``) or the node pool
+(``tiers/node``). It makes the host index, each worker's host pool and the device<->host handler, and guards every
+handler that reads or writes the pool's slots.
 
 A spec module imports its index and its handler only inside these methods, so neither half loads the other's code
 (the scheduler half never loads torch). ``tiers.stack`` assembles every configured tier, in one place, for both
@@ -20,13 +24,14 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvoffload.config import WritePolicy
+from kvoffload.config import OffloadConfig, WritePolicy
 from kvoffload.keys import Namespace
 from kvoffload.specs import Medium
 from kvoffload.tiers.lower.block_format import GroupedLayout, entry_bytes_of
 
 if TYPE_CHECKING:
-    from kvoffload.manager.tiered import LowerTier
+    from kvoffload.canonical import CanonicalKV
+    from kvoffload.manager.base import HostTier, LowerTier
     from kvoffload.transfer.base import TransferHandler
     from kvoffload.transfer.host_pool import HostPool
 
@@ -81,3 +86,40 @@ class TierSpec(ABC):
     def routes(self) -> tuple[tuple[Medium, Medium], ...]:
         """The copy directions ``make_handler``'s handler serves."""
         return ((Medium.HOST, self.medium), (self.medium, Medium.HOST))
+
+
+class HostSpec(ABC):
+    """The host tier, bound: its index (scheduler side), each worker's pool and the device<->host handler.
+
+    ``tiers.stack.host_spec`` picks one from ``host_scope``: the only place that asks which. Like a ``TierSpec``,
+    ``make_index`` and ``make_pool`` raise ``ConfigError`` for a host tier that cannot be used as configured.
+    """
+
+    medium = Medium.HOST
+
+    def __init__(self, config: OffloadConfig) -> None:
+        self._config = config
+
+    @property
+    def shared_by_engines(self) -> bool:
+        """Whether every engine on the machine shares the pool (its counters are then the pool's, not this
+        engine's)."""
+        return False
+
+    @abstractmethod
+    def make_index(self, context: TierContext) -> HostTier:
+        """The scheduler side: the host tier's index."""
+
+    @abstractmethod
+    def make_pool(self, context: TierContext, pin_memory: bool) -> HostPool:
+        """The worker side: this rank's host slots."""
+
+    def make_handler(self, context: TierContext, kv: CanonicalKV, pool: HostPool) -> TransferHandler:
+        """The worker side: the handler copying between the engine's KV cache and ``pool``, both directions."""
+        from kvoffload.transfer.host_copier import HostCopier
+
+        return HostCopier(kv, pool, context.factor, threads=self._config.host.copy_threads)
+
+    def guard(self, handler: TransferHandler, pool: HostPool) -> TransferHandler:
+        """``handler`` as it must run on ``pool`` (every handler reading or writing its slots passes here)."""
+        return handler

@@ -14,7 +14,7 @@ import pytest
 from tests.architecture_rules import module_graph, reach
 
 from kvoffload.keys import BlockHash, OffloadKey, offload_key
-from kvoffload.manager.tiered import LowerTier
+from kvoffload.manager.base import LowerTier
 from kvoffload.specs import Medium, TierBlocks
 from kvoffload.testing.tier_conformance import ALL_INDEX_CHECKS, IndexHarness
 

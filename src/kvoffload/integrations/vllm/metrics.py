@@ -51,7 +51,7 @@ from kvoffload.connector.stats import SchedulerStats, TransferStats
 from kvoffload.specs import Medium, transfer_name
 from kvoffload.tiers.node.index import POOL_COUNTERS
 from kvoffload.tiers.node.status import gauges, read_status
-from kvoffload.tiers.stack import transfer_routes
+from kvoffload.tiers.stack import host_spec, transfer_routes
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
             multiprocess_mode="mostrecent", labelnames=labelnames)
         config = _offload_config(vllm_config)
         self._node_pool: Any = None  # registered with the node scope only
-        if config.host.node is not None:
+        if host_spec(config).shared_by_engines:
             self._node_pool = self._gauge_cls(  # type: ignore[call-arg]
                 name="vllm:kvoffload_node_pool",
                 documentation="The kvoffload node pool's counters, the same in every engine sharing it.",

@@ -40,11 +40,11 @@ from kvoffload.config import ConfigError
 from kvoffload.keys import KEY_BYTES, OffloadKey
 from kvoffload.manager.base import (
     EventKind,
+    HostTier,
     IntegrityError,
     LookupResult,
     OffloadEvent,
     PrepareStoreOutput,
-    ResidencyManager,
     TierUsage,
 )
 from kvoffload.specs import HostBlocks, Medium
@@ -67,7 +67,7 @@ pool."""
 _T = TypeVar("_T")
 
 
-class NodeIndex(ResidencyManager):
+class NodeIndex(HostTier):
     """One engine's view of the node pool's shared index.
 
     Args:

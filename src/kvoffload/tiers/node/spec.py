@@ -1,8 +1,7 @@
-"""``NodeTierSpec``: the node tier, bound. With ``host_scope`` node it stands in for the private host tier in both
-halves: the scheduler's host index is a ``NodeIndex`` over the shared index, each worker's host pool a
-``NodePool`` over its rank's shared slots, and every worker job reading those slots is checked (``NodeCheck``).
-The tiers below host work on it unchanged. Like a ``TierSpec``, it imports each half only in the method that
-makes it, so the scheduler half never loads torch.
+"""``NodeTierSpec``: the node tier, bound: the ``HostSpec`` of ``host_scope`` node. The scheduler's host index is a
+``NodeIndex`` over the shared index, each worker's host pool a ``NodePool`` over its rank's shared slots, and every
+worker job reading or writing those slots is checked (``NodeCheck``). The tiers below host work on it unchanged.
+Like every spec, it imports each half only in the method that makes it, so the scheduler half never loads torch.
 """
 
 from __future__ import annotations
@@ -13,22 +12,27 @@ from kvoffload.config import NodeTierConfig, OffloadConfig
 from kvoffload.tiers.node.files import guard, open_index, open_pool
 from kvoffload.tiers.node.segment import NodeGeometry, access_of, open_directory
 from kvoffload.tiers.sizing import host_num_slots, host_slot_bytes
-from kvoffload.tiers.spec import TierContext
+from kvoffload.tiers.spec import HostSpec, TierContext
 
 if TYPE_CHECKING:
     from kvoffload.tiers.node.index import NodeIndex
     from kvoffload.tiers.node.pool import NodePool
     from kvoffload.transfer.base import TransferHandler
+    from kvoffload.transfer.host_pool import HostPool
 
 
-class NodeTierSpec:
+class NodeTierSpec(HostSpec):
     """The node tier of ``config`` (whose ``host.node`` is set)."""
 
     def __init__(self, config: OffloadConfig) -> None:
         if config.host.node is None:
             raise ValueError("NodeTierSpec: host_scope is not node")
-        self._config = config
+        super().__init__(config)
         self._node: NodeTierConfig = config.host.node
+
+    @property
+    def shared_by_engines(self) -> bool:
+        return True
 
     def geometry(self, context: TierContext) -> NodeGeometry:
         """Slots, slot size and namespace: the same in both halves, and in every engine that may share the pool."""
@@ -63,9 +67,12 @@ class NodeTierSpec:
         index, _, mapping = open_pool(directory, context.namespace.rank, geometry, access)
         return NodePool(mapping, index, geometry.num_slots, geometry.slot_bytes, pin_memory)
 
-    @staticmethod
-    def check_reads(handler: TransferHandler, pool: NodePool) -> TransferHandler:
-        """``handler``, with every job that reads ``pool``'s slots checked against the index (``NodeCheck``)."""
+    def guard(self, handler: TransferHandler, pool: HostPool) -> TransferHandler:
+        """``handler``, with every job that reads or writes ``pool``'s slots checked against the index
+        (``NodeCheck``): a block another engine evicted or rewrote under it is a failed job, never a wrong one."""
         from kvoffload.tiers.node.handler import NodeCheck
+        from kvoffload.tiers.node.pool import NodePool
 
+        if not isinstance(pool, NodePool):
+            raise TypeError(f"NodeTierSpec.guard: {type(pool).__name__} is not this spec's NodePool")
         return NodeCheck(handler, pool.index, pool.lost)

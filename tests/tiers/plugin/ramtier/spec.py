@@ -17,7 +17,7 @@ from kvoffload.tiers.spec import TierContext, TierSpec
 from ramtier import MEDIUM
 
 if TYPE_CHECKING:
-    from kvoffload.manager.tiered import LowerTier
+    from kvoffload.manager.base import LowerTier
     from kvoffload.transfer.base import TransferHandler
     from kvoffload.transfer.host_pool import HostPool
 
