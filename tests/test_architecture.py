@@ -46,7 +46,7 @@ def imports_torch(*modules: str) -> bool:
 
 
 def test_the_scheduler_side_index_imports_no_torch():
-    assert not imports_torch("kvoffload.manager.slot_index", "kvoffload.manager.tiered", "kvoffload.tiers.disk.index",
+    assert not imports_torch("kvoffload.index.slot_index", "kvoffload.index.tiered", "kvoffload.tiers.disk.index",
                              "kvoffload.tiers.remote.index", "kvoffload.tiers.stack", "kvoffload.tiers.disk.spec",
                              "kvoffload.tiers.remote.spec", "kvoffload.tiers.registry", "kvoffload.tiers.host.spec",
                              "kvoffload.tiers.node.spec")
@@ -68,7 +68,7 @@ TOOLS_AND_HELPERS = ("kvoffload.tools", "kvoffload.testing")
 CORE = sorted(m for m in GRAPH if not any(m == p or m.startswith(p + ".") for p in TOOLS_AND_HELPERS))
 TIER_SCHEDULER, TIER_WORKER = tier_halves(GRAPH, "kvoffload.tiers")
 """Each tier's modules by half, derived from file names: an index and what it reaches, a handler and its I/O."""
-SCHEDULER_HALF = ("kvoffload.manager", "kvoffload.connector.scheduler", "kvoffload.connector.loads",
+SCHEDULER_HALF = ("kvoffload.index", "kvoffload.connector.scheduler", "kvoffload.connector.loads",
                   "kvoffload.connector.stores", "kvoffload.connector.jobs", *sorted(TIER_SCHEDULER))
 WORKER_HALF = ("kvoffload.transfer", "kvoffload.connector.worker", *sorted(TIER_WORKER))
 LINE_LIMIT = 400

@@ -12,7 +12,7 @@ from kvoffload.connector.worker import ConnectorWorker
 from kvoffload.keys import Namespace
 from kvoffload.testing.layouts import attention_layout
 
-WORKER_LOGGER = "kvoffload.connector.worker"
+WORKER_LOGGER = "kvoffload.tiers.stack"  # where the worker's device<->host handler is built
 
 
 def start_worker(**config: Any) -> ConnectorWorker:

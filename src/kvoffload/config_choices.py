@@ -9,7 +9,7 @@ import enum
 
 
 class EvictionPolicy(enum.Enum):
-    """Which resident block a tier gives up first (manager/policies/; docs/configuration.md compares them)."""
+    """Which resident block a tier gives up first (index/policies/; docs/configuration.md compares them)."""
 
     LRU = "lru"
     ARC = "arc"
@@ -19,11 +19,11 @@ class EvictionPolicy(enum.Enum):
     """W-TinyLFU: a block leaving a small LRU window enters the main LRU only if used more often than its victim."""
     ADAPTIVE = "adaptive"
     """One of the four above at a time, whichever shadow tiers of each show the recent traffic rewards (with its
-    store admission; manager/admission.py)."""
+    store admission; index/admission.py)."""
 
 
 class StoreAdmission(enum.Enum):
-    """Which full blocks the connector stores (manager/admission.py)."""
+    """Which full blocks the connector stores (index/admission.py)."""
 
     ALL = "all"
     """Every full block."""

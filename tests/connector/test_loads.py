@@ -97,7 +97,7 @@ def test_a_hit_the_engine_cut_back_to_an_engine_block_loads_only_the_blocks_it_t
     assert sched.get_num_new_matched_tokens(b, 0) == (63, True)
     job = load_of(sched, b, [[10, 11, 12]], 48)  # vLLM under DeepSeek V4's bounded replay: ext % block_size cut
     assert job.dst == DeviceBlocks((10, 11, 12), (3,)) and len(job.src.slots) == 3
-    sched.manager.check_integrity()
+    sched.index.check_integrity()
 
 
 def test_an_engine_taking_more_than_the_hit_is_refused():

@@ -36,8 +36,8 @@ def test_finished_requests_are_recorded_with_their_lengths_and_offload_keys(tmp_
     assert a.keys[:3] == b.keys[:3] and a.keys[3] != b.keys[3]
     assert b.timestamp_ms >= a.timestamp_ms >= 0
     # They are the engine's own offload keys: the host tier holds every one of a's blocks under them.
-    assert engine.scheduler.manager.lookup(list(a.keys)).hits == len(a.keys)
-    assert engine.scheduler.manager.lookup([bytes(16)]).hits == 0  # and a wrong key would not be found
+    assert engine.scheduler.index.lookup(list(a.keys)).hits == len(a.keys)
+    assert engine.scheduler.index.lookup([bytes(16)]).hits == 0  # and a wrong key would not be found
 
 
 def test_a_recorded_trace_replays_with_the_shared_prefix_as_hits(tmp_path: Path,

@@ -78,7 +78,7 @@ def test_a_store_failed_on_any_worker_is_never_indexed():
     sched.update_connector_output(WorkerMetadata.of([job], []))
     sched.update_connector_output(WorkerMetadata.of([], [job]))
     assert sched.get_num_new_matched_tokens(Req("b", list(range(65))), 0) == (0, False)
-    sched.manager.check_integrity()
+    sched.index.check_integrity()
 
 
 def test_a_failed_load_drops_its_keys():
@@ -193,7 +193,7 @@ def test_finishing_a_request_fences_its_load_in_flight():
     sched.request_finished("b")  # aborted while its load runs: its blocks go back to the engine
     assert sched.build_connector_meta(StepSchedule.of(())).jobs_to_flush == {load.job.job_id}
     complete(sched, ConnectorMetadata(load_jobs=(load,)))
-    sched.manager.check_integrity()
+    sched.index.check_integrity()
     assert sched.get_num_new_matched_tokens(Req("c", list(range(65))), 0) == (64, True)
 
 

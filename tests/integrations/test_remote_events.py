@@ -8,10 +8,10 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvoffload.connector.stats import TransferStats
+from kvoffload.index.base import EventKind, OffloadEvent
 from kvoffload.integrations.vllm.events import MEDIUM_REMOTE, kv_events
 from kvoffload.integrations.vllm.metrics import KVOffloadStats
 from kvoffload.keys import OffloadKey
-from kvoffload.manager.base import EventKind, OffloadEvent
 from kvoffload.specs import JobId, Medium
 from kvoffload.transfer.base import TransferResult
 

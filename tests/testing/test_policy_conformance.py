@@ -1,6 +1,6 @@
 """The policy conformance suite can fail: each check catches a policy that breaks its rule (a mutant of LRU).
 
-tests/manager/test_policies.py runs the suite over every ``EvictionPolicy``.
+tests/index/test_policies.py runs the suite over every ``EvictionPolicy``.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from collections.abc import Iterable
 
 import pytest
 
+from kvoffload.index.policies import CanEvict, LRUPolicy
 from kvoffload.keys import OffloadKey
-from kvoffload.manager.policies import CanEvict, LRUPolicy
 from kvoffload.testing import policy_conformance as pc
 from kvoffload.testing.policy_conformance import POLICY_CHECKS, PolicyConformanceError, check_policy
 

@@ -35,7 +35,7 @@ def make_engine(layout="attention", factor=1, num_blocks=48, host_blocks=256, wo
 def assert_drained(engine):
     """Everything done: no job in flight, no pin, and the tier empties completely on reset."""
     assert engine.scheduler.num_pending_jobs == 0
-    engine.scheduler.manager.check_integrity()
+    engine.scheduler.index.check_integrity()
     engine.scheduler.reset()
     assert all(u.used_blocks == 0 for u in engine.scheduler.usage())
     assert engine.corrupt_blocks == []

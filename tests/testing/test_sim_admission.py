@@ -68,7 +68,7 @@ def test_second_sighting_stores_a_prefix_the_second_time_and_the_third_request_l
     reference = three_requests(make_engine("all", layout))
     assert [r.all_token_ids for r, _, _ in runs] == [r.all_token_ids for r, _, _ in reference]
     assert engine.corrupt_blocks == [] and engine.verified_blocks == COMPUTED_BLOCKS  # loaded, checked bit for bit
-    engine.scheduler.manager.check_integrity()
+    engine.scheduler.index.check_integrity()
 
 
 def test_the_check_fails_when_admission_is_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -108,7 +108,7 @@ def test_after_a_declined_block_a_request_stores_none_of_its_later_blocks() -> N
 
 def test_adaptive_admission_sees_each_prompt_once_and_stores_every_block_at_first(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvoffload.manager.admission import AdaptiveAdmission
+    from kvoffload.index.admission import AdaptiveAdmission
 
     seen: list[int] = []
     looked_up = AdaptiveAdmission.looked_up
@@ -129,11 +129,11 @@ def test_adaptive_admission_sees_each_prompt_once_and_stores_every_block_at_firs
 
 def test_adaptive_eviction_is_steered_by_the_rule_the_scheduler_builds() -> None:
     from kvoffload.config import EvictionPolicy
-    from kvoffload.manager.admission import AdaptiveAdmission
-    from kvoffload.manager.policies import AdaptivePolicy
+    from kvoffload.index.admission import AdaptiveAdmission
+    from kvoffload.index.policies import AdaptivePolicy
 
     engine = sim_workload.make_engine(block_size=BLOCK, num_blocks=64, host_blocks=64, eviction_policy="adaptive")
-    rule, policy = engine.scheduler.admission, engine.scheduler.manager.host_policy
+    rule, policy = engine.scheduler.admission, engine.scheduler.index.host_policy
     assert isinstance(policy, AdaptivePolicy) and isinstance(rule, AdaptiveAdmission) and rule._steer is policy
     assert policy.live is EvictionPolicy.LRU and rule.admits_all  # behind store_admission all: every block
     (_, a_stats, a_held), (b, _, _), _ = three_requests(engine)

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from kvoffload.config import DiskTierConfig, RemoteTierConfig
+from kvoffload.index.base import LookupResult, LowerIndex
+from kvoffload.index.slot_index import SlotIndex
 from kvoffload.keys import BlockHash, Namespace, OffloadKey, offload_key
-from kvoffload.manager.base import LookupResult, LowerTier
-from kvoffload.manager.slot_index import SlotIndex
 from kvoffload.specs import BlockSpec, Medium
 from kvoffload.testing.tier_conformance import (
     ALL_INDEX_CHECKS,
@@ -54,12 +54,12 @@ class KeyedHarness(IndexHarness):
 class SlotHarness(KeyedHarness):
     """A ``SlotIndex`` as a tier's index (what a memory tier needs), or a broken variant of it."""
 
-    def __init__(self, make: Callable[[int], LowerTier] = lambda n: SlotIndex(n, medium=MEDIUM,
+    def __init__(self, make: Callable[[int], LowerIndex] = lambda n: SlotIndex(n, medium=MEDIUM,
                                                                                  spec_factory=tier_spec)) -> None:
         super().__init__()
         self._make = make
 
-    def new_index(self) -> LowerTier:
+    def new_index(self) -> LowerIndex:
         return self._make(CAPACITY)
 
 
@@ -78,7 +78,7 @@ class DiskHarness(KeyedHarness):
         self._directory = root
         self._type = index_type
 
-    def new_index(self) -> LowerTier:
+    def new_index(self) -> LowerIndex:
         root = next(self._roots)
         self._directory = rank_directory(root, NS)
         config = DiskTierConfig(path=root, capacity_bytes=CAPACITY * file_bytes(PAYLOAD))
@@ -99,7 +99,7 @@ class RemoteHarness(KeyedHarness):
         self._url = url
         self._client = client
 
-    def new_index(self) -> LowerTier:
+    def new_index(self) -> LowerIndex:
         import redis
 
         from kvoffload.tiers.remote.index import RemoteIndex
@@ -178,7 +178,7 @@ class CountsEveryHit(SlotIndex):
         return LookupResult(sum(super(CountsEveryHit, self).lookup([k]).hits for k in keys))
 
 
-BROKEN: list[tuple[Callable[[int], LowerTier], Callable[[IndexHarness], None], str]] = [
+BROKEN: list[tuple[Callable[[int], LowerIndex], Callable[[IndexHarness], None], str]] = [
     (lambda n: ForgetsStores(n, medium=MEDIUM, spec_factory=tier_spec), check_stored_keys_are_found,
      "lookup found 0 of 3 keys just stored"),
     (IgnoresCapacity, check_capacity_is_bounded, "reserved room for 6 new keys in an index of capacity 5"),
@@ -193,12 +193,12 @@ BROKEN: list[tuple[Callable[[int], LowerTier], Callable[[IndexHarness], None], s
 
 @pytest.mark.parametrize(("make", "check", "message"), BROKEN,
                          ids=["forgets-stores", "ignores-capacity", "does-not-pin", "counts-every-hit", "host-specs"])
-def test_a_broken_index_fails_the_check_of_the_rule_it_breaks(make: Callable[[int], LowerTier],
+def test_a_broken_index_fails_the_check_of_the_rule_it_breaks(make: Callable[[int], LowerIndex],
                                                               check: Callable[[IndexHarness], None],
                                                               message: str) -> None:
     with pytest.raises(TierConformanceError, match=message):
         check(SlotHarness(make))
-    with pytest.raises(TierConformanceError, match="LowerTier rule broken"):
+    with pytest.raises(TierConformanceError, match="LowerIndex rule broken"):
         check_tier_index(SlotHarness(make))
 
 

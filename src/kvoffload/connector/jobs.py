@@ -1,9 +1,9 @@
 """The scheduler half's job book: job ids, the jobs in flight, fences, and what finishing a job means.
 
 Load planning (``loads.py``) and the store scan (``stores.py``) open jobs here; ``ConnectorScheduler`` hands the
-manager's tier transfers here as jobs, puts the jobs to flush into each step's ``ConnectorMetadata``, and passes the
+index's tier transfers here as jobs, puts the jobs to flush into each step's ``ConnectorMetadata``, and passes the
 workers' reports (``WorkerMetadata``) to ``report``. A job is done once every worker reported it and failed if any
-worker failed it; finishing it tells the manager (a completed store makes its blocks loadable, a failed load drops
+worker failed it; finishing it tells the index (a completed store makes its blocks loadable, a failed load drops
 its keys) and, for a promotion from a lower tier, times it for cost-aware loading (``load_cost.py``).
 """
 
@@ -20,8 +20,8 @@ from kvoffload.connector.load_cost import LoadCost
 from kvoffload.connector.metadata import WorkerMetadata
 from kvoffload.connector.requests import RequestState
 from kvoffload.connector.stats import SchedulerStats
+from kvoffload.index.base import BlockIndex, TierTransfer
 from kvoffload.keys import OffloadKey
-from kvoffload.manager.base import ResidencyManager, TierTransfer
 from kvoffload.specs import BlockSpec, JobId, Medium, TransferJob
 
 logger = logging.getLogger(__name__)
@@ -52,9 +52,9 @@ class JobBook:
     ``jobs`` of the states that still exist. Not thread-safe: the engine's scheduler calls it from one thread.
     """
 
-    def __init__(self, manager: ResidencyManager, requests: dict[str, RequestState], stats: SchedulerStats,
+    def __init__(self, index: BlockIndex, requests: dict[str, RequestState], stats: SchedulerStats,
                  load_cost: LoadCost, world_size: int, clock: Callable[[], float]) -> None:
-        self._manager = manager
+        self._index = index
         self._requests = requests
         self._stats = stats
         self._load_cost = load_cost
@@ -81,7 +81,7 @@ class JobBook:
         return job_id
 
     def tier_job(self, transfer: TierTransfer) -> TransferJob:
-        """The job for one of the manager's tier transfers; a promotion (into host) is timed for its tier."""
+        """The job for one of the index's tier transfers; a promotion (into host) is timed for its tier."""
         job = self.new_job(JobKind.TIER, (), (), transfer.transfer_id)
         if transfer.dst.medium == Medium.HOST:  # a promotion: timed for the tier's speed (load_cost)
             nbytes = sum(transfer.src.group_sizes) * self._load_cost.block_bytes
@@ -127,13 +127,13 @@ class JobBook:
             if (state := self._requests.get(req_id)) is not None:
                 state.jobs.discard(job_id)
         if job.kind is JobKind.LOAD:
-            self._manager.complete_load(job.keys, success)
+            self._index.complete_load(job.keys, success)
             if not success:
                 self._stats.failed_load_tokens += job.tokens
         elif job.kind is JobKind.STORE:
-            self._manager.complete_store(job.keys, success)
+            self._index.complete_store(job.keys, success)
         else:
-            self._manager.complete_transfer(job.transfer_id, success)
+            self._index.complete_transfer(job.transfer_id, success)
             timed = self._promotions.pop(job_id, None)
             if timed is not None and success:
                 medium, nbytes, started = timed
@@ -141,5 +141,5 @@ class JobBook:
 
 
 def regroup(spec: BlockSpec, group_sizes: tuple[int, ...]) -> BlockSpec:
-    """A manager returns one flat group; the job needs the per-group split of the same entries."""
+    """An index returns one flat group; the job needs the per-group split of the same entries."""
     return dataclasses.replace(spec, group_sizes=group_sizes)

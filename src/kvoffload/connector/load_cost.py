@@ -3,7 +3,7 @@
 Place in the data flow: the scheduler half times every tier job it ships (from ``build_connector_meta`` to the
 workers' report of it in ``update_connector_output``) and feeds each finished promotion (a lower tier -> host
 copy) to ``LoadCost.observe_transfer``; it feeds each step's prefill work to ``observe_step``. When a lookup
-finds blocks that only a lower tier holds, the residency manager asks ``LoadCost.worth_loading(medium, blocks)``
+finds blocks that only a lower tier holds, the index asks ``LoadCost.worth_loading(medium, blocks)``
 before it queues their promotion; a "no" is a miss (the engine computes), counted in ``skipped_blocks``.
 
 The estimate per tier: the latency and bandwidth of its recent promotions (a least-squares line of seconds

@@ -1,7 +1,7 @@
 """The scheduler half's load side: how many prefix tokens kvoffload can supply, and the load job for them.
 
 ``ConnectorScheduler.get_num_new_matched_tokens`` asks ``LoadPlanner.lookup`` how many leading offload blocks of a
-new request are ready in every KV-cache group (the manager's lookups) and keeps the hit as the request's
+new request are ready in every KV-cache group (the index's lookups) and keeps the hit as the request's
 ``PlannedLoad``; ``update_state_after_alloc`` asks ``LoadPlanner.start`` to pin those blocks and open a load job
 (in ``jobs.py``) for the device blocks the engine allocated. The step's ``ConnectorMetadata`` takes the new load
 jobs (``take_new_loads``).
@@ -16,8 +16,8 @@ from kvoffload.connector.metadata import LoadJob
 from kvoffload.connector.requests import EngineRequest, PlannedLoad, RequestState
 from kvoffload.connector.stats import SchedulerStats
 from kvoffload.connector.stores import StoreAdmitter
+from kvoffload.index.base import BlockIndex
 from kvoffload.keys import OffloadKey
-from kvoffload.manager.base import ResidencyManager
 from kvoffload.specs import NO_BLOCK, BlockSpec, DeviceBlocks, HostBlocks, TransferJob
 
 
@@ -25,10 +25,10 @@ class LoadPlanner:
     """Finds each new request's hit and starts its load. Not thread-safe: the engine's scheduler calls it from one
     thread."""
 
-    def __init__(self, manager: ResidencyManager, jobs: JobBook, admission: StoreAdmitter, stats: SchedulerStats,
+    def __init__(self, index: BlockIndex, jobs: JobBook, admission: StoreAdmitter, stats: SchedulerStats,
                  factor: int, engine_block_size: int, num_groups: int, state_groups: frozenset[int],
                  null_block_id: int | None) -> None:
-        self._manager = manager
+        self._index = index
         self._jobs = jobs
         self._admission = admission
         self._stats = stats
@@ -70,7 +70,7 @@ class LoadPlanner:
                 continue
             keys = state.keys(first, first + hits, group)
             group_keys[group] = keys
-            result = self._manager.lookup(keys)
+            result = self._index.lookup(keys)
             if result.hits < hits:
                 # The group with the shortest run decides, and whether its next block is on its way.
                 hits, pending = result.hits, result.pending
@@ -119,7 +119,7 @@ class LoadPlanner:
         """
         while hits > 0:
             keys = [state.keys(first + hits - 1, first + hits, g)[0] for g in sorted(self._state_groups)]
-            if self._manager.lookup(keys).hits == len(keys):
+            if self._index.lookup(keys).hits == len(keys):
                 return hits
             hits -= 1
         return 0
@@ -144,8 +144,8 @@ class LoadPlanner:
         skip = plan.computed // ebs - plan.first * self._factor
         flat_keys = plan.keys if end == plan.end else tuple(
             k for g in range(self._num_groups) for k in state.keys(plan.first, end, g))
-        src = self._manager.prepare_load(flat_keys)
-        self._manager.touch(flat_keys)
+        src = self._index.prepare_load(flat_keys)
+        self._index.touch(flat_keys)
         n = end - plan.first
         # Written: the engine blocks holding tokens the engine now counts as computed (-(-a // b): a / b rounded up).
         dst = self._device_side(state, plan.computed // ebs, end * self._factor, -(-stop // ebs))

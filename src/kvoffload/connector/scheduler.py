@@ -26,10 +26,10 @@ from kvoffload.connector.recording import TraceTap
 from kvoffload.connector.requests import EngineRequest, RequestState, StepSchedule
 from kvoffload.connector.stats import SchedulerStats
 from kvoffload.connector.stores import StoreAdmitter, StoreScan
+from kvoffload.index.admission import make_admission
+from kvoffload.index.base import BlockIndex, OffloadEvent, TierUsage
 from kvoffload.keys import Namespace
 from kvoffload.layout import KVCacheLayout
-from kvoffload.manager.admission import make_admission
-from kvoffload.manager.base import OffloadEvent, ResidencyManager, TierUsage
 from kvoffload.specs import Medium
 from kvoffload.tiers.sizing import host_slot_bytes, offload_factor
 from kvoffload.tiers.spec import TierContext
@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 class ConnectorScheduler:
     def __init__(self, config: OffloadConfig, layout: KVCacheLayout, engine_block_size: int,
-                 namespace: Namespace, manager: ResidencyManager | None = None,
+                 namespace: Namespace, index: BlockIndex | None = None,
                  null_block_id: int | None = None, flush_stores_next_step: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``null_block_id``: the engine's placeholder block (vLLM's block 0 stands in for blocks a sliding-window
@@ -58,11 +58,11 @@ class ConnectorScheduler:
         self.offload_tokens = self.factor * engine_block_size
         self.num_groups = len(layout.groups)
         self.state_groups = frozenset(layout.state_groups)
-        self.manager = manager or build_index(config, TierContext(namespace, layout, self.factor))
+        self.index = index or build_index(config, TierContext(namespace, layout, self.factor))
         self.flush_stores_next_step = flush_stores_next_step
         self.load_cost = LoadCost(config.load_policy, self.offload_tokens, host_slot_bytes(layout, self.factor),
                                   config.prefill_tokens_per_s)
-        self.manager.set_load_cost(self.load_cost)
+        self.index.set_load_cost(self.load_cost)
         self._clock = clock
         self._skipped_reported = 0
         self._last_meta: tuple[float, int] | None = None
@@ -73,16 +73,16 @@ class ConnectorScheduler:
         self._generation = 0
         """Bumped whenever a request state comes, goes, or changes its store threshold outside a step."""
         self._usage_moved = True
-        """A manager call that may change tier usage ran since ``take_usage_moved`` (stats skip it otherwise)."""
+        """An index call that may change tier usage ran since ``take_usage_moved`` (stats skip it otherwise)."""
         self._trace = None if config.record_trace is None else TraceTap(config.record_trace, self.offload_tokens,
                                                                          clock)
-        host = next(u for u in self.manager.usage() if u.medium == Medium.HOST)
-        self.admission = make_admission(config.store_admission, host.capacity_blocks, self.manager.host_policy)
-        self._jobs = JobBook(self.manager, self._requests, self._stats, self.load_cost, namespace.world_size, clock)
+        host = next(u for u in self.index.usage() if u.medium == Medium.HOST)
+        self.admission = make_admission(config.store_admission, host.capacity_blocks, self.index.host_policy)
+        self._jobs = JobBook(self.index, self._requests, self._stats, self.load_cost, namespace.world_size, clock)
         self._admitter = StoreAdmitter(self.admission, self._stats)
-        self._loads = LoadPlanner(self.manager, self._jobs, self._admitter, self._stats, self.factor,
+        self._loads = LoadPlanner(self.index, self._jobs, self._admitter, self._stats, self.factor,
                                   engine_block_size, self.num_groups, self.state_groups, null_block_id)
-        self._stores = StoreScan(self.manager, self._requests, self._jobs, self._admitter, self.factor,
+        self._stores = StoreScan(self.index, self._requests, self._jobs, self._admitter, self.factor,
                                  self.num_groups, null_block_id)
 
     @property
@@ -128,7 +128,7 @@ class ConnectorScheduler:
             return False  # no full block before the last token, which the engine computes itself
         groups = [g for g in range(self.num_groups) if g not in self.state_groups] or [0]
         for group in groups:
-            result = self.manager.lookup(state.keys(0, 1, group))
+            result = self.index.lookup(state.keys(0, 1, group))
             if result.hits == 0 and not result.pending:
                 return False
         return True
@@ -156,7 +156,7 @@ class ConnectorScheduler:
             store = self._stores.store_job(full)
         if store is not None and self.flush_stores_next_step:
             jobs.to_flush_next.add(store.job_id)
-        transfers = self.manager.take_transfers()
+        transfers = self.index.take_transfers()
         tier_jobs = [jobs.tier_job(t) for t in transfers] if transfers else []
         if not (store or tier_jobs or self._loads.new_loads or jobs.to_flush or jobs.to_flush_next):
             return NO_JOBS  # most decode steps
@@ -198,10 +198,10 @@ class ConnectorScheduler:
         self._admitter.forget(req_id)
 
     def take_events(self) -> list[OffloadEvent]:
-        return self.manager.take_events()
+        return self.index.take_events()
 
     def reset(self) -> bool:
-        self.manager.reset()
+        self.index.reset()
         self._usage_moved = True
         return True
 
@@ -223,19 +223,19 @@ class ConnectorScheduler:
         return stats
 
     def usage(self) -> list[TierUsage]:
-        return self.manager.usage()
+        return self.index.usage()
 
     def pool_counters(self) -> dict[str, int]:
         """The shared pool's counters (``host_scope`` node), else empty."""
-        return self.manager.pool_counters()
+        return self.index.pool_counters()
 
     def pool_directory(self) -> str | None:
         """Where the shared pool lives (``host_scope`` node), else None."""
-        return self.manager.pool_directory()
+        return self.index.pool_directory()
 
     def close(self) -> None:
         """The engine stops: the tiers release what they hold outside this process, the trace is flushed."""
-        self.manager.close()
+        self.index.close()
         if self._trace is not None:
             self._trace.close()
 

@@ -70,7 +70,7 @@ class SchedulerStats:
     skipped_slow_tokens: int = 0
     """Tokens a lower tier held but that were recomputed, as loading them was expected to be slower."""
     admitted_blocks: int = 0
-    """Offload blocks a request computed that store admission let through (the manager still skips those it
+    """Offload blocks a request computed that store admission let through (the index still skips those it
     holds); every one with ``store_admission: all``. Counted per block of tokens, not per KV-cache group."""
     declined_blocks: int = 0
     """Offload blocks a request computed that store admission declined: not stored."""

@@ -2,13 +2,13 @@
 
 ``ConnectorScheduler.build_connector_meta`` passes the step's schedule (``StepSchedule``, columns) to
 ``StoreScan.collect``, which tracks the requests' new device blocks and returns their offload blocks that became full
-(``FullBlocks``); ``StoreScan.store_job`` turns them into the step's one store job (the manager skips blocks it holds
+(``FullBlocks``); ``StoreScan.store_job`` turns them into the step's one store job (the index skips blocks it holds
 and evicts through its policy), opened in the job book (``jobs.py``).
 
-Store admission (``config.store_admission``, manager/admission.py) sees each block a request computes once, when
+Store admission (``config.store_admission``, index/admission.py) sees each block a request computes once, when
 it becomes full: the rule says how many leading ones of the step's new full blocks to store, and the request stores
 none after one it declined (a block is useless without its parent). Blocks the request found cached (device prefix
-cache or a kvoffload load, ``StoreAdmitter.reused``) are reuses, stored without asking (the manager skips those it
+cache or a kvoffload load, ``StoreAdmitter.reused``) are reuses, stored without asking (the index skips those it
 holds).
 """
 
@@ -23,9 +23,9 @@ from kvoffload import _stepscan
 from kvoffload.connector.jobs import JobBook, JobKind, regroup
 from kvoffload.connector.requests import NEVER, RequestState, StepSchedule
 from kvoffload.connector.stats import SchedulerStats
+from kvoffload.index.admission import Admission, AdmitAll
+from kvoffload.index.base import BlockIndex
 from kvoffload.keys import OffloadKey
-from kvoffload.manager.admission import Admission, AdmitAll
-from kvoffload.manager.base import ResidencyManager
 from kvoffload.specs import DeviceBlocks, TransferJob
 
 logger = logging.getLogger(__name__)
@@ -131,9 +131,9 @@ class StoreScan:
     thread.
     """
 
-    def __init__(self, manager: ResidencyManager, requests: dict[str, RequestState], jobs: JobBook,
+    def __init__(self, index: BlockIndex, requests: dict[str, RequestState], jobs: JobBook,
                  admission: StoreAdmitter, factor: int, num_groups: int, null_block_id: int | None) -> None:
-        self._manager = manager
+        self._index = index
         self._requests = requests
         self._jobs = jobs
         self._admission = admission
@@ -215,11 +215,11 @@ class StoreScan:
 
     def store_job(self, full: FullBlocks) -> TransferJob | None:
         """One store job per step for every request's new full blocks: one submit, one copy plan (None: nothing
-        to store, or the manager has no room)."""
+        to store, or the index has no room)."""
         keys = [k for group in full.keys for k in group]  # specs list group 0's blocks first
         if not keys:
             return None
-        out = self._manager.prepare_store(keys)
+        out = self._index.prepare_store(keys)
         if out is None or not out.keys_to_store:
             return None
         if len(out.keys_to_store) < len(keys):  # some are stored already, or two requests share a block

@@ -9,7 +9,7 @@
 - ``layouts``: ready-made KV cache layouts (attention, padded, shared buffer, multi-group, Mamba-style).
 - ``conformance``: checks any ``TransferHandler`` must pass (``keyed_store_harness``: the harness for a store that
   names blocks by key).
-- ``tier_conformance``: checks any tier index (``LowerTier``) must pass.
+- ``tier_conformance``: checks any tier index (``LowerIndex``) must pass.
 - ``policy_conformance``: checks any eviction ``Policy`` must pass.
 - ``redis_server``, ``ceph_rgw``: real servers the tests start on loopback: redis-server, and a single-node Ceph
   cluster with radosgw (S3) that can lose its radosgw or its OSD on demand.

@@ -1,4 +1,4 @@
-"""A conformance suite for eviction policies (``kvoffload.manager.policies.base.Policy``), ours and third parties'.
+"""A conformance suite for eviction policies (``kvoffload.index.policies.base.Policy``), ours and third parties'.
 
 A policy's author passes a factory (tier capacity in keys -> a fresh policy) to every check::
 
@@ -8,7 +8,7 @@ A policy's author passes a factory (tier capacity in keys -> a fresh policy) to 
     def test_my_policy_conforms(check):
         check(MyPolicy)
 
-Each check drives fresh policies the way a tier manager does (never more resident keys than the capacity; victims
+Each check drives fresh policies the way a tier's index does (never more resident keys than the capacity; victims
 asked for before inserting into a full tier) and raises ``PolicyConformanceError`` naming the broken rule of the
 interface: victims are exactly ``n`` resident keys that ``can_evict`` allowed, or None and no change at all; a
 refused key stays resident and first in line; keys only inserted leave oldest first; a resident key inserted again
@@ -23,8 +23,8 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from kvoffload.index.policies.base import Policy
 from kvoffload.keys import OffloadKey
-from kvoffload.manager.policies.base import Policy
 
 PolicyFactory = Callable[[int], Policy]
 """Builds a fresh, empty policy for a tier of the given capacity in keys."""

@@ -388,4 +388,4 @@ class SimEngine:
                 raise AssertionError(f"request {req.request_id}: wrong device bytes at {bad[:5]}")
         if not self.null_block_intact():
             raise AssertionError("the null block was written")
-        self.scheduler.manager.check_integrity()
+        self.scheduler.index.check_integrity()

@@ -36,7 +36,7 @@ def run_checked(engine: SimEngine, *, ship_write_through: bool = False) -> None:
     Args:
         engine: the engine, with the requests to run added.
         ship_write_through: then take one more step, which ships the write-through to a lower tier that the last
-            store queued (``SimEngine.run`` stops before the manager's queue), and run until done again.
+            store queued (``SimEngine.run`` stops before the index's queue), and run until done again.
     Raises:
         AssertionError: a block's bytes were wrong, or the null block was written.
         RuntimeError: the engine did not finish (``SimEngine.run``).

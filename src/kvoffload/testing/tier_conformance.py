@@ -1,7 +1,7 @@
-"""A conformance suite for the scheduler-side index of a tier under host (a ``LowerTier``), ours and third parties'.
+"""A conformance suite for the scheduler-side index of a tier under host (a ``LowerIndex``), ours and third parties'.
 
-``TieredManager`` trusts a lower tier's index to keep the rules of ``manager.base.ResidencyManager`` as the
-``LowerTier`` docstring (``manager/tiered.py``) narrows them. A tier's author writes an ``IndexHarness`` (fresh
+``TieredIndex`` trusts a lower tier's index to keep the rules of ``index.base.BlockIndex`` as the
+``LowerIndex`` docstring (``index/tiered.py``) narrows them. A tier's author writes an ``IndexHarness`` (fresh
 indexes of a known capacity, fresh keys, and what the tier's workers leave behind after a store) and runs every
 check against it::
 
@@ -19,7 +19,7 @@ index never holds more than its capacity and ``usage`` says what it holds; ``loo
 ``reset`` forgets the ready, unpinned entries and keeps the pinned and in-flight ones; events name the tier's
 medium and the keys stored and evicted; ``check_integrity`` passes after every call. Only what every built-in
 index does is asked: nothing about which entry the eviction policy picks, nor about ``pending``, which
-``TieredManager`` does not read from a lower tier.
+``TieredIndex`` does not read from a lower tier.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
+from kvoffload.index.base import EventKind, IntegrityError, LowerIndex, PrepareStoreOutput
 from kvoffload.keys import OffloadKey
-from kvoffload.manager.base import EventKind, IntegrityError, LowerTier, PrepareStoreOutput
 from kvoffload.specs import BlockSpec, DeviceBlocks, HostBlocks, TierBlocks
 from kvoffload.testing.conformance import ConformanceError
 
@@ -37,7 +37,7 @@ MIN_CAPACITY = 4
 
 
 class TierConformanceError(ConformanceError):
-    """A tier's index broke a rule of the ``LowerTier`` interface; the message says which."""
+    """A tier's index broke a rule of the ``LowerIndex`` interface; the message says which."""
 
 
 class IndexHarness(ABC):
@@ -50,7 +50,7 @@ class IndexHarness(ABC):
         three times as many keys, so keep it small)."""
 
     @abstractmethod
-    def new_index(self) -> LowerTier:
+    def new_index(self) -> LowerIndex:
         """A fresh, empty index of ``capacity`` entries, sharing nothing with the indexes made before."""
 
     @abstractmethod
@@ -66,10 +66,10 @@ IndexCheck = Callable[[IndexHarness], None]
 
 
 def _fail(rule: str) -> TierConformanceError:
-    return TierConformanceError(f"LowerTier rule broken: {rule}")
+    return TierConformanceError(f"LowerIndex rule broken: {rule}")
 
 
-def _checked(index: LowerTier, after: str) -> None:
+def _checked(index: LowerIndex, after: str) -> None:
     """``check_integrity`` must pass after every call."""
     try:
         index.check_integrity()
@@ -77,7 +77,7 @@ def _checked(index: LowerTier, after: str) -> None:
         raise _fail(f"check_integrity() failed after {after}: {e}") from e
 
 
-def _new(harness: IndexHarness) -> LowerTier:
+def _new(harness: IndexHarness) -> LowerIndex:
     if harness.capacity < MIN_CAPACITY:
         raise ValueError(f"IndexHarness.capacity {harness.capacity} is below {MIN_CAPACITY}")
     index = harness.new_index()
@@ -86,7 +86,7 @@ def _new(harness: IndexHarness) -> LowerTier:
     return index
 
 
-def _reserve(index: LowerTier, keys: Sequence[OffloadKey]) -> PrepareStoreOutput:
+def _reserve(index: LowerIndex, keys: Sequence[OffloadKey]) -> PrepareStoreOutput:
     out = index.prepare_store(keys)
     _checked(index, f"prepare_store of {len(keys)} keys")
     if out is None:
@@ -94,37 +94,37 @@ def _reserve(index: LowerTier, keys: Sequence[OffloadKey]) -> PrepareStoreOutput
     return out
 
 
-def _complete(harness: IndexHarness, index: LowerTier, out: PrepareStoreOutput, success: bool = True) -> None:
+def _complete(harness: IndexHarness, index: LowerIndex, out: PrepareStoreOutput, success: bool = True) -> None:
     harness.written(out.keys_to_store)  # even for a failed store: some workers may have written theirs
     index.complete_store(out.keys_to_store, success)
     _checked(index, f"complete_store(success={success})")
 
 
-def _store(harness: IndexHarness, index: LowerTier, keys: Sequence[OffloadKey]) -> PrepareStoreOutput:
+def _store(harness: IndexHarness, index: LowerIndex, keys: Sequence[OffloadKey]) -> PrepareStoreOutput:
     out = _reserve(index, keys)
     _complete(harness, index, out)
     return out
 
 
-def _found(index: LowerTier, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+def _found(index: LowerIndex, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
     """The keys of ``keys`` a lookup of each alone finds."""
     found = [k for k in keys if index.lookup([k]).hits == 1]
     _checked(index, "lookup")
     return found
 
 
-def _load(index: LowerTier, keys: Sequence[OffloadKey]) -> BlockSpec:
+def _load(index: LowerIndex, keys: Sequence[OffloadKey]) -> BlockSpec:
     spec = index.prepare_load(keys)
     _checked(index, f"prepare_load of {len(keys)} keys")
     return spec
 
 
-def _unpin(index: LowerTier, keys: Sequence[OffloadKey], success: bool = True) -> None:
+def _unpin(index: LowerIndex, keys: Sequence[OffloadKey], success: bool = True) -> None:
     index.complete_load(keys, success)
     _checked(index, f"complete_load(success={success})")
 
 
-def _used(index: LowerTier) -> int:
+def _used(index: LowerIndex) -> int:
     usage = index.usage()
     if len(usage) != 1 or usage[0].medium != index.medium:
         raise _fail(f"usage() of a lower tier must be one entry of its medium {index.medium.value!r}, got {usage}")
@@ -142,7 +142,7 @@ def _entries(spec: BlockSpec) -> list[object]:
     return list(spec.keys)
 
 
-def _one_entry_per_key(index: LowerTier, spec: BlockSpec, keys: Sequence[OffloadKey], call: str) -> None:
+def _one_entry_per_key(index: LowerIndex, spec: BlockSpec, keys: Sequence[OffloadKey], call: str) -> None:
     if spec.medium != index.medium:
         raise _fail(f"{call} answered a spec of medium {spec.medium.value!r}, not the tier's {index.medium.value!r}")
     if spec.group_sizes != (len(keys),) or len(_entries(spec)) != len(keys):
@@ -339,7 +339,7 @@ def check_events_name_the_tier(harness: IndexHarness) -> None:
         raise _fail("the keys a store evicted were not announced REMOVED")
 
 
-def _event_keys(index: LowerTier, kind: EventKind) -> set[OffloadKey]:
+def _event_keys(index: LowerIndex, kind: EventKind) -> set[OffloadKey]:
     events = index.take_events()
     strangers = [e for e in events if e.medium != index.medium]
     if strangers:

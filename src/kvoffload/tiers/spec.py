@@ -3,7 +3,7 @@
 vLLM binds the two halves of one medium in one ``OffloadingSpec``; this is ours. A spec is made from one
 configuration section (``DiskTierConfig``, ``RemoteTierConfig``, a ``PluginTierConfig``'s options) and makes:
 
-- ``make_index``, in the scheduler process: the tier's index (a ``manager.tiered.LowerTier``), which decides what the
+- ``make_index``, in the scheduler process: the tier's index (a ``index.tiered.LowerIndex``), which decides what the
   tier holds;
 - ``make_handler``, in each worker process: the tier's ``TransferHandler``, which moves the bytes between the host
   pool and the tier as the index's jobs say;
@@ -31,7 +31,7 @@ from kvoffload.tiers.lower.block_format import GroupedLayout, entry_bytes_of
 
 if TYPE_CHECKING:
     from kvoffload.canonical import CanonicalKV
-    from kvoffload.manager.base import HostTier, LowerTier
+    from kvoffload.index.base import HostIndex, LowerIndex
     from kvoffload.transfer.base import TransferHandler
     from kvoffload.transfer.host_pool import HostPool
 
@@ -76,7 +76,7 @@ class TierSpec(ABC):
         return False
 
     @abstractmethod
-    def make_index(self, context: TierContext) -> LowerTier:
+    def make_index(self, context: TierContext) -> LowerIndex:
         """The scheduler side: the tier's index (what it holds), rebuilt from what the tier already holds."""
 
     @abstractmethod
@@ -107,7 +107,7 @@ class HostSpec(ABC):
         return False
 
     @abstractmethod
-    def make_index(self, context: TierContext) -> HostTier:
+    def make_index(self, context: TierContext) -> HostIndex:
         """The scheduler side: the host tier's index."""
 
     @abstractmethod

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvoffload.config import KEYS, OffloadConfig
-from kvoffload.manager.base import ResidencyManager
+from kvoffload.index.base import BlockIndex
 from kvoffload.specs import Medium
 from kvoffload.tiers.registry import plugin_spec
 from kvoffload.tiers.spec import HostSpec, TierContext, TierSpec
@@ -65,8 +65,8 @@ def host_spec(config: OffloadConfig) -> HostSpec:
     return PrivateHostSpec(config)
 
 
-def build_index(config: OffloadConfig, context: TierContext) -> ResidencyManager:
-    """The scheduler half's index: the host tier's, over every configured tier (``TieredManager``).
+def build_index(config: OffloadConfig, context: TierContext) -> BlockIndex:
+    """The scheduler half's index: the host tier's, over every configured tier (``TieredIndex``).
 
     Host RAM is the hub; the tiers under it sit beside each other, asked in order (docs/remote.md says why).
 
@@ -77,9 +77,9 @@ def build_index(config: OffloadConfig, context: TierContext) -> ResidencyManager
     specs = tier_specs(config)
     if not specs:
         return host
-    from kvoffload.manager.tiered import Below, TieredManager  # only when a tier under host is configured
+    from kvoffload.index.tiered import Below, TieredIndex  # only when a tier under host is configured
 
-    return TieredManager(host, [Below(spec.make_index(context), spec.write_policy) for spec in specs])
+    return TieredIndex(host, [Below(spec.make_index(context), spec.write_policy) for spec in specs])
 
 
 @dataclass(frozen=True)

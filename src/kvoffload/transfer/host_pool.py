@@ -1,6 +1,6 @@
 """The host tier's memory: one int8 buffer of fixed-size slots.
 
-The host manager (scheduler side) hands out slot numbers; the worker side copies bytes into and out of them:
+The host index (scheduler side) hands out slot numbers; the worker side copies bytes into and out of them:
 device<->host copies (``transfer/host_copier.py``) and host<->disk I/O (``tiers/disk/handler.py``) both read and write
 rows of this buffer, from their own threads. The pool is deliberately a plain shared buffer with no locking:
 the scheduler never gives one slot to two jobs that could run at the same time.

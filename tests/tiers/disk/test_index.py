@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from kvoffload.config import ConfigError, DiskTierConfig, OffloadConfig
+from kvoffload.index.base import EventKind, LookupResult
 from kvoffload.keys import Namespace, OffloadKey, offload_key
-from kvoffload.manager.base import EventKind, LookupResult
 from kvoffload.specs import DiskBlocks, Medium
 from kvoffload.tiers.disk.index import DiskIndex
 from kvoffload.tiers.lower.block_format import block_path, file_bytes, rank_directory
@@ -154,7 +154,7 @@ def test_reset_forgets_unpinned_blocks_and_their_files(manager: DiskIndex, tmp_p
 
 
 def test_scheduler_side_disk_modules_import_no_torch() -> None:
-    code = ("import sys, kvoffload.tiers.disk.index, kvoffload.manager.tiered; "
+    code = ("import sys, kvoffload.tiers.disk.index, kvoffload.index.tiered; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], env={**os.environ}).returncode == 0
 

@@ -50,7 +50,7 @@ def test_prefix_evicted_from_host_comes_back_from_disk_bit_exact(tmp_path: Path,
     assert b.status is Status.FINISHED
     assert b.loaded_tokens == 16 and b.device_hit_tokens == 0
     assert engine.corrupt_blocks == [] and engine.verified_blocks >= 4
-    engine.scheduler.manager.check_integrity()
+    engine.scheduler.index.check_integrity()
 
 
 def test_two_workers_promote_and_load_their_own_rank_files(tmp_path: Path) -> None:
@@ -143,7 +143,7 @@ def test_a_directory_at_a_block_path_is_recomputed_within_a_few_steps(tmp_path: 
     engine.run(max_steps=STEP_BOUND, on_step=settled)
     assert b.status is Status.FINISHED and b.loaded_tokens == 0
     assert engine.corrupt_blocks == []
-    engine.scheduler.manager.check_integrity()
+    engine.scheduler.index.check_integrity()
 
 
 def test_a_corrupt_block_on_a_file_system_turned_read_only_is_recomputed_within_a_few_steps(

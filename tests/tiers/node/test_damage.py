@@ -17,8 +17,8 @@ from tests.tiers.node.pools import index_in, keys, locks_in, segment_in, slot_fi
 
 from kvoffload import _nodeindex
 from kvoffload.config import NodeTierConfig
+from kvoffload.index.base import IntegrityError
 from kvoffload.keys import Namespace
-from kvoffload.manager.base import IntegrityError
 from kvoffload.tiers.node.index import NodeIndex
 from kvoffload.tiers.node.segment import namespace_directory
 

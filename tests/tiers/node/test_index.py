@@ -12,8 +12,8 @@ from tests.tiers.node.pools import index_in, keys, locks_in, segment_in, store
 
 from kvoffload import _nodeindex
 from kvoffload.config import ConfigError
+from kvoffload.index.base import EventKind, IntegrityError
 from kvoffload.keys import OffloadKey
-from kvoffload.manager.base import EventKind, IntegrityError
 from kvoffload.testing.tier_conformance import ALL_INDEX_CHECKS, IndexCheck, IndexHarness
 from kvoffload.tiers.node.index import NodeIndex
 from kvoffload.tiers.node.segment import MISSING_EPOCH

@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvoffload.config import ObjectTierConfig
+from kvoffload.index.base import EventKind, OffloadEvent
 from kvoffload.keys import Namespace, OffloadKey, offload_key
-from kvoffload.manager.base import EventKind, OffloadEvent
 from kvoffload.tiers.lower.block_codec import encode_value
 from kvoffload.tiers.lower.block_format import BlockFormat
 from kvoffload.tiers.lower.breaker import CircuitBreaker

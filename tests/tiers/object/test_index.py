@@ -30,8 +30,8 @@ from tests.tiers.object.indexes import (
 
 from kvoffload.auth import TierSecret
 from kvoffload.config import ConfigError, ObjectTierConfig, OffloadConfig
+from kvoffload.index.base import EventKind, LookupResult
 from kvoffload.keys import OffloadKey
-from kvoffload.manager.base import EventKind, LookupResult
 from kvoffload.specs import Medium, ObjectBlocks
 from kvoffload.testing.ceph_rgw import CephRGW
 from kvoffload.testing.tier_conformance import ALL_INDEX_CHECKS, IndexCheck, IndexHarness
@@ -253,7 +253,7 @@ def test_a_missing_bucket_at_start_up_is_misses(ceph: CephRGW, credentials: None
 
 
 def test_the_configured_object_tier_builds_host_over_object(ceph: CephRGW, bucket: str) -> None:
-    from kvoffload.manager.tiered import TieredManager
+    from kvoffload.index.tiered import TieredIndex
     from kvoffload.testing import layouts
     from kvoffload.tiers.stack import build_index
 
@@ -261,6 +261,6 @@ def test_the_configured_object_tier_builds_host_over_object(ceph: CephRGW, bucke
     config = OffloadConfig.from_dict({"object_url": f"s3://{bucket}/team", "object_endpoint": ceph.endpoint,
                                       "host_bytes": 1 << 20, "object_bytes": 1 << 24})
     manager = build_index(config, TierContext(NS, layout, 1))
-    assert isinstance(manager, TieredManager) and isinstance(manager.lowers[0], ObjectIndex)
+    assert isinstance(manager, TieredIndex) and isinstance(manager.lowers[0], ObjectIndex)
     assert [u.medium for u in manager.usage()] == [Medium.HOST, Medium.OBJECT]
     assert not manager.lowers[0].probe.breaker.is_open  # HeadBucket answered

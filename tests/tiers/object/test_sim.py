@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from tests.tiers.object.indexes import listed
 
+from kvoffload.index.tiered import TieredIndex
 from kvoffload.keys import OffloadKey
-from kvoffload.manager.tiered import TieredManager
 from kvoffload.specs import Medium
 from kvoffload.testing import sim_workload
 from kvoffload.testing.ceph_rgw import CephRGW
@@ -27,8 +27,8 @@ def make_engine(ceph: CephRGW, bucket: str, host_blocks: int = 4, workers: int =
 
 
 def object_index(engine: SimEngine) -> ObjectIndex:
-    manager = engine.scheduler.manager
-    assert isinstance(manager, TieredManager) and isinstance(manager.lowers[0], ObjectIndex)
+    manager = engine.scheduler.index
+    assert isinstance(manager, TieredIndex) and isinstance(manager.lowers[0], ObjectIndex)
     return manager.lowers[0]
 
 
@@ -62,7 +62,7 @@ def test_prefix_evicted_from_host_comes_back_from_the_bucket_bit_exact(ceph: Cep
     assert len(names) == 16 * workers and all(n.startswith("sim/kvoffload/") for n in names)  # every rank's
     assert {f"/r{rank}/" for rank in range(workers)} == {n[n.index("/r"):n.index("/r") + 4] for n in names}
     assert {"host_to_object", "object_to_host"} <= set(engine.transfer_stats[0].by_type)
-    engine.scheduler.manager.check_integrity()
+    engine.scheduler.index.check_integrity()
 
 
 def test_two_engines_sharing_a_bucket_hit_each_others_prefixes_bit_exact(ceph: CephRGW, bucket: str) -> None:
@@ -94,7 +94,7 @@ def test_a_radosgw_killed_mid_run_costs_recomputes_not_wrong_tokens(ceph: CephRG
     assert all(r.status is Status.FINISHED for r in [b, *others])
     assert b.loaded_tokens == 0 and engine.corrupt_blocks == []
     assert "Traceback" not in caplog.text
-    engine.scheduler.manager.check_integrity()
+    engine.scheduler.index.check_integrity()
 
 
 def test_objects_gone_between_lookup_and_promotion_cost_a_recompute(ceph: CephRGW, bucket: str, s3: Any) -> None:
@@ -110,7 +110,7 @@ def test_objects_gone_between_lookup_and_promotion_cost_a_recompute(ceph: CephRG
     run_checked(engine)
     assert b.status is Status.FINISHED and b.loaded_tokens == 0
     assert engine.corrupt_blocks == []
-    engine.scheduler.manager.check_integrity()
+    engine.scheduler.index.check_integrity()
 
 
 def test_a_hole_the_search_counts_past_fails_the_load_and_costs_a_recompute(ceph: CephRGW, bucket: str, s3: Any,
@@ -142,7 +142,7 @@ def test_a_hole_the_search_counts_past_fails_the_load_and_costs_a_recompute(ceph
     assert asked[0] == (4, 4, 2)  # key 0, then key 3: the hole at key 1 is not probed, and is counted
     assert b.status is Status.FINISHED and b.loaded_tokens == 0  # counted as a hit, then recomputed
     assert second.corrupt_blocks == []
-    second.scheduler.manager.check_integrity()
+    second.scheduler.index.check_integrity()
 
 
 def test_the_worker_registers_the_object_handler_both_ways(ceph: CephRGW, bucket: str) -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from tests.architecture_rules import module_graph, reach
 
+from kvoffload.index.base import LowerIndex
 from kvoffload.keys import BlockHash, OffloadKey, offload_key
-from kvoffload.manager.base import LowerTier
 from kvoffload.specs import Medium, TierBlocks
 from kvoffload.testing.tier_conformance import ALL_INDEX_CHECKS, IndexHarness
 
@@ -30,7 +30,7 @@ class RamIndexHarness(IndexHarness):
     def capacity(self) -> int:
         return self._capacity
 
-    def new_index(self) -> LowerTier:
+    def new_index(self) -> LowerIndex:
         from ramtier.index import ram_index
 
         return ram_index(self._capacity)

@@ -68,9 +68,9 @@ def test_a_prefix_evicted_from_host_comes_back_from_the_ram_tier_bit_exact(worke
     assert promoted_jobs(engine) > 0
     assert engine.corrupt_blocks == [] and engine.verified_blocks >= PROMPT_BLOCKS
     assert b.all_token_ids == plain.all_token_ids
-    usage = {u.medium.value: u.used_blocks for u in engine.scheduler.manager.usage()}
+    usage = {u.medium.value: u.used_blocks for u in engine.scheduler.index.usage()}
     assert usage["ramtier"] > PROMPT_BLOCKS  # the fillers were written through too
-    engine.scheduler.manager.check_integrity()
+    engine.scheduler.index.check_integrity()
 
 
 def test_a_ram_tier_that_corrupts_its_loads_is_caught(ramtier_installed: Path) -> None:
@@ -86,4 +86,4 @@ def test_a_ram_tier_smaller_than_the_prefix_still_serves_only_right_bytes(ramtie
     b = repeated_prefix(engine)
     assert b.loaded_tokens < PROMPT_BLOCKS * BLOCK
     assert engine.corrupt_blocks == []
-    engine.scheduler.manager.check_integrity()
+    engine.scheduler.index.check_integrity()

@@ -7,8 +7,8 @@ import dataclasses
 from typing import Any
 
 from kvoffload.config import RemoteTierConfig
+from kvoffload.index.base import EventKind, OffloadEvent
 from kvoffload.keys import Namespace, OffloadKey, offload_key
-from kvoffload.manager.base import EventKind, OffloadEvent
 from kvoffload.tiers.lower.block_format import PLAIN, BlockFormat
 from kvoffload.tiers.remote.client import value_name
 from kvoffload.tiers.remote.index import RemoteIndex

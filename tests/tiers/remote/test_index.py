@@ -13,7 +13,7 @@ from tests.tiers.remote.indexes import NS, NS2, VALUE, Counting, config, exists,
 
 from kvoffload.auth import TierSecret
 from kvoffload.config import ConfigError, OffloadConfig, RemoteTierConfig
-from kvoffload.manager.base import EventKind, LookupResult
+from kvoffload.index.base import EventKind, LookupResult
 from kvoffload.specs import Medium, RemoteBlocks
 from kvoffload.testing.redis_server import RedisServer
 from kvoffload.tiers.lower import probed_index
@@ -278,14 +278,14 @@ def test_remote_bytes_below_one_value_is_a_config_error_naming_it() -> None:
 
 
 def test_the_configured_remote_tier_builds_the_host_over_remote(url: str) -> None:
-    from kvoffload.manager.tiered import TieredManager
+    from kvoffload.index.tiered import TieredIndex
     from kvoffload.testing import layouts
     from kvoffload.tiers.stack import build_index
 
     layout, _ = layouts.attention_layout(num_blocks=8, block_size=4)
     config = OffloadConfig.from_dict({"remote_url": url, "host_bytes": 1 << 20})
     manager = build_index(config, TierContext(NS, layout, 1))
-    assert isinstance(manager, TieredManager) and isinstance(manager.lowers[0], RemoteIndex)
+    assert isinstance(manager, TieredIndex) and isinstance(manager.lowers[0], RemoteIndex)
     assert [u.medium for u in manager.usage()] == [Medium.HOST, Medium.REMOTE]
 
 

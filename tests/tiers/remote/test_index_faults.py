@@ -10,7 +10,7 @@ import pytest
 from tests.tiers.remote.indexes import NS, VALUE, Counting, config, keys, make, write
 
 from kvoffload.auth import TierSecret
-from kvoffload.manager.base import LookupResult
+from kvoffload.index.base import LookupResult
 from kvoffload.testing.redis_server import RedisServer
 from kvoffload.tiers.remote.index import RemoteIndex
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvoffload.manager.tiered import TieredManager
+from kvoffload.index.tiered import TieredIndex
 from kvoffload.testing import sim_workload
 from kvoffload.testing.redis_server import RedisServer
 from kvoffload.testing.sim import SimEngine, Status
@@ -24,8 +24,8 @@ def make_engine(url: str, host_blocks: int = 4, workers: int = 1, **config: obje
 
 
 def remote_index(engine: SimEngine) -> RemoteIndex:
-    manager = engine.scheduler.manager
-    assert isinstance(manager, TieredManager) and isinstance(manager.lowers[0], RemoteIndex)
+    manager = engine.scheduler.index
+    assert isinstance(manager, TieredIndex) and isinstance(manager.lowers[0], RemoteIndex)
     return manager.lowers[0]
 
 
@@ -63,7 +63,7 @@ def test_prefix_evicted_from_host_comes_back_from_the_server_bit_exact(server: R
     assert engine.corrupt_blocks == [] and engine.verified_blocks >= 4
     assert values(server.url) == 16 * workers  # every rank's value of the four prompts' blocks
     assert {"host_to_remote", "remote_to_host"} <= set(engine.transfer_stats[0].by_type)
-    engine.scheduler.manager.check_integrity()
+    engine.scheduler.index.check_integrity()
 
 
 def test_two_engines_sharing_a_server_hit_each_others_prefixes_bit_exact(server: RedisServer) -> None:
@@ -90,7 +90,7 @@ def test_a_server_killed_mid_run_costs_recomputes_not_wrong_tokens(own_server: R
     run_checked(engine)
     assert all(r.status is Status.FINISHED for r in [b, *others])
     assert b.loaded_tokens == 0 and engine.corrupt_blocks == []
-    engine.scheduler.manager.check_integrity()
+    engine.scheduler.index.check_integrity()
 
 
 @pytest.mark.parametrize("how", ["evicted", "restarted"])
@@ -109,7 +109,7 @@ def test_values_gone_between_lookup_and_promotion_cost_a_recompute(own_server: R
     run_checked(engine)
     assert b.status is Status.FINISHED and b.loaded_tokens == 0
     assert engine.corrupt_blocks == []
-    engine.scheduler.manager.check_integrity()
+    engine.scheduler.index.check_integrity()
 
 
 def test_the_worker_registers_the_remote_handler_both_ways(server: RedisServer) -> None:
@@ -142,4 +142,4 @@ def test_two_engines_with_own_disks_over_one_server_hit_remote_then_local_bit_ex
     run_checked(second)
     assert c.status is Status.FINISHED and c.loaded_tokens == 16  # from B's disk: the server is gone
     assert second.corrupt_blocks == [] and second.verified_blocks >= 8
-    second.scheduler.manager.check_integrity()
+    second.scheduler.index.check_integrity()

@@ -1,4 +1,4 @@
-"""Store admission in replay: the manager's own rules (``kvoffload.manager.admission``) decide how many leading
+"""Store admission in replay: the manager's own rules (``kvoffload.index.admission``) decide how many leading
 missed blocks are stored; the bounds ignore them."""
 
 from __future__ import annotations

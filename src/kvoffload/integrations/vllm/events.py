@@ -11,7 +11,7 @@ from typing import Any
 
 from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent
 
-from kvoffload.manager.base import EventKind, OffloadEvent
+from kvoffload.index.base import EventKind, OffloadEvent
 from kvoffload.specs import Medium
 
 MEDIUM_REMOTE = "REMOTE"

@@ -32,16 +32,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvoffload.config import ConfigError, DiskTierConfig, EvictionPolicy
-from kvoffload.keys import Namespace, OffloadKey
-from kvoffload.manager.base import (
+from kvoffload.index.base import (
+    BlockIndex,
     EventKind,
     LookupResult,
     OffloadEvent,
     PrepareStoreOutput,
-    ResidencyManager,
     TierUsage,
 )
-from kvoffload.manager.slot_index import SlotIndex
+from kvoffload.index.slot_index import SlotIndex
+from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.specs import BlockSpec, DiskBlocks, Medium
 from kvoffload.tiers.disk.tree import Access, Tree, WorldLock, open_tree, scan
 from kvoffload.tiers.lower.block_format import BlockFormat, block_path, rank_directories
@@ -64,7 +64,7 @@ def disk_blocks(keys: Sequence[OffloadKey], slots: Sequence[int]) -> DiskBlocks:
     return DiskBlocks(keys=tuple(keys), group_sizes=(len(keys),))
 
 
-class DiskIndex(ResidencyManager):
+class DiskIndex(BlockIndex):
     """Index of the disk tier's block files.
 
     Args:
@@ -108,14 +108,14 @@ class DiskIndex(ResidencyManager):
         tree = open_tree(config.path, directories[0], access, fmt)
         if not os.access(directories[0], os.R_OK | os.W_OK | os.X_OK):
             raise ConfigError(f"disk_path={str(config.path)!r} is not readable and writable by this user")
-        manager = cls(capacity, config.policy, directories, tree)
+        index = cls(capacity, config.policy, directories, tree)
         try:
-            manager._lock = WorldLock(directories[0].parent, access)
+            index._lock = WorldLock(directories[0].parent, access)
         except OSError as e:
             raise ConfigError(f"disk_path={str(config.path)!r} cannot hold the disk tier: {e}") from e
-        manager.rebuild(trim=manager._lock.alone)
-        manager._lock.share()
-        return manager
+        index.rebuild(trim=index._lock.alone)
+        index._lock.share()
+        return index
 
     @property
     def capacity(self) -> int:

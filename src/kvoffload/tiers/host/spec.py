@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvoffload.manager.slot_index import SlotIndex
+from kvoffload.index.slot_index import SlotIndex
 from kvoffload.tiers.sizing import check_available, host_num_slots, host_slot_bytes
 from kvoffload.tiers.spec import HostSpec, TierContext
 

@@ -19,7 +19,7 @@ index of such a tier (``RemoteIndex``, ``ObjectIndex``):
 - events (STORED / REMOVED, the tier's medium) are those of the own index: what this engine wrote and deleted, and
   its own blocks that a lookup found gone.
 
-Not thread-safe, like every manager: the scheduler half calls it from one thread.
+Not thread-safe, like every index: the scheduler half calls it from one thread.
 """
 
 from __future__ import annotations
@@ -29,17 +29,17 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kvoffload.config import EvictionPolicy
-from kvoffload.keys import OffloadKey
-from kvoffload.manager.base import (
+from kvoffload.index.base import (
+    BlockIndex,
     EventKind,
     IntegrityError,
     LookupResult,
     OffloadEvent,
     PrepareStoreOutput,
-    ResidencyManager,
     TierUsage,
 )
-from kvoffload.manager.slot_index import SlotIndex
+from kvoffload.index.slot_index import SlotIndex
+from kvoffload.keys import OffloadKey
 from kvoffload.specs import BlockSpec, Medium
 
 LOOKUP_CACHE_S = 1.0
@@ -62,7 +62,7 @@ class StoreProbe(Protocol):
         """Delete every rank's copy of ``keys``; False if it failed or was skipped."""
 
 
-class ProbedIndex(ResidencyManager):
+class ProbedIndex(BlockIndex):
     """Index of a shared store: the store's answers, and this engine's own blocks.
 
     Args:

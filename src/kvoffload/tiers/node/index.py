@@ -1,6 +1,6 @@
-"""The node tier's scheduler side: ``NodeIndex``, a ``ResidencyManager`` over the index every engine shares.
+"""The node tier's scheduler side: ``NodeIndex``, a ``BlockIndex`` over the index every engine shares.
 
-It stands where the private host tier's ``SlotIndex`` stands (under ``TieredManager`` when tiers sit below), and
+It stands where the private host tier's ``SlotIndex`` stands (under ``TieredIndex`` when tiers sit below), and
 means the same, with what sharing adds:
 
 - ``lookup`` counts keys any engine stored; a key another engine is still storing is a miss, not ``pending`` (that
@@ -23,7 +23,7 @@ means the same, with what sharing adds:
   damaged index fails it). It keeps its attachment and lock until it exits, so no other engine reuses slots its
   workers may still write.
 
-Not thread-safe, like every manager; the shared index itself is safe across processes.
+Not thread-safe, like every index; the shared index itself is safe across processes.
 """
 
 from __future__ import annotations
@@ -37,16 +37,16 @@ from typing import Any, TypeVar
 
 from kvoffload import _nodeindex
 from kvoffload.config import ConfigError
-from kvoffload.keys import KEY_BYTES, OffloadKey
-from kvoffload.manager.base import (
+from kvoffload.index.base import (
     EventKind,
-    HostTier,
+    HostIndex,
     IntegrityError,
     LookupResult,
     OffloadEvent,
     PrepareStoreOutput,
     TierUsage,
 )
+from kvoffload.keys import KEY_BYTES, OffloadKey
 from kvoffload.specs import HostBlocks, Medium
 from kvoffload.tiers.node.files import BoundFiles
 from kvoffload.tiers.node.liveness import EngineLocks
@@ -67,7 +67,7 @@ pool."""
 _T = TypeVar("_T")
 
 
-class NodeIndex(HostTier):
+class NodeIndex(HostIndex):
     """One engine's view of the node pool's shared index.
 
     Args:

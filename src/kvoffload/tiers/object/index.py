@@ -1,6 +1,6 @@
 """Scheduler side of the object tier: which objects the bucket holds, and this engine's budget there.
 
-The lower tier of ``TieredManager`` when ``object_url`` is set (host RAM stays the hub: objects move only to and
+The lower tier of ``TieredIndex`` when ``object_url`` is set (host RAM stays the hub: objects move only to and
 from the host pool, in the workers' ``ObjectHandler``). Like the remote tier's, this index cannot know what the
 bucket holds (lifecycle rules expire objects, other engines write and delete): ``tiers.lower.probed_index`` says
 how such an index works. Here its probe searches a prompt's stored prefix with rounds of parallel

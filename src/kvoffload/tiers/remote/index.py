@@ -1,6 +1,6 @@
 """Scheduler side of the remote tier: which values a Redis-protocol store holds, and this engine's budget there.
 
-The lower tier of ``TieredManager`` when ``remote_url`` is set (host RAM stays the hub: values move only to and
+The lower tier of ``TieredIndex`` when ``remote_url`` is set (host RAM stays the hub: values move only to and
 from the host pool, in the workers' ``RemoteHandler``). Unlike the disk tier, this index cannot know what the tier
 holds: the server evicts on its own (``maxmemory`` with an LRU policy), a TTL may expire values, and other engines
 write and delete there. ``tiers.lower.probed_index.ProbedIndex`` says how such an index works; here its probe asks

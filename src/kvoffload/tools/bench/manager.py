@@ -99,7 +99,7 @@ class OurSide:
     """Drives ``SlotIndex``; every method returns the seconds spent inside the manager's calls."""
 
     def __init__(self, capacity: int, policy: EvictionPolicy) -> None:
-        from kvoffload.manager.slot_index import SlotIndex
+        from kvoffload.index.slot_index import SlotIndex
 
         self.manager = SlotIndex(capacity, policy)
         self.name = f"kvoffload {policy.value}"

@@ -284,7 +284,7 @@ def measure_loads(root: Path, block: int, blocks: int, runs: int, threads: int) 
 def measure_lookup(root: Path, n: int, runs: int) -> LookupRow:
     """A prompt of ``n`` resident keys looked up in the node index and in a private ``SlotIndex``."""
     from kvoffload.config import EvictionPolicy
-    from kvoffload.manager.slot_index import SlotIndex
+    from kvoffload.index.slot_index import SlotIndex
 
     index, _ = _attach(root, n, 64, "bench-lookup", rank_pool=False)
     private = SlotIndex(n, EvictionPolicy.LRU)

@@ -1,4 +1,4 @@
-"""Trace replay: real request traces through the real tier manager and policies, beside the bounds.
+"""Trace replay: real request traces through the real tier index and policies, beside the bounds.
 
 ``trace.py`` reads traces (the Mooncake JSONL, and kvoffload's own, which the core's ``kvoffload.trace_format``
 writes); ``loop.py`` feeds them through ``SlotIndex``; ``optimum.py`` is Belady's offline policy; ``models.py``

@@ -1,8 +1,8 @@
-"""The replay loop: a trace's requests, in arrival order, through the real host tier manager and its policies.
+"""The replay loop: a trace's requests, in arrival order, through the real host tier index and its policies.
 
 Per request: the admission rule sees its keys (``Admission.looked_up``, as when the engine first looks a request up);
 ``lookup`` of the longest cached prefix run; ``prepare_load``, ``touch`` and ``complete_load`` of the hit keys (so
-the policy sees the use, as in the engine); then the store admission rule (``manager/admission.py``) on the missed
+the policy sees the use, as in the engine); then the store admission rule (``index/admission.py``) on the missed
 keys, and ``prepare_store`` plus ``complete_store(success=True)`` of the leading part it admits. When
 ``prepare_store`` finds no room (a prompt of more blocks than the tier holds), the largest leading part that fits is
 stored: as many distinct keys as the tier has slots, since between requests nothing is pinned or in flight and
@@ -24,10 +24,10 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvoffload.config import EvictionPolicy, StoreAdmission
+from kvoffload.index.admission import make_admission
+from kvoffload.index.base import EventKind
+from kvoffload.index.slot_index import SlotIndex
 from kvoffload.keys import OffloadKey
-from kvoffload.manager.admission import make_admission
-from kvoffload.manager.base import EventKind
-from kvoffload.manager.slot_index import SlotIndex
 from kvoffload.tools.replay.optimum import NextUse, OptimumPolicy, next_uses
 from kvoffload.tools.replay.result import ReplayResult
 from kvoffload.tools.replay.trace import Request, Trace

@@ -1,4 +1,4 @@
-"""Belady's offline optimum as an eviction policy, so the bound runs through the same tier manager and replay loop.
+"""Belady's offline optimum as an eviction policy, so the bound runs through the same tier index and replay loop.
 
 The policy reads the future from a ``NextUse`` table built in one backward pass over the trace: for every block
 reference, the index of the next request that references the same key. It evicts the resident key whose next use is
@@ -19,8 +19,8 @@ import heapq
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+from kvoffload.index.policies.base import CanEvict, Policy
 from kvoffload.keys import OffloadKey
-from kvoffload.manager.policies.base import CanEvict, Policy
 from kvoffload.tools.replay.trace import Trace
 
 NEVER = 1 << 40
@@ -56,7 +56,7 @@ def next_uses(trace: Trace) -> NextUse:
 
 class OptimumPolicy(Policy):
     """Evicts the resident key used farthest in the future (an offline policy: the replay loop must call
-    ``advance`` at the start of every request, before the manager sees it).
+    ``advance`` at the start of every request, before the index sees it).
 
     A max-heap of (priority, key) with lazy deletion: a key's entry is current when its priority matches
     ``_priority``; touching a key pushes a new entry and leaves the old one to be skipped.
@@ -76,7 +76,7 @@ class OptimumPolicy(Policy):
     def advance(self, keys: Sequence[OffloadKey], after: Sequence[int]) -> None:
         """Request with blocks ``keys`` is next; ``after`` are their next uses (``NextUse.after`` of it).
 
-        Resident keys of the request that the manager will not touch (past the first miss, if the cache were not
+        Resident keys of the request that the index will not touch (past the first miss, if the cache were not
         prefix-closed) get their new future here too.
         """
         self._next.update(zip(keys, after, strict=True))

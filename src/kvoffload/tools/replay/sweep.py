@@ -28,7 +28,7 @@ class Point(NamedTuple):
 
 
 def policies() -> list[EvictionPolicy]:
-    """Every eviction policy the manager has (new ones show up in replay and plan by themselves)."""
+    """Every eviction policy the index has (new ones show up in replay and plan by themselves)."""
     return list(EvictionPolicy)
 
 

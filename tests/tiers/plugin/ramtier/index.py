@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvoffload.config import EvictionPolicy
+from kvoffload.index.slot_index import SlotIndex
 from kvoffload.keys import OffloadKey
-from kvoffload.manager.slot_index import SlotIndex
 from kvoffload.specs import TierBlocks
 from ramtier import MEDIUM
 
@@ -23,7 +23,7 @@ def ram_blocks(keys: Sequence[OffloadKey], slots: Sequence[int]) -> TierBlocks:
 
 
 def ram_index(capacity_blocks: int, policy: EvictionPolicy = EvictionPolicy.LRU) -> SlotIndex:
-    """An empty index of ``capacity_blocks`` slots (a ``LowerTier``).
+    """An empty index of ``capacity_blocks`` slots (a ``LowerIndex``).
 
     Raises:
         ValueError: ``capacity_blocks`` is not a positive integer.

@@ -17,7 +17,7 @@ from kvoffload.tiers.spec import TierContext, TierSpec
 from ramtier import MEDIUM
 
 if TYPE_CHECKING:
-    from kvoffload.manager.base import LowerTier
+    from kvoffload.index.base import LowerIndex
     from kvoffload.transfer.base import TransferHandler
     from kvoffload.transfer.host_pool import HostPool
 
@@ -59,7 +59,7 @@ class RamTierSpec(TierSpec):
     def medium(self) -> Medium:
         return MEDIUM
 
-    def make_index(self, context: TierContext) -> LowerTier:
+    def make_index(self, context: TierContext) -> LowerIndex:
         from ramtier.index import ram_index
 
         return ram_index(self.options.capacity_blocks)

@@ -21,10 +21,10 @@ from itertools import filterfalse, takewhile
 from zlib import crc32
 
 from kvoffload.config import EvictionPolicy, StoreAdmission
+from kvoffload.index.policies.adaptive import EXPERTS, AdaptivePolicy
+from kvoffload.index.policies.base import Policy, any_key, consume
+from kvoffload.index.policies.registry import make_policy
 from kvoffload.keys import OffloadKey
-from kvoffload.manager.policies.adaptive import EXPERTS, AdaptivePolicy
-from kvoffload.manager.policies.base import Policy, any_key, consume
-from kvoffload.manager.policies.registry import make_policy
 
 SIGHTING_MEMORY = 4
 """``SecondSighting`` remembers this many times the tier's capacity in keys. It must outlast the tier: only a

@@ -20,10 +20,10 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from itertools import islice, repeat
 
+from kvoffload.index.base import IntegrityError
+from kvoffload.index.policies.base import CanEvict, Policy, consume
+from kvoffload.index.policies.clock import ClockPlan
 from kvoffload.keys import OffloadKey
-from kvoffload.manager.base import IntegrityError
-from kvoffload.manager.policies.base import CanEvict, Policy, consume
-from kvoffload.manager.policies.clock import ClockPlan
 
 SMALL_SHARE = 10
 """S's share of the tier: victims come from S while it holds at least 1/SMALL_SHARE of the capacity."""
@@ -88,7 +88,7 @@ class S3FIFOPolicy(Policy):
         self._prune()
 
     def _prune(self) -> None:
-        # The tier manager only uses resident keys: this runs for callers that do not, and at most once per as
+        # The tier's index only uses resident keys: this runs for callers that do not, and at most once per as
         # many uses of non-resident keys as there are resident keys (O(1) amortized).
         if len(self._used) > 2 * len(self) + _PRUNE_SLACK:
             self._used = {key for key in self._used if key in self}

@@ -1,6 +1,6 @@
-"""Scheduler-side residency: what each tier holds, and the interface every tier manager implements.
+"""Scheduler-side residency: what each tier holds, and the interface every tier's index implements.
 
-A manager is an index, not a data store: it never touches bytes (and imports no torch). The connector's scheduler
+An index is not a data store: it never touches bytes (and imports no torch). The connector's scheduler
 half asks it where blocks are, reserves room for new ones, and tells it when the worker half finished a copy.
 Lifecycle of a block: ``prepare_store`` (in flight) -> ``complete_store(success)`` (ready, or forgotten) ->
 ``prepare_load`` (pinned, cannot be evicted) -> ``complete_load`` (unpinned). Eviction picks only ready, unpinned
@@ -21,11 +21,11 @@ from kvoffload.keys import OffloadKey
 from kvoffload.specs import BlockSpec, Medium
 
 if TYPE_CHECKING:
-    from kvoffload.manager.policies.base import Policy
+    from kvoffload.index.policies.base import Policy
 
 
 class IntegrityError(RuntimeError):
-    """A manager's bookkeeping broke one of its conservation laws (a bug, never an input error)."""
+    """An index's bookkeeping broke one of its conservation laws (a bug, never an input error)."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class LoadAdvisor(Protocol):
     def worth_loading(self, medium: Medium, blocks: int) -> bool: ...
 
 
-class ResidencyManager(ABC):
+class BlockIndex(ABC):
     """Index of one tier (or a stack of tiers behind one face)."""
 
     @abstractmethod
@@ -149,7 +149,7 @@ class ResidencyManager(ABC):
 
     @abstractmethod
     def check_integrity(self) -> None:
-        """Check the manager's conservation laws.
+        """Check the index's conservation laws.
 
         Raises:
             IntegrityError: the bookkeeping is inconsistent.
@@ -190,13 +190,13 @@ class ResidencyManager(ABC):
         """The engine stops: release what this index holds outside the process (the node tier's attachment)."""
 
 
-class LowerTier(Protocol):
-    """The index of a tier under host, as ``TieredManager`` uses it (``DiskIndex``, ``RemoteIndex``).
+class LowerIndex(Protocol):
+    """The index of a tier under host, as ``TieredIndex`` uses it (``DiskIndex``, ``RemoteIndex``).
 
-    The methods mean what they mean on ``ResidencyManager``, with the keys of one tier transfer at a time:
+    The methods mean what they mean on ``BlockIndex``, with the keys of one tier transfer at a time:
     ``lookup`` counts the leading keys a promotion can read now (its ``pending`` is not used); ``prepare_load``
     pins them for a promotion and returns the promotion's source spec (this tier's medium, one entry per key,
-    one group); ``prepare_store`` reserves room for a write. Like every manager, none of them raises on a data-path
+    one group); ``prepare_store`` reserves room for a write. Like every index, none of them raises on a data-path
     failure: an unreachable tier is a miss, or a store refused with None.
     """
 
@@ -224,8 +224,8 @@ class LowerTier(Protocol):
     def usage(self) -> list[TierUsage]: ...
 
 
-class HostTier(ResidencyManager):
-    """The host tier's index as ``TieredManager`` uses it: ``SlotIndex``, or the node tier's ``NodeIndex``."""
+class HostIndex(BlockIndex):
+    """The host tier's index as ``TieredIndex`` uses it: ``SlotIndex``, or the node tier's ``NodeIndex``."""
 
     medium = Medium.HOST
     capacity: int

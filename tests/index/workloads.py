@@ -3,9 +3,9 @@ with keys stored."""
 
 from __future__ import annotations
 
+from kvoffload.index.policies import Policy
+from kvoffload.index.slot_index import SlotIndex
 from kvoffload.keys import OffloadKey
-from kvoffload.manager.policies import Policy
-from kvoffload.manager.slot_index import SlotIndex
 
 
 def key(i: int) -> OffloadKey:

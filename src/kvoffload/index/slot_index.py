@@ -31,18 +31,18 @@ import logging
 from collections.abc import Callable, Sequence
 
 from kvoffload.config import EvictionPolicy
-from kvoffload.keys import OffloadKey
-from kvoffload.manager.base import (
+from kvoffload.index.base import (
     EventKind,
-    HostTier,
+    HostIndex,
     IntegrityError,
     LookupResult,
     OffloadEvent,
     PrepareStoreOutput,
     TierUsage,
 )
-from kvoffload.manager.policies.base import Policy
-from kvoffload.manager.policies.registry import make_policy
+from kvoffload.index.policies.base import Policy
+from kvoffload.index.policies.registry import make_policy
+from kvoffload.keys import OffloadKey
 from kvoffload.specs import BlockSpec, HostBlocks, Medium
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def host_blocks(keys: Sequence[OffloadKey], slots: Sequence[int]) -> HostBlocks:
     return HostBlocks(slots=tuple(slots), group_sizes=(len(slots),))
 
 
-class SlotIndex(HostTier):
+class SlotIndex(HostIndex):
     """A fixed number of slots, indexed by key.
 
     Args:

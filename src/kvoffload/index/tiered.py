@@ -1,7 +1,7 @@
-"""The host tier over the tiers below it behind one ``ResidencyManager`` face: the scheduler half's index.
+"""The host tier over the tiers below it behind one ``BlockIndex`` face: the scheduler half's index.
 
 Below host sit the disk tier (``DiskIndex``), the remote tier (``RemoteIndex``), the object tier
-(``ObjectIndex``), or several of them, in that order: anything with the ``LowerTier`` interface. Host RAM is the
+(``ObjectIndex``), or several of them, in that order: anything with the ``LowerIndex`` interface. Host RAM is the
 hub: every lower tier moves blocks only to and from the host pool, and the lower tiers sit *beside* each other
 under it, not in a chain (docs/remote.md says why: a remote write never waits on a disk read, and a remote hit
 never passes through the disk).
@@ -27,7 +27,7 @@ Blocks reach each lower tier by its write policy:
   are already below (or whose write failed), and at least ``low_water`` host slots stay evictable for new
   stores. A written block that becomes hot again stays on the host: "on evict" means "ahead of eviction".
 
-Not thread-safe, like every manager: the scheduler half calls it from one thread.
+Not thread-safe, like every index: the scheduler half calls it from one thread.
 """
 
 from __future__ import annotations
@@ -38,20 +38,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvoffload.config import WritePolicy
-from kvoffload.keys import OffloadKey
-from kvoffload.manager.base import (
-    HostTier,
+from kvoffload.index.base import (
+    BlockIndex,
+    HostIndex,
     IntegrityError,
     LoadAdvisor,
     LookupResult,
-    LowerTier,
+    LowerIndex,
     OffloadEvent,
     PrepareStoreOutput,
-    ResidencyManager,
     TierTransfer,
     TierUsage,
 )
-from kvoffload.manager.policies.base import Policy
+from kvoffload.index.policies.base import Policy
+from kvoffload.keys import OffloadKey
 from kvoffload.specs import BlockSpec, HostBlocks, Medium
 
 
@@ -63,7 +63,7 @@ class _Kind(enum.Enum):
 @dataclass(frozen=True)
 class _Transfer:
     kind: _Kind
-    tier: int  # index into ``TieredManager.below``
+    tier: int  # index into ``TieredIndex.below``
     keys: tuple[OffloadKey, ...]
 
 
@@ -80,11 +80,11 @@ class _Run:
 class Below:
     """A tier under host, and when blocks are written to it."""
 
-    tier: LowerTier
+    tier: LowerIndex
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
 
 
-class TieredManager(ResidencyManager):
+class TieredIndex(BlockIndex):
     """The host tier with the tiers below it.
 
     Args:
@@ -96,16 +96,16 @@ class TieredManager(ResidencyManager):
             not in [1, host capacity).
     """
 
-    def __init__(self, host: HostTier, below: Sequence[Below], low_water: int | None = None) -> None:
+    def __init__(self, host: HostIndex, below: Sequence[Below], low_water: int | None = None) -> None:
         media = [b.tier.medium for b in below]
         if not below or len(set(media)) != len(media):
-            raise ValueError(f"TieredManager: needs lower tiers of distinct media, got {media}")
+            raise ValueError(f"TieredIndex: needs lower tiers of distinct media, got {media}")
         on_evict = [i for i, b in enumerate(below) if b.write_policy is WritePolicy.ON_EVICT]
         if len(on_evict) > 1:
-            raise ValueError("TieredManager: one lower tier at most may be written on evict")
+            raise ValueError("TieredIndex: one lower tier at most may be written on evict")
         low_water = max(1, host.capacity // 8) if low_water is None else low_water
         if on_evict and not 1 <= low_water < host.capacity:
-            raise ValueError(f"TieredManager: low_water {low_water} must be in [1, {host.capacity})")
+            raise ValueError(f"TieredIndex: low_water {low_water} must be in [1, {host.capacity})")
         self.host = host
         self.below = tuple(below)
         self.lowers = tuple(b.tier for b in below)

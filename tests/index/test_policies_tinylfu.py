@@ -4,10 +4,10 @@ an eviction, and the window and main stay apart."""
 from __future__ import annotations
 
 import pytest
-from tests.manager.workloads import anything, filled, key, scan
+from tests.index.workloads import anything, filled, key, scan
 
-from kvoffload.manager.base import IntegrityError
-from kvoffload.manager.policies import TinyLFUPolicy
+from kvoffload.index.base import IntegrityError
+from kvoffload.index.policies import TinyLFUPolicy
 
 
 def full_tinylfu(capacity: int) -> TinyLFUPolicy:

@@ -1,7 +1,7 @@
 """The adaptive policy: one of the fixed policies at a time, switched to whichever the traffic rewards.
 
 ``AdaptivePolicy`` orders keys with a live expert (LRU, ARC, S3-FIFO or W-TinyLFU) and does nothing else itself: the
-choice is made by ``AdaptiveAdmission`` (manager/admission.py), whose shadow tiers replay each request under every
+choice is made by ``AdaptiveAdmission`` (index/admission.py), whose shadow tiers replay each request under every
 expert and which calls ``follow`` when another expert has led for a while. Every call is forwarded to the live
 expert, so its costs are that expert's (LRU's, until the traffic rewards another).
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from kvoffload.config import EvictionPolicy
+from kvoffload.index.policies.base import CanEvict, Policy, any_key
 from kvoffload.keys import OffloadKey
-from kvoffload.manager.policies.base import CanEvict, Policy, any_key
 
 EXPERTS = (EvictionPolicy.LRU, EvictionPolicy.ARC, EvictionPolicy.S3FIFO, EvictionPolicy.TINYLFU)
 """The fixed policies the adaptive one chooses among; the first is where it starts. LRU, because until the shadows

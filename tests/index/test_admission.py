@@ -8,8 +8,7 @@ from zlib import crc32
 import pytest
 
 from kvoffload.config import EvictionPolicy, StoreAdmission
-from kvoffload.keys import OffloadKey
-from kvoffload.manager.admission import (
+from kvoffload.index.admission import (
     SIGHTING_MEMORY,
     SWITCH_MARGIN,
     AdaptiveAdmission,
@@ -17,8 +16,9 @@ from kvoffload.manager.admission import (
     SecondSighting,
     make_admission,
 )
-from kvoffload.manager.policies import AdaptivePolicy, make_policy
-from kvoffload.manager.slot_index import SlotIndex
+from kvoffload.index.policies import AdaptivePolicy, make_policy
+from kvoffload.index.slot_index import SlotIndex
+from kvoffload.keys import OffloadKey
 
 
 def key(i: int) -> OffloadKey:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import tracemalloc
 
 import pytest
-from tests.manager.workloads import held, key, keys, stored
+from tests.index.workloads import held, key, keys, stored
 
 from kvoffload.config import EvictionPolicy
-from kvoffload.manager.base import EventKind, IntegrityError, LookupResult, OffloadEvent, TierUsage
-from kvoffload.manager.slot_index import SlotIndex
+from kvoffload.index.base import EventKind, IntegrityError, LookupResult, OffloadEvent, TierUsage
+from kvoffload.index.slot_index import SlotIndex
 from kvoffload.specs import DiskBlocks, HostBlocks, Medium
 
 

@@ -6,8 +6,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from itertools import islice
 
+from kvoffload.index.policies.base import CanEvict, Policy, consume
 from kvoffload.keys import OffloadKey
-from kvoffload.manager.policies.base import CanEvict, Policy, consume
 
 
 class LRUPolicy(Policy):

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 from itertools import chain, islice
 from typing import Any
 
+from kvoffload.index.policies.base import CanEvict
 from kvoffload.keys import OffloadKey
-from kvoffload.manager.policies.base import CanEvict
 
 
 class ClockPlan:

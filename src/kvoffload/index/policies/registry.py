@@ -6,12 +6,12 @@ Its own module, above the implementations, so that ``base`` (the interface they 
 from __future__ import annotations
 
 from kvoffload.config import EvictionPolicy
-from kvoffload.manager.policies.adaptive import AdaptivePolicy
-from kvoffload.manager.policies.arc import ARCPolicy
-from kvoffload.manager.policies.base import Policy
-from kvoffload.manager.policies.lru import LRUPolicy
-from kvoffload.manager.policies.s3fifo import S3FIFOPolicy
-from kvoffload.manager.policies.tinylfu import TinyLFUPolicy
+from kvoffload.index.policies.adaptive import AdaptivePolicy
+from kvoffload.index.policies.arc import ARCPolicy
+from kvoffload.index.policies.base import Policy
+from kvoffload.index.policies.lru import LRUPolicy
+from kvoffload.index.policies.s3fifo import S3FIFOPolicy
+from kvoffload.index.policies.tinylfu import TinyLFUPolicy
 
 
 def make_policy(kind: EvictionPolicy, capacity: int | None = None) -> Policy:

@@ -4,10 +4,10 @@ used key one more round, and the queues stay bounded and apart."""
 from __future__ import annotations
 
 import pytest
-from tests.manager.workloads import anything, filled, key, keys, scan
+from tests.index.workloads import anything, filled, key, keys, scan
 
-from kvoffload.manager.base import IntegrityError
-from kvoffload.manager.policies import LRUPolicy, S3FIFOPolicy
+from kvoffload.index.base import IntegrityError
+from kvoffload.index.policies import LRUPolicy, S3FIFOPolicy
 
 
 def test_s3fifo_keys_used_in_the_small_queue_move_to_main_and_outlive_new_ones() -> None:

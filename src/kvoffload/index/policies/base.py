@@ -1,12 +1,12 @@
 """The eviction-policy interface: which resident keys a tier gives up first when it needs room.
 
-A policy only orders keys; it knows nothing of slots, pins or in-flight stores. The tier manager inserts a
+A policy only orders keys; it knows nothing of slots, pins or in-flight stores. The tier's index inserts a
 key when a store reserves room for it, touches it when it is used, removes it when it is dropped for another
 reason (failed store or load, reset), and asks for victims when a store needs room. Keys that must not go now
 (still in flight, pinned by a load, part of the store being prepared) are refused through ``victims``'
 ``can_evict`` and keep their place in the order.
 
-Policies are not thread-safe (the scheduler half calls its managers from one thread).
+Policies are not thread-safe (the scheduler half calls its indexes from one thread).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class Policy(ABC):
         """Number of resident keys."""
 
     def check_integrity(self) -> None:  # noqa: B027 (optional hook: most policies have nothing to check)
-        """Check the policy's own invariants (the tier manager's ``check_integrity`` calls it).
+        """Check the policy's own invariants (the tier's index's ``check_integrity`` calls it).
 
         Raises:
             IntegrityError: the policy's bookkeeping is inconsistent.

@@ -7,12 +7,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from tests.manager.workloads import anything, filled, key, keys, scan
+from tests.index.workloads import anything, filled, key, keys, scan
 
 from kvoffload.config import EvictionPolicy
-from kvoffload.keys import OffloadKey
-from kvoffload.manager.base import IntegrityError
-from kvoffload.manager.policies import (
+from kvoffload.index.base import IntegrityError
+from kvoffload.index.policies import (
     AdaptivePolicy,
     ARCPolicy,
     CanEvict,
@@ -22,7 +21,8 @@ from kvoffload.manager.policies import (
     TinyLFUPolicy,
     make_policy,
 )
-from kvoffload.manager.policies.arc import _FAST_RUNS
+from kvoffload.index.policies.arc import _FAST_RUNS
+from kvoffload.keys import OffloadKey
 from kvoffload.testing.policy_conformance import POLICY_CHECKS, PolicyFactory, check_policy
 
 POLICIES = [pytest.param(kind, id=kind.value) for kind in EvictionPolicy]

@@ -29,10 +29,10 @@ from collections.abc import Iterable, Iterator
 from itertools import chain, islice, repeat, takewhile
 from operator import add, floordiv, gt
 
+from kvoffload.index.base import IntegrityError
+from kvoffload.index.policies.base import CanEvict, Policy, consume
+from kvoffload.index.policies.clock import ClockPlan
 from kvoffload.keys import OffloadKey
-from kvoffload.manager.base import IntegrityError
-from kvoffload.manager.policies.base import CanEvict, Policy, consume
-from kvoffload.manager.policies.clock import ClockPlan
 
 WINDOW_SHARE = 100
 """The window holds 1/WINDOW_SHARE of the capacity (at least one key), as in Caffeine."""

@@ -1,6 +1,6 @@
-"""TieredManager: host over a lower tier behind one face (promotion, write-through, on-evict, failures, events).
+"""TieredIndex: host over a lower tier behind one face (promotion, write-through, on-evict, failures, events).
 
-Every test runs over both lower tiers, disk and remote (a real redis-server): the conformance of a ``LowerTier``.
+Every test runs over both lower tiers, disk and remote (a real redis-server): the conformance of a ``LowerIndex``.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from kvoffload.config import DiskTierConfig, RemoteTierConfig, WritePolicy
+from kvoffload.index.base import EventKind, LookupResult, TierTransfer
+from kvoffload.index.slot_index import SlotIndex
+from kvoffload.index.tiered import Below, TieredIndex
 from kvoffload.keys import Namespace, OffloadKey, offload_key
-from kvoffload.manager.base import EventKind, LookupResult, TierTransfer
-from kvoffload.manager.slot_index import SlotIndex
-from kvoffload.manager.tiered import Below, TieredManager
 from kvoffload.specs import BlockSpec, DiskBlocks, HostBlocks, Medium, RemoteBlocks
 from kvoffload.tiers.disk.spec import DiskTierSpec
 from kvoffload.tiers.lower.block_format import PLAIN, file_bytes
@@ -49,15 +49,15 @@ class Tier:
     url: str = ""
 
     def make(self, host_slots: int = 4, lower_blocks: int = 16,
-             policy: WritePolicy = WritePolicy.WRITE_THROUGH) -> TieredManager:
+             policy: WritePolicy = WritePolicy.WRITE_THROUGH) -> TieredIndex:
         host = SlotIndex(host_slots)
         if self.medium == Medium.DISK:
             config = DiskTierConfig(path=self.tmp_path, capacity_bytes=lower_blocks * VALUE, write_policy=policy)
-            return TieredManager(host, [Below(DiskTierSpec(config).make_index(TierContext(NS, Layout(), 2)), policy)])
+            return TieredIndex(host, [Below(DiskTierSpec(config).make_index(TierContext(NS, Layout(), 2)), policy)])
         from kvoffload.tiers.remote.index import RemoteIndex
 
         remote = RemoteTierConfig(urls=(self.url,), capacity_bytes=lower_blocks * VALUE)
-        return TieredManager(host, [Below(RemoteIndex.create(remote, NS, VALUE), policy)])
+        return TieredIndex(host, [Below(RemoteIndex.create(remote, NS, VALUE), policy)])
 
     def blocks(self, ks: list[OffloadKey]) -> BlockSpec:
         return (DiskBlocks if self.medium == Medium.DISK else RemoteBlocks)(tuple(ks), (len(ks),))
@@ -77,18 +77,18 @@ def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Tier:
     return Tier(Medium.REMOTE, tmp_path, client, request.getfixturevalue("redis_server").url)
 
 
-def store(m: TieredManager, ks: list[OffloadKey], success: bool = True) -> None:
+def store(m: TieredIndex, ks: list[OffloadKey], success: bool = True) -> None:
     out = m.prepare_store(ks)
     assert out is not None
     m.complete_store(out.keys_to_store, success)
 
 
-def finish(tier: Tier, m: TieredManager, transfer: TierTransfer, success: bool = True) -> None:
+def finish(tier: Tier, m: TieredIndex, transfer: TierTransfer, success: bool = True) -> None:
     tier.run(transfer, success)
     m.complete_transfer(transfer.transfer_id, success)
 
 
-def finish_all(tier: Tier, m: TieredManager, success: bool = True) -> list[TierTransfer]:
+def finish_all(tier: Tier, m: TieredIndex, success: bool = True) -> list[TierTransfer]:
     """Run every queued tier transfer to completion, as the connector would (until none is left)."""
     done: list[TierTransfer] = []
     while transfers := m.take_transfers():
@@ -201,7 +201,7 @@ def test_on_evict_writes_only_blocks_crowding_the_host_and_evicts_only_written_o
 
 def test_on_evict_refuses_a_low_water_mark_outside_the_host(tier: Tier) -> None:
     with pytest.raises(ValueError, match="low_water"):
-        TieredManager(SlotIndex(4), [Below(tier.make().lowers[0], WritePolicy.ON_EVICT)], low_water=4)
+        TieredIndex(SlotIndex(4), [Below(tier.make().lowers[0], WritePolicy.ON_EVICT)], low_water=4)
 
 
 def test_reset_forgets_both_tiers(tier: Tier) -> None:

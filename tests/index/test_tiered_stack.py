@@ -1,4 +1,4 @@
-"""TieredManager with two tiers below host, disk and remote (a real redis-server), beside each other.
+"""TieredIndex with two tiers below host, disk and remote (a real redis-server), beside each other.
 
 The disk is asked first; a prefix may be promoted from both in one lookup; a block promoted from the remote tier
 is written to disk; each tier keeps its own write policy and its own failures.
@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 from kvoffload.config import DiskTierConfig, OffloadConfig, RemoteTierConfig, WritePolicy
+from kvoffload.index.base import LookupResult, TierTransfer
+from kvoffload.index.slot_index import SlotIndex
+from kvoffload.index.tiered import Below, TieredIndex
 from kvoffload.keys import Namespace, OffloadKey, offload_key
-from kvoffload.manager.base import LookupResult, TierTransfer
-from kvoffload.manager.slot_index import SlotIndex
-from kvoffload.manager.tiered import Below, TieredManager
 from kvoffload.specs import DiskBlocks, HostBlocks, Medium, RemoteBlocks
 from kvoffload.tiers.disk.spec import DiskTierSpec
 from kvoffload.tiers.lower.block_format import PLAIN, file_bytes
@@ -40,16 +40,16 @@ def keys(n: int, salt: int = 0) -> list[OffloadKey]:
 
 
 @pytest.fixture
-def make(tmp_path: Path, redis_client: Any, redis_server: Any) -> Callable[..., TieredManager]:
+def make(tmp_path: Path, redis_client: Any, redis_server: Any) -> Callable[..., TieredIndex]:
     def make(host_slots: int = 4, disk_blocks: int = 16,
-             disk_policy: WritePolicy = WritePolicy.WRITE_THROUGH) -> TieredManager:
+             disk_policy: WritePolicy = WritePolicy.WRITE_THROUGH) -> TieredIndex:
         from kvoffload.tiers.remote.index import RemoteIndex
 
         disk = DiskTierConfig(path=tmp_path, capacity_bytes=disk_blocks * VALUE, write_policy=disk_policy)
         remote = RemoteIndex.create(RemoteTierConfig(urls=(redis_server.url,), capacity_bytes=64 * VALUE),
                                           NS, VALUE)
         below = DiskTierSpec(disk).make_index(TierContext(NS, Layout(), 2))
-        return TieredManager(SlotIndex(host_slots), (Below(below, disk_policy), Below(remote)))
+        return TieredIndex(SlotIndex(host_slots), (Below(below, disk_policy), Below(remote)))
     return make
 
 
@@ -59,14 +59,14 @@ class Workers:
     def __init__(self, client: Any, fail: Medium | None = None) -> None:
         self.client, self.fail = client, fail
 
-    def finish(self, m: TieredManager, transfer: TierTransfer, success: bool = True) -> None:
+    def finish(self, m: TieredIndex, transfer: TierTransfer, success: bool = True) -> None:
         success = success and self.fail not in (transfer.src.medium, transfer.dst.medium)
         if success and isinstance(transfer.dst, RemoteBlocks):
             for key in transfer.dst.keys:
                 self.client.set(value_name(NS, PLAIN, key), b"v")
         m.complete_transfer(transfer.transfer_id, success)
 
-    def finish_all(self, m: TieredManager) -> list[TierTransfer]:
+    def finish_all(self, m: TieredIndex) -> list[TierTransfer]:
         done: list[TierTransfer] = []
         while transfers := m.take_transfers():
             for t in transfers:
@@ -75,18 +75,18 @@ class Workers:
         return done
 
 
-def store(m: TieredManager, ks: list[OffloadKey]) -> None:
+def store(m: TieredIndex, ks: list[OffloadKey]) -> None:
     out = m.prepare_store(ks)
     assert out is not None
     m.complete_store(out.keys_to_store)
 
 
-def evict_from_host(m: TieredManager, workers: Workers, n: int) -> None:
+def evict_from_host(m: TieredIndex, workers: Workers, n: int) -> None:
     store(m, keys(n, salt=99))
     workers.finish_all(m)
 
 
-def split_between_disk_and_remote(m: TieredManager, ks: list[OffloadKey], redis_client: Any) -> None:
+def split_between_disk_and_remote(m: TieredIndex, ks: list[OffloadKey], redis_client: Any) -> None:
     """The first half of ``ks`` on disk and in the remote tier, the second in the remote tier only; none on the
     host."""
     half = len(ks) // 2
@@ -205,8 +205,8 @@ def test_on_evict_disk_beside_write_through_remote(make: Any, redis_client: Any)
 ])  # fmt: skip
 def test_bad_stacks_are_refused(make: Any, below: Any) -> None:
     m = make()
-    with pytest.raises(ValueError, match="TieredManager"):
-        TieredManager(SlotIndex(4), below(*m.lowers))
+    with pytest.raises(ValueError, match="TieredIndex"):
+        TieredIndex(SlotIndex(4), below(*m.lowers))
 
 
 @pytest.mark.parametrize("disk_policy", list(WritePolicy))
@@ -250,5 +250,5 @@ def test_disk_and_remote_configured_together_build_host_over_both(tmp_path: Path
     config = OffloadConfig.from_dict({"host_bytes": 1 << 20, "disk_path": str(tmp_path), "disk_bytes": 1 << 24,
                                       "remote_url": redis_server.url})
     manager = build_index(config, TierContext(NS, layout, 1))
-    assert isinstance(manager, TieredManager)
+    assert isinstance(manager, TieredIndex)
     assert [u.medium for u in manager.usage()] == [Medium.HOST, Medium.DISK, Medium.REMOTE]

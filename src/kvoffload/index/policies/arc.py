@@ -5,9 +5,9 @@ without their data, in the ghost lists B1 and B2. A key that comes back while st
 list was too short: back from B1 grows the target size ``p`` of T1 (recency pays), back from B2 shrinks it
 (frequency pays). A one-time scan therefore only churns T1 and leaves the frequently used keys in T2 alone.
 
-Differences from the paper, because a tier's manager reserves room before the data arrives: the choice of
+Differences from the paper, because a tier's index reserves room before the data arrives: the choice of
 victims (the paper's REPLACE) happens in ``victims``, separately from the insertion of the new key (which the
-manager makes when it reserves the key's room, the paper's miss), and it skips keys the manager refuses (still in
+index makes when it reserves the key's room, the paper's miss), and it skips keys the index refuses (still in
 flight, pinned by a load, part of the same store) without moving them. ``remove``
 drops a key without remembering it: a key dropped because its load failed or because the tier was reset says
 nothing about the policy.
@@ -19,9 +19,9 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from itertools import islice
 
+from kvoffload.index.base import IntegrityError
+from kvoffload.index.policies.base import CanEvict, Policy, consume
 from kvoffload.keys import OffloadKey
-from kvoffload.manager.base import IntegrityError
-from kvoffload.manager.policies.base import CanEvict, Policy, consume
 
 _Keys = OrderedDict[OffloadKey, None]
 

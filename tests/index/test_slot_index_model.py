@@ -9,12 +9,12 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from tests.manager.workloads import held, keys
+from tests.index.workloads import held, keys
 
 from kvoffload.config import EvictionPolicy
+from kvoffload.index.base import EventKind, LookupResult
+from kvoffload.index.slot_index import SlotIndex
 from kvoffload.keys import OffloadKey
-from kvoffload.manager.base import EventKind, LookupResult
-from kvoffload.manager.slot_index import SlotIndex
 from kvoffload.specs import Medium
 
 
@@ -51,7 +51,7 @@ class HostTierMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.manager = SlotIndex(5, policy=self.policy)
+        self.index = SlotIndex(5, policy=self.policy)
         self.model = Model(5)
         self.stores: list[list[OffloadKey]] = []
         self.loads: list[list[OffloadKey]] = []
@@ -61,7 +61,7 @@ class HostTierMachine(RuleBasedStateMachine):
         ks, model = keys(*ids), self.model
         new, evictable = model.expected_new(ks), model.evictable(ks)
         free = model.capacity - len(model.state)
-        out = self.manager.prepare_store(ks)
+        out = self.index.prepare_store(ks)
         if len(new) > free + len(evictable):
             assert out is None
             return
@@ -76,7 +76,7 @@ class HostTierMachine(RuleBasedStateMachine):
     @rule(pick=st.integers(0), success=st.booleans())
     def complete_store(self, pick: int, success: bool) -> None:
         ks = self.stores.pop(pick % len(self.stores))
-        self.manager.complete_store(ks, success)
+        self.index.complete_store(ks, success)
         for k in ks:
             if success:
                 self.model.state[k] = "ready"
@@ -89,9 +89,9 @@ class HostTierMachine(RuleBasedStateMachine):
         ks, model = keys(*range(start, start + n)), self.model
         hits = next((i for i, k in enumerate(ks) if model.state.get(k) != "ready"), len(ks))
         pending = hits < len(ks) and model.state.get(ks[hits]) == "flight"
-        assert self.manager.lookup(ks) == LookupResult(hits, pending)
+        assert self.index.lookup(ks) == LookupResult(hits, pending)
         if load and hits:
-            self.manager.prepare_load(ks[:hits])
+            self.index.prepare_load(ks[:hits])
             for k in ks[:hits]:
                 model.pins[k] = model.pins.get(k, 0) + 1
             self.loads.append(ks[:hits])
@@ -100,27 +100,27 @@ class HostTierMachine(RuleBasedStateMachine):
     @rule(pick=st.integers(0), success=st.booleans())
     def complete_load(self, pick: int, success: bool) -> None:
         ks = self.loads.pop(pick % len(self.loads))
-        self.manager.complete_load(ks, success)
+        self.index.complete_load(ks, success)
         for k in ks:
             self.model.unpin(k, success)
 
     @rule(ids=st.lists(st.integers(0, 9), max_size=5))
     def touch(self, ids: list[int]) -> None:
-        self.manager.touch(keys(*ids))
+        self.index.touch(keys(*ids))
 
     @rule()
     def reset(self) -> None:
-        self.manager.reset()
+        self.index.reset()
         for k in self.model.ready() - self.model.pins.keys():
             del self.model.state[k]
 
     @invariant()
     def agrees_with_the_model(self) -> None:
-        self.manager.check_integrity()
+        self.index.check_integrity()
         model = self.model
-        assert held(self.manager) == len(model.state)
-        assert {k for k in keys(*range(12)) if self.manager.lookup([k]).hits} == model.ready()
-        for event in self.manager.take_events():
+        assert held(self.index) == len(model.state)
+        assert {k for k in keys(*range(12)) if self.index.lookup([k]).hits} == model.ready()
+        for event in self.index.take_events():
             assert event.keys and event.medium == Medium.HOST
             if event.kind is EventKind.STORED:
                 model.announced.update(event.keys)
@@ -134,9 +134,9 @@ class HostTierMachine(RuleBasedStateMachine):
             self.complete_load(0, True)
         while self.stores:
             self.complete_store(0, True)
-        self.manager.reset()
-        self.manager.check_integrity()
-        assert held(self.manager) == 0
+        self.index.reset()
+        self.index.check_integrity()
+        assert held(self.index) == 0
 
 
 MACHINES = {kind: type(f"{kind.name}HostTierMachine", (HostTierMachine,), {"policy": kind})
