@@ -1,7 +1,7 @@
 """kvoffload under tensor parallelism: real vLLM at ``tensor_parallel_size=2`` on the CPU backend.
 
 Two worker processes (ranks 0 and 1, gloo between them) each hold half of the model's KV heads, so each rank's worker
-half stores its own shard: the disk tier keeps one directory per rank (``tiers.lower.block_format.rank_directory``),
+half stores its own shard: the disk tier keeps one directory per rank (``tiers.disk.paths.rank_directory``),
 holding files of the same names (keys are the same on every rank) with different bytes and each rank's own namespace
 fingerprint in the header. The one scheduler half counts a job done only when both ranks reported it, and unions the
 ranks' failures: a block that fails to load on one rank is recomputed on both.

@@ -26,7 +26,8 @@ from kvoffload.specs import Medium
 from kvoffload.testing import sim_values, sim_workload
 from kvoffload.testing.sim import SimEngine, SimRequest, Status
 from kvoffload.testing.sim_workload import tokens
-from kvoffload.tiers.lower.block_format import HEADER_BYTES, rank_directory
+from kvoffload.tiers.disk.paths import rank_directory
+from kvoffload.tiers.lower.block_format import HEADER_BYTES
 from kvoffload.transfer.faults import FailFirstLoads
 from kvoffload.transfer.router import JobRouter
 

@@ -29,7 +29,8 @@ from kvoffload.testing.tier_conformance import (
     check_tier_index,
 )
 from kvoffload.tiers.disk.index import DiskIndex
-from kvoffload.tiers.lower.block_format import PLAIN, block_path, file_bytes, rank_directory
+from kvoffload.tiers.disk.paths import block_path, rank_directory
+from kvoffload.tiers.lower.block_format import PLAIN, file_bytes
 
 NS = Namespace(model="m", dtype="bf16", layout="tier-conformance")
 PAYLOAD = 1000

@@ -3,11 +3,27 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 from kvoffload.config import ConfigError, OffloadConfig
-from kvoffload.tiers.lower.block_format import GroupedLayout, entry_bytes_of
 
+
+class GroupedLayout(Protocol):
+    """What sizing needs of a KV-cache layout (``layout.KVCacheLayout`` is one; no torch here)."""
+
+    @property
+    def groups(self) -> Sequence[Any]: ...
+
+    def group_block_bytes(self, group: int) -> int: ...
+
+
+def entry_bytes_of(layout: GroupedLayout, factor: int) -> tuple[int, ...]:
+    """Payload bytes of one offload block (``factor`` engine blocks) of each KV-cache group."""
+    if factor <= 0:
+        raise ValueError(f"offload factor {factor} must be positive")
+    return tuple(factor * layout.group_block_bytes(g) for g in range(len(layout.groups)))
 
 def offload_factor(config: OffloadConfig, engine_block_size: int) -> int:
     """Engine blocks per offload block."""

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from kvoffload.config import OffloadConfig, WritePolicy
 from kvoffload.keys import Namespace
 from kvoffload.specs import Medium
-from kvoffload.tiers.lower.block_format import GroupedLayout, entry_bytes_of
+from kvoffload.tiers.sizing import GroupedLayout, entry_bytes_of
 
 if TYPE_CHECKING:
     from kvoffload.canonical import CanonicalKV

@@ -11,7 +11,7 @@ from kvoffload.config import DiskTierConfig
 from kvoffload.keys import Namespace, OffloadKey, offload_key
 from kvoffload.specs import DiskBlocks, HostBlocks, JobId, TransferJob
 from kvoffload.tiers.disk.handler import DiskHandler
-from kvoffload.tiers.lower.block_format import block_path, rank_directory
+from kvoffload.tiers.disk.paths import block_path, rank_directory
 from kvoffload.transfer.base import TransferResult
 from kvoffload.transfer.host_pool import HostPool
 

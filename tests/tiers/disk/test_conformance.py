@@ -16,7 +16,7 @@ from kvoffload.specs import DiskBlocks, HostBlocks, JobId, Medium, TransferJob
 from kvoffload.testing.conformance import ALL_CHECKS, MAX_OUTSTANDING, HandlerHarness
 from kvoffload.tiers.disk.file_io import FileOps, read_block, write_block
 from kvoffload.tiers.disk.handler import DiskHandler
-from kvoffload.tiers.lower.block_format import block_path, rank_directory
+from kvoffload.tiers.disk.paths import block_path, rank_directory
 from kvoffload.transfer.base import TransferHandler
 from kvoffload.transfer.host_pool import HostPool
 

@@ -13,7 +13,8 @@ from kvoffload.config import DiskTierConfig
 from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.tiers.disk.file_io import FileOps, read_block
 from kvoffload.tiers.disk.index import DiskIndex
-from kvoffload.tiers.lower.block_format import block_path, file_bytes, rank_directory
+from kvoffload.tiers.disk.paths import block_path, rank_directory
+from kvoffload.tiers.lower.block_format import file_bytes
 
 NS = Namespace(model="m", dtype="bf16", layout="crash")
 PAYLOAD = 256 * 1024

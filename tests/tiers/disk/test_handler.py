@@ -29,7 +29,7 @@ from kvoffload.keys import Namespace
 from kvoffload.specs import DiskBlocks, HostBlocks, JobId, Medium, TransferJob
 from kvoffload.tiers.disk.file_io import FileOps
 from kvoffload.tiers.disk.handler import DiskHandler
-from kvoffload.tiers.lower.block_format import rank_directory
+from kvoffload.tiers.disk.paths import rank_directory
 
 
 class FailingOps(FileOps):

@@ -17,7 +17,8 @@ from kvoffload.config import DiskTierConfig
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.disk.handler import DiskHandler
 from kvoffload.tiers.disk.index import DiskIndex
-from kvoffload.tiers.lower.block_format import HEADER_BYTES, BlockFormat, block_path, rank_directory
+from kvoffload.tiers.disk.paths import block_path, rank_directory
+from kvoffload.tiers.lower.block_format import HEADER_BYTES, BlockFormat
 
 SECRET = TierSecret("test", b"k" * 32)
 FMT = BlockFormat.of(SECRET)

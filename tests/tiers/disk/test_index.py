@@ -22,7 +22,8 @@ from kvoffload.index.base import EventKind, LookupResult
 from kvoffload.keys import Namespace, OffloadKey, offload_key
 from kvoffload.specs import DiskBlocks, Medium
 from kvoffload.tiers.disk.index import DiskIndex
-from kvoffload.tiers.lower.block_format import block_path, file_bytes, rank_directory
+from kvoffload.tiers.disk.paths import block_path, rank_directory
+from kvoffload.tiers.lower.block_format import file_bytes
 
 NS = Namespace(model="m", dtype="bf16", layout="pages=64", rank=0, world_size=2)
 FILE = file_bytes(1000)

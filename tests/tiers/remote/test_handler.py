@@ -28,13 +28,7 @@ from kvoffload.config import RemoteTierConfig
 from kvoffload.keys import Namespace
 from kvoffload.specs import HostBlocks, JobId, Medium, RemoteBlocks, TransferJob
 from kvoffload.testing.redis_server import RedisCluster, RedisServer
-from kvoffload.tiers.lower.block_format import (
-    HEADER_BYTES,
-    PLAIN,
-    BlockFormat,
-    checksum,
-    decode_header,
-)
+from kvoffload.tiers.lower.block_format import HEADER_BYTES, PLAIN, BlockFormat, checksum, decode_header
 from kvoffload.tiers.remote.client import value_name
 from kvoffload.tiers.remote.faults import Fault
 from kvoffload.tiers.remote.handler import RemoteHandler

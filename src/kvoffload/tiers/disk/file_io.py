@@ -20,19 +20,18 @@ import threading
 from collections.abc import Callable, Iterator
 
 from kvoffload.keys import OffloadKey
+from kvoffload.tiers.disk.paths import BLOCK_SUFFIX, TMP_SUFFIX
 from kvoffload.tiers.lower.block_codec import check_length, open_into, seal_into
 from kvoffload.tiers.lower.block_format import (
-    BLOCK_SUFFIX,
-    FILE_MODE,
     HEADER_BYTES,
     PLAIN,
-    TMP_SUFFIX,
     BlockFormat,
     CorruptBlockError,
     checksum,
     decode_header,
     encode_header,
 )
+from kvoffload.tiers.lower.trust import FILE_MODE
 
 _tmp_counter = itertools.count()
 # O_NONBLOCK: opening a FIFO for reading would wait for a writer forever; on a regular file it changes nothing.

@@ -35,13 +35,9 @@ from kvoffload.config import DiskTierConfig
 from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.specs import DiskBlocks, Medium, TransferJob
 from kvoffload.tiers.disk.file_io import FileOps, read_for_slot, write_block
+from kvoffload.tiers.disk.paths import block_path, rank_directory
 from kvoffload.tiers.disk.tree import Access, open_tree, scan
-from kvoffload.tiers.lower.block_format import (
-    CorruptBlockError,
-    UnauthenticBlockError,
-    block_path,
-    rank_directory,
-)
+from kvoffload.tiers.lower.block_format import CorruptBlockError, UnauthenticBlockError
 from kvoffload.tiers.lower.breaker import CircuitBreaker
 from kvoffload.tiers.lower.handler import SHUTDOWN_GRACE_S, LowerJob, LowerTierHandler
 from kvoffload.tiers.lower.io_threads import IoThreads

@@ -43,8 +43,9 @@ from kvoffload.index.base import (
 from kvoffload.index.slot_index import SlotIndex
 from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.specs import BlockSpec, DiskBlocks, Medium
+from kvoffload.tiers.disk.paths import block_path, rank_directories
 from kvoffload.tiers.disk.tree import Access, Tree, WorldLock, open_tree, scan
-from kvoffload.tiers.lower.block_format import BlockFormat, block_path, rank_directories
+from kvoffload.tiers.lower.block_format import BlockFormat
 
 logger = logging.getLogger(__name__)
 

@@ -25,13 +25,8 @@ from pathlib import Path
 
 from kvoffload.config import ConfigError
 from kvoffload.keys import KEY_BYTES, OffloadKey
-from kvoffload.tiers.lower.block_format import (
-    BLOCK_SUFFIX,
-    PLAIN,
-    STALE_TMP_S,
-    TMP_SUFFIX,
-    BlockFormat,
-)
+from kvoffload.tiers.disk.paths import BLOCK_SUFFIX, STALE_TMP_S, TMP_SUFFIX
+from kvoffload.tiers.lower.block_format import PLAIN, BlockFormat
 from kvoffload.tiers.lower.trust import (
     Access,
     ancestor_problems,

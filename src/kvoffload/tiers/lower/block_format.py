@@ -1,7 +1,7 @@
-"""The disk tier's on-disk format: where a block's file lives, its fixed binary header, and the start-up scan.
+"""The block format every tier under host stores: a fixed binary header, then the payload, plain or sealed.
 
-Shared by both halves: the worker's ``DiskHandler`` writes and reads files in this format, the scheduler's
-``DiskIndex`` rebuilds its index from file names (``tiers.disk.tree.scan``: no payload is read). This module
+The worker's handlers write and read blocks in this format (``block_codec`` encodes and checks them); its names
+(``BlockFormat``: the world's and each key's) also name the disk tier's files and the stores' keys. This module
 imports no torch and does no block I/O; docs/disk-format.md is its prose twin: change them together.
 
 A plain file (no tier secret: format version 1) is ``HEADER`` (64 bytes, little-endian) followed by the raw payload
@@ -31,29 +31,21 @@ namespace nor key, the payload encrypted with AES-256-GCM, and its 16-byte tag (
         36   24 zero
         60    4 header checksum    (crc32 of bytes 0..59)
 
-Paths: ``<disk_path>/<world>/rank<r>/<name hex[:2]>/<name hex>.kvb``, where ``world`` is the chain root's hex[:16]
-and ``name`` the key, or, for an authenticated tier, both are keyed by the secret (``BlockFormat``). A replicated
-namespace (every rank holds the same bytes: ``Namespace.replicated``) has one directory, ``<world>/replicated``,
-that rank 0 writes and every rank reads. A file is
-written under a temporary name in the same directory (``<name hex>.<pid>-<n>.tmp``) and renamed into place, so a
-final name never points at a half-written block. ``tiers.disk.tree`` creates, checks and scans the directories.
+The disk tier keeps one block per file in this format (``tiers/disk/paths.py`` says where); the remote and object
+tiers keep one block per value or object in it.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import struct
 import zlib
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any, Protocol
+from dataclasses import dataclass
 
 import crc32c
 
 from kvoffload.auth import NONCE_BYTES, SEAL_VERSION, TAG_BYTES, BlockAuth, TierSecret
-from kvoffload.keys import Namespace, OffloadKey
+from kvoffload.keys import OffloadKey
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +57,6 @@ SEALED_FORMAT_VERSION = SEAL_VERSION
 _HEADER = struct.Struct("<8sHHI16s16sQI")
 _SEALED_HEADER = struct.Struct(f"<8sHHI{NONCE_BYTES}sQ24x")
 HEADER_BYTES = _HEADER.size + 4
-BLOCK_SUFFIX = ".kvb"
-TMP_SUFFIX = ".tmp"
-DIR_MODE = 0o700
-FILE_MODE = 0o600
-STALE_TMP_S = 600.0
 """A temporary file this old is left over from a crash even if its writer's pid is alive again (pid reuse)."""
 
 
@@ -114,49 +101,6 @@ class BlockFormat:
 
 
 PLAIN = BlockFormat()
-
-
-class GroupedLayout(Protocol):
-    """What the disk tier needs of a KV-cache layout (``layout.KVCacheLayout`` is one; no torch here)."""
-
-    @property
-    def groups(self) -> Sequence[Any]: ...
-
-    def group_block_bytes(self, group: int) -> int: ...
-
-
-def entry_bytes_of(layout: GroupedLayout, factor: int) -> tuple[int, ...]:
-    """Payload bytes of one offload block (``factor`` engine blocks) of each KV-cache group."""
-    if factor <= 0:
-        raise ValueError(f"offload factor {factor} must be positive")
-    return tuple(factor * layout.group_block_bytes(g) for g in range(len(layout.groups)))
-
-
-def world_directory(disk_path: Path, namespace: Namespace, fmt: BlockFormat = PLAIN) -> Path:
-    """The directory of every rank of this world (named by the chain root, the same on all ranks)."""
-    return disk_path / fmt.world_name(namespace.chain_root())
-
-
-REPLICATED_DIRECTORY = "replicated"
-
-
-def rank_directory(disk_path: Path, namespace: Namespace, fmt: BlockFormat = PLAIN) -> Path:
-    """The directory holding ``namespace.rank``'s files (a replicated namespace's one copy, whatever the rank);
-    the scheduler's index covers rank 0's."""
-    name = REPLICATED_DIRECTORY if namespace.replicated else f"rank{namespace.rank}"
-    return world_directory(disk_path, namespace, fmt) / name
-
-
-def rank_directories(disk_path: Path, namespace: Namespace, fmt: BlockFormat = PLAIN) -> list[Path]:
-    """Every directory of this world, rank 0's first: one per rank, or the one copy of a replicated namespace
-    (files of an evicted key are removed from all of them)."""
-    return [rank_directory(disk_path, replace(namespace, rank=r), fmt) for r in namespace.copy_ranks]
-
-
-def block_path(rank_dir: Path, key: OffloadKey, fmt: BlockFormat = PLAIN) -> str:
-    """Final file name of ``key`` in ``rank_dir`` (a str: this runs per block)."""
-    name = fmt.name(key)
-    return os.path.join(rank_dir, name[:2], name + BLOCK_SUFFIX)
 
 
 def file_bytes(payload_bytes: int) -> int:

@@ -10,8 +10,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvoffload.tiers.lower.block_format import DIR_MODE, FILE_MODE
-
+DIR_MODE = 0o700
+FILE_MODE = 0o600
 SHARED_DIR_MODE = 0o2770
 """Group-shared directories: setgid, so files and directories made in them belong to the shared group."""
 SHARED_FILE_MODE = 0o660

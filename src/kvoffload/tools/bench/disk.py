@@ -213,8 +213,9 @@ def bench_rebuild(root: Path, blocks: int) -> float:
     from kvoffload.config import DiskTierConfig
     from kvoffload.keys import Namespace, offload_key
     from kvoffload.tiers.disk.index import DiskIndex
+    from kvoffload.tiers.disk.paths import block_path, rank_directory
     from kvoffload.tiers.disk.tree import Access, open_tree
-    from kvoffload.tiers.lower.block_format import block_path, file_bytes, rank_directory
+    from kvoffload.tiers.lower.block_format import file_bytes
 
     ns = Namespace(model="bench", dtype="int8", layout="rebuild")
     directory = rank_directory(root / "rebuild", ns)

@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from kvoffload.keys import Namespace
-from kvoffload.tiers.lower.block_format import rank_directories, rank_directory
+from kvoffload.tiers.disk.paths import rank_directories, rank_directory
 
 NS = Namespace(model="m", dtype="bf16", layout="pages=64", world_size=2)
 
