@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload.config import KEYS, ConfigError, EvictionPolicy, OffloadConfig
-from kvoffload.config_values import FloatRange, IntRange
+from kvoffload.config.values import FloatRange, IntRange
 
 
 class Unprintable:

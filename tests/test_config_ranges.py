@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvoffload.config import GIB, KEYS, ConfigError, OffloadConfig
-from kvoffload.config_values import MAX_BYTES, FloatRange, GibSize, IntRange
+from kvoffload.config.values import MAX_BYTES, FloatRange, GibSize, IntRange
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTEXT = {"disk_path": "/tmp/kvoffload-ranges", "remote_url": "redis://127.0.0.1:6379", "object_url": "s3://kvoffload-x"}

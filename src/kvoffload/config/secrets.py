@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload.auth import MIN_SECRET_BYTES, TierSecret
-from kvoffload.config_values import env_name, path, text
+from kvoffload.config.values import env_name, path, text
 
 MAX_SECRET_FILE_BYTES = 1 << 16
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY

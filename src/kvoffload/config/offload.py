@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvoffload.config_choices import EvictionPolicy, HostScope, LoadPolicy, StoreAdmission, WritePolicy
-from kvoffload.config_secrets import password_env, password_file, password_text, secret_env, secret_file
-from kvoffload.config_tiers import (
+from kvoffload.config.choices import EvictionPolicy, HostScope, LoadPolicy, StoreAdmission, WritePolicy
+from kvoffload.config.secrets import password_env, password_file, password_text, secret_env, secret_file
+from kvoffload.config.tiers import (
     DEFAULT_NODE_PATH,
     DiskTierConfig,
     HostTierConfig,
@@ -27,10 +27,8 @@ from kvoffload.config_tiers import (
     PluginTierConfig,
     RemoteTierConfig,
 )
-from kvoffload.config_values import (
-    GIB,
+from kvoffload.config.values import (
     MAX_BYTES,
-    REMOTE_SCHEMES,
     FloatRange,
     IntRange,
     cluster_url_problem,
@@ -46,9 +44,7 @@ from kvoffload.config_values import (
     text,
 )
 
-__all__ = ["DEFAULT_NODE_PATH", "FAULT_KEYS", "GIB", "KEYS", "REMOTE_SCHEMES", "ConfigError", "DiskTierConfig",
-           "EvictionPolicy", "HostScope", "HostTierConfig", "LoadPolicy", "NodeTierConfig", "ObjectTierConfig",
-           "OffloadConfig", "PluginTierConfig", "RemoteTierConfig", "StoreAdmission", "WritePolicy"]
+__all__ = ["FAULT_KEYS", "KEYS", "ConfigError", "OffloadConfig"]
 
 
 class ConfigError(ValueError):

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload.auth import TierSecret
-from kvoffload.config_choices import EvictionPolicy, HostScope, WritePolicy
-from kvoffload.config_values import GIB
+from kvoffload.config.choices import EvictionPolicy, HostScope, WritePolicy
+from kvoffload.config.values import GIB
 
 DEFAULT_NODE_PATH = Path("/dev/shm")
 
