@@ -1,11 +1,11 @@
-"""The one typed configuration tree, and the only place that reads untyped configuration.
+"""The root of the one typed configuration tree, and the only place that reads untyped configuration.
 
 Engines hand kvoffload a flat ``{key: value}`` dict (vLLM's ``kv_connector_extra_config``). ``OffloadConfig.from_dict``
 validates all of it at once and raises one ``ConfigError`` that names every bad or unknown key and lists the
 accepted ones; nothing else escapes it, whatever the keys and values. Every other module receives the typed values
-below (the choices among named values are in config_choices.py). Each key's parser (config_values.py: ranges,
-paths, URLs; config_secrets.py: secrets and passwords) is in ``KEYS``; docs/configuration.md lists every key with
-its accepted range.
+below (the tiers' sections are in tiers.py, the choices among named values in choices.py). Each key's parser
+(values.py: ranges, paths, URLs; secrets.py: secrets and passwords) is in ``KEYS``; docs/configuration.md lists
+every key with its accepted range.
 """
 
 from __future__ import annotations

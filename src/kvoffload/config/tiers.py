@@ -1,6 +1,6 @@
-"""The typed sections of the configuration tree, one per tier (``config.OffloadConfig`` holds them).
+"""The typed sections of the configuration tree, one per tier (``offload.OffloadConfig`` holds them).
 
-Made only by config.py's parser from validated values; every field is typed, and secrets are ``TierSecret`` values
+Made only by offload.py's parser from validated values; every field is typed, and secrets are ``TierSecret`` values
 that never show in a ``repr``.
 """
 
