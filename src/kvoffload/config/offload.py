@@ -87,7 +87,7 @@ class OffloadConfig:
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None) -> OffloadConfig:
         """Build and validate the tree from flat keys; raise ``ConfigError`` naming every problem (and nothing
-        else, whatever ``raw`` holds: tests/test_config_fuzz.py)."""
+        else, whatever ``raw`` holds: tests/config/test_config_fuzz.py)."""
         if raw is None:
             raw = {}
         if not isinstance(raw, Mapping):
