@@ -1,7 +1,7 @@
-"""Parsers of single configuration values, for config.py's ``KEYS`` table.
+"""Parsers of single configuration values, for offload.py's ``KEYS`` table.
 
 Each parser takes what the user wrote and returns the typed value, or raises ``ValueError`` saying what it accepts;
-config.py's parser puts the key in front and gathers every problem into one ``ConfigError``. Numeric keys have a
+offload.py's parser puts the key in front and gathers every problem into one ``ConfigError``. Numeric keys have a
 range that is a value (``IntRange``, ``FloatRange``, ``GibSize``), so that docs/configuration.md's table and the
 tests read the very bounds the parser applies. Nothing here touches the file system or the network: a path or URL
 is checked for what would make start-up fail, and is used later by the tiers.

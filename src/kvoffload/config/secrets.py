@@ -1,12 +1,12 @@
-"""Reading the shared tiers' secret and the remote tier's password, for config.py's ``KEYS`` table.
+"""Reading the shared tiers' secret and the remote tier's password, for offload.py's ``KEYS`` table.
 
 A secret file is read once, at start-up, the way deployments mount it: a Kubernetes secret is a symbolic link
 (``key -> ..data/key``, ``..data -> ..2024_01_01_00_00_00.1/``), so links are followed and the file they end at is
 checked, through the open descriptor (the file checked is the file read). It must be a regular file (opened
 without blocking, so a FIFO is refused at once instead of hanging start-up), owned by this process's user or by
 root (anyone else who owns it knows the secret and can replace it), readable by its owner only, and at most
-``MAX_SECRET_FILE_BYTES``. Refusals are ``ValueError`` saying what is wrong, never the secret; config.py names the
-key. docs/security.md ("how the secret file is read") gives the threat.
+``MAX_SECRET_FILE_BYTES``. Refusals are ``ValueError`` saying what is wrong, never the secret; offload.py's parser
+names the key. docs/security.md ("how the secret file is read") gives the threat.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload.auth import MIN_SECRET_BYTES, TierSecret
-from kvoffload.config_values import env_name, path, text
+from kvoffload.config.values import env_name, path, text
 
 MAX_SECRET_FILE_BYTES = 1 << 16
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvoffload.config import ConfigError, OffloadConfig
-from kvoffload.config_secrets import MAX_SECRET_FILE_BYTES
+from kvoffload.config.secrets import MAX_SECRET_FILE_BYTES
 
 DISK = {"disk_path": "/tmp/kvoffload-secret-test"}
 SECRET = b"s3cr3t-value-" * 4

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from kvoffload.config import GIB, KEYS, ConfigError, OffloadConfig
-from kvoffload.config_values import MAX_BYTES, FloatRange, GibSize, IntRange
+from kvoffload.config.values import MAX_BYTES, FloatRange, GibSize, IntRange
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONTEXT = {"disk_path": "/tmp/kvoffload-ranges", "remote_url": "redis://127.0.0.1:6379", "object_url": "s3://kvoffload-x"}
 RANGED = {key: parser for key, (parser, _) in KEYS.items() if isinstance(parser, IntRange | FloatRange)}
 ISSUE_21_KEYS = {"offload_block_tokens", "host_bytes", "host_gib", "disk_io_threads", "copy_threads",

@@ -1,11 +1,11 @@
-"""The one typed configuration tree, and the only place that reads untyped configuration.
+"""The root of the one typed configuration tree, and the only place that reads untyped configuration.
 
 Engines hand kvoffload a flat ``{key: value}`` dict (vLLM's ``kv_connector_extra_config``). ``OffloadConfig.from_dict``
 validates all of it at once and raises one ``ConfigError`` that names every bad or unknown key and lists the
 accepted ones; nothing else escapes it, whatever the keys and values. Every other module receives the typed values
-below (the choices among named values are in config_choices.py). Each key's parser (config_values.py: ranges,
-paths, URLs; config_secrets.py: secrets and passwords) is in ``KEYS``; docs/configuration.md lists every key with
-its accepted range.
+below (the tiers' sections are in tiers.py, the choices among named values in choices.py). Each key's parser
+(values.py: ranges, paths, URLs; secrets.py: secrets and passwords) is in ``KEYS``; docs/configuration.md lists
+every key with its accepted range.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvoffload.config_choices import EvictionPolicy, HostScope, LoadPolicy, StoreAdmission, WritePolicy
-from kvoffload.config_secrets import password_env, password_file, password_text, secret_env, secret_file
-from kvoffload.config_tiers import (
+from kvoffload.config.choices import EvictionPolicy, HostScope, LoadPolicy, StoreAdmission, WritePolicy
+from kvoffload.config.secrets import password_env, password_file, password_text, secret_env, secret_file
+from kvoffload.config.tiers import (
     DEFAULT_NODE_PATH,
     DiskTierConfig,
     HostTierConfig,
@@ -27,10 +27,8 @@ from kvoffload.config_tiers import (
     PluginTierConfig,
     RemoteTierConfig,
 )
-from kvoffload.config_values import (
-    GIB,
+from kvoffload.config.values import (
     MAX_BYTES,
-    REMOTE_SCHEMES,
     FloatRange,
     IntRange,
     cluster_url_problem,
@@ -46,9 +44,7 @@ from kvoffload.config_values import (
     text,
 )
 
-__all__ = ["DEFAULT_NODE_PATH", "FAULT_KEYS", "GIB", "KEYS", "REMOTE_SCHEMES", "ConfigError", "DiskTierConfig",
-           "EvictionPolicy", "HostScope", "HostTierConfig", "LoadPolicy", "NodeTierConfig", "ObjectTierConfig",
-           "OffloadConfig", "PluginTierConfig", "RemoteTierConfig", "StoreAdmission", "WritePolicy"]
+__all__ = ["FAULT_KEYS", "KEYS", "ConfigError", "OffloadConfig"]
 
 
 class ConfigError(ValueError):
@@ -91,7 +87,7 @@ class OffloadConfig:
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None) -> OffloadConfig:
         """Build and validate the tree from flat keys; raise ``ConfigError`` naming every problem (and nothing
-        else, whatever ``raw`` holds: tests/test_config_fuzz.py)."""
+        else, whatever ``raw`` holds: tests/config/test_config_fuzz.py)."""
         if raw is None:
             raw = {}
         if not isinstance(raw, Mapping):

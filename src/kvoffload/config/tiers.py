@@ -1,6 +1,6 @@
-"""The typed sections of the configuration tree, one per tier (``config.OffloadConfig`` holds them).
+"""The typed sections of the configuration tree, one per tier (``offload.OffloadConfig`` holds them).
 
-Made only by config.py's parser from validated values; every field is typed, and secrets are ``TierSecret`` values
+Made only by offload.py's parser from validated values; every field is typed, and secrets are ``TierSecret`` values
 that never show in a ``repr``.
 """
 
@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload.auth import TierSecret
-from kvoffload.config_choices import EvictionPolicy, HostScope, WritePolicy
-from kvoffload.config_values import GIB
+from kvoffload.config.choices import EvictionPolicy, HostScope, WritePolicy
+from kvoffload.config.values import GIB
 
 DEFAULT_NODE_PATH = Path("/dev/shm")
 

@@ -1,7 +1,7 @@
 """Whatever the keys and values, parsing succeeds or raises a ConfigError naming the culprit: never another exception.
 
 The property walks ``KEYS`` itself, so that a new key is covered without touching this file. A ranged key must also
-accept exactly the values of its range (tests/test_config_ranges.py checks the bounds one by one).
+accept exactly the values of its range (tests/config/test_config_ranges.py checks the bounds one by one).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload.config import KEYS, ConfigError, EvictionPolicy, OffloadConfig
-from kvoffload.config_values import FloatRange, IntRange
+from kvoffload.config.values import FloatRange, IntRange
 
 
 class Unprintable:
