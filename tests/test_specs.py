@@ -30,13 +30,15 @@ def test_a_medium_is_immutable() -> None:
     assert Medium.DISK.value == "disk"
 
 
-def test_tier_blocks_are_for_other_packages_media_with_a_slot_per_key() -> None:
+def test_tier_blocks_name_a_tier_under_host_by_key_with_a_slot_per_key_where_its_index_gives_one() -> None:
     keys = (OffloadKey(b"k" * 16), OffloadKey(b"l" * 16))
-    spec = TierBlocks(Medium("ramtier"), keys, (3, 4), (2,))
+    spec = TierBlocks(Medium("ramtier"), keys, (2,), slots=(3, 4))
     assert spec.medium is Medium("ramtier")
-    with pytest.raises(ValueError, match="kvoffload's own"):
-        TierBlocks(Medium.DISK, keys, (3, 4), (2,))
+    assert TierBlocks(Medium.DISK, keys, (2,)).slots == ()  # a tier named by key alone
+    for medium in (Medium.DEVICE, Medium.HOST):
+        with pytest.raises(ValueError, match="not a tier under host"):
+            TierBlocks(medium, keys, (2,))
     with pytest.raises(ValueError, match="slots"):
-        TierBlocks(Medium("ramtier"), keys, (3,), (2,))
+        TierBlocks(Medium("ramtier"), keys, (2,), slots=(3,))
     with pytest.raises(ValueError, match="group_sizes"):
-        TierBlocks(Medium("ramtier"), keys, (3, 4), (1,))
+        TierBlocks(Medium("ramtier"), keys, (1,), slots=(3, 4))

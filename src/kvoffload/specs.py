@@ -5,7 +5,8 @@ Specs are small, picklable values; they cross from the scheduler half to the wor
 
 Block order and groups: a spec lists the blocks of KV-cache group 0 first, then group 1, and so on;
 ``group_sizes[g]`` says how many entries belong to group ``g``. On the device, one entry is one engine block; on the
-host and on disk one entry is one offload block, which holds ``factor`` consecutive engine blocks (sub-blocks).
+host and in every tier under it one entry is one offload block, which holds ``factor`` consecutive engine blocks
+(sub-blocks).
 A load may begin inside an offload block whose first sub-blocks the engine already holds: ``skip_sub_blocks`` says
 how many leading sub-blocks of each group's first entry are not copied.
 
@@ -119,63 +120,26 @@ class HostBlocks:
 
 
 @dataclass(frozen=True)
-class DiskBlocks:
-    """Files of the disk tier, named by key (one entry per offload block)."""
-
-    keys: tuple[OffloadKey, ...]
-    group_sizes: tuple[int, ...]
-
-    medium = Medium.DISK
-
-    def __post_init__(self) -> None:
-        _check_groups("DiskBlocks", len(self.keys), self.group_sizes)
-
-
-@dataclass(frozen=True)
-class RemoteBlocks:
-    """Values of the remote tier (a Redis-protocol store), named by key (one entry per offload block)."""
-
-    keys: tuple[OffloadKey, ...]
-    group_sizes: tuple[int, ...]
-
-    medium = Medium.REMOTE
-
-    def __post_init__(self) -> None:
-        _check_groups("RemoteBlocks", len(self.keys), self.group_sizes)
-
-
-@dataclass(frozen=True)
-class ObjectBlocks:
-    """Objects of the object tier (an S3-API store), named by key (one entry per offload block)."""
-
-    keys: tuple[OffloadKey, ...]
-    group_sizes: tuple[int, ...]
-
-    medium = Medium.OBJECT
-
-    def __post_init__(self) -> None:
-        _check_groups("ObjectBlocks", len(self.keys), self.group_sizes)
-
-
-@dataclass(frozen=True)
 class TierBlocks:
-    """Entries of a tier from another package (``kvoffload.tiers``): its medium, each entry's key and the slot its
-    index gave it (a tier addressed by key ignores the slots, one addressed by slot ignores the keys)."""
+    """Entries of a tier under host, named by key (one entry per offload block): the disk tier's files, the remote
+    tier's values, the object tier's objects, a plug-in tier's entries. ``slots``, where its index gives each entry a
+    slot (a plug-in tier addressed by slot, like ``tests/tiers/plugin``'s), pairs with ``keys``; empty for a tier
+    addressed by key alone."""
 
     medium: Medium
     keys: tuple[OffloadKey, ...]
-    slots: tuple[int, ...]
     group_sizes: tuple[int, ...]
+    slots: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check_groups("TierBlocks", len(self.keys), self.group_sizes)
-        if len(self.slots) != len(self.keys):
+        if self.slots and len(self.slots) != len(self.keys):
             raise ValueError(f"TierBlocks: {len(self.slots)} slots for {len(self.keys)} keys")
-        if self.medium in Medium.BUILT_IN:
-            raise ValueError(f"TierBlocks: medium {self.medium.value!r} is kvoffload's own; its tier has its spec")
+        if self.medium in (Medium.DEVICE, Medium.HOST):
+            raise ValueError(f"TierBlocks: medium {self.medium.value!r} is not a tier under host")
 
 
-BlockSpec = DeviceBlocks | HostBlocks | DiskBlocks | RemoteBlocks | ObjectBlocks | TierBlocks
+BlockSpec = DeviceBlocks | HostBlocks | TierBlocks
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from kvoffload.config import OffloadConfig
 from kvoffload.connector.metadata import ConnectorMetadata, LoadJob
 from kvoffload.connector.worker import ConnectorWorker, WorkerPoll
 from kvoffload.keys import Namespace, offload_key
-from kvoffload.specs import DeviceBlocks, DiskBlocks, HostBlocks, JobId, TransferJob
+from kvoffload.specs import DeviceBlocks, HostBlocks, JobId, Medium, TierBlocks, TransferJob
 from kvoffload.testing.layouts import attention_layout
 
 NEW = 7  # what the engine writes after the recommit; the seeded bytes are random in [1, 63]
@@ -119,8 +119,8 @@ def test_tier_jobs_go_on_while_unregistered(tmp_path):
     worker = make_worker(disk_path=str(tmp_path / "disk"))
     worker.pool.buffer[0].fill_(NEW)
     key = offload_key(b"block", 0)  # type: ignore[arg-type]
-    write = TransferJob(JobId(0), HostBlocks((0,), (1,)), DiskBlocks((key,), (1,)))
-    read = TransferJob(JobId(1), DiskBlocks((key,), (1,)), HostBlocks((1,), (1,)))
+    write = TransferJob(JobId(0), HostBlocks((0,), (1,)), TierBlocks(Medium.DISK, (key,), (1,)))
+    read = TransferJob(JobId(1), TierBlocks(Medium.DISK, (key,), (1,)), HostBlocks((1,), (1,)))
 
     worker.unregister_kv_caches()
     written = next_step(worker, ConnectorMetadata(tier_jobs=(write,)))

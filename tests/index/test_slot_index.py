@@ -11,7 +11,7 @@ from tests.index.workloads import held, key, keys, stored
 from kvoffload.config import EvictionPolicy
 from kvoffload.index.base import EventKind, IntegrityError, LookupResult, OffloadEvent, TierUsage
 from kvoffload.index.slot_index import SlotIndex
-from kvoffload.specs import DiskBlocks, HostBlocks, Medium
+from kvoffload.specs import HostBlocks, Medium, TierBlocks
 
 
 def test_rejects_a_capacity_that_is_not_a_positive_integer() -> None:
@@ -206,14 +206,14 @@ def test_a_scan_resistant_manager_keeps_loaded_keys_through_a_scan(policy: Evict
 
 
 def test_spec_factory_builds_the_specs_of_another_medium() -> None:
-    def disk_blocks(ks, slots) -> DiskBlocks:  # type: ignore[no-untyped-def]
-        return DiskBlocks(keys=tuple(ks), group_sizes=(len(ks),))
+    def disk_blocks(ks, slots) -> TierBlocks:  # type: ignore[no-untyped-def]
+        return TierBlocks(Medium.DISK, keys=tuple(ks), group_sizes=(len(ks),))
 
     manager = SlotIndex(4, medium=Medium.DISK, spec_factory=disk_blocks)
     out = manager.prepare_store(keys(1, 2))
-    assert out is not None and out.store_spec == DiskBlocks(tuple(keys(1, 2)), (2,))
+    assert out is not None and out.store_spec == TierBlocks(Medium.DISK, tuple(keys(1, 2)), (2,))
     manager.complete_store(out.keys_to_store)
-    assert manager.prepare_load(keys(2)) == DiskBlocks(tuple(keys(2)), (1,))
+    assert manager.prepare_load(keys(2)) == TierBlocks(Medium.DISK, tuple(keys(2)), (1,))
 
 
 @pytest.mark.parametrize("corrupt, message", [

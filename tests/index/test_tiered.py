@@ -17,7 +17,7 @@ from kvoffload.index.base import EventKind, LookupResult, TierTransfer
 from kvoffload.index.slot_index import SlotIndex
 from kvoffload.index.tiered import Below, TieredIndex
 from kvoffload.keys import Namespace, OffloadKey, offload_key
-from kvoffload.specs import BlockSpec, DiskBlocks, HostBlocks, Medium, RemoteBlocks
+from kvoffload.specs import BlockSpec, HostBlocks, Medium, TierBlocks
 from kvoffload.tiers.disk.spec import DiskTierSpec
 from kvoffload.tiers.lower.block_format import PLAIN, file_bytes
 from kvoffload.tiers.remote.client import value_name
@@ -60,11 +60,11 @@ class Tier:
         return TieredIndex(host, [Below(RemoteIndex.create(remote, NS, VALUE), policy)])
 
     def blocks(self, ks: list[OffloadKey]) -> BlockSpec:
-        return (DiskBlocks if self.medium == Medium.DISK else RemoteBlocks)(tuple(ks), (len(ks),))
+        return TierBlocks(self.medium, tuple(ks), (len(ks),))
 
     def run(self, transfer: TierTransfer, success: bool) -> None:
         """A worker's part: a remote write that succeeds leaves a value (the disk index does not look at files)."""
-        if success and isinstance(transfer.dst, RemoteBlocks):
+        if success and isinstance(transfer.dst, TierBlocks) and transfer.dst.medium == Medium.REMOTE:
             for key in transfer.dst.keys:
                 self.client.set(value_name(NS, PLAIN, key), b"v")
 

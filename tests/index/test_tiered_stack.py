@@ -18,7 +18,7 @@ from kvoffload.index.base import LookupResult, TierTransfer
 from kvoffload.index.slot_index import SlotIndex
 from kvoffload.index.tiered import Below, TieredIndex
 from kvoffload.keys import Namespace, OffloadKey, offload_key
-from kvoffload.specs import DiskBlocks, HostBlocks, Medium, RemoteBlocks
+from kvoffload.specs import HostBlocks, Medium, TierBlocks
 from kvoffload.tiers.disk.spec import DiskTierSpec
 from kvoffload.tiers.lower.block_format import PLAIN, file_bytes
 from kvoffload.tiers.remote.client import value_name
@@ -61,7 +61,7 @@ class Workers:
 
     def finish(self, m: TieredIndex, transfer: TierTransfer, success: bool = True) -> None:
         success = success and self.fail not in (transfer.src.medium, transfer.dst.medium)
-        if success and isinstance(transfer.dst, RemoteBlocks):
+        if success and isinstance(transfer.dst, TierBlocks) and transfer.dst.medium == Medium.REMOTE:
             for key in transfer.dst.keys:
                 self.client.set(value_name(NS, PLAIN, key), b"v")
         m.complete_transfer(transfer.transfer_id, success)
@@ -119,7 +119,7 @@ def test_a_block_on_both_tiers_is_promoted_from_disk(make: Any, redis_client: An
     evict_from_host(m, workers, 2)
     assert m.lookup(ks) == LookupResult(0, pending=True)
     (promotion,) = m.take_transfers()
-    assert promotion.src == DiskBlocks(tuple(ks), (2,))
+    assert promotion.src == TierBlocks(Medium.DISK, tuple(ks), (2,))
 
 
 def test_a_block_only_in_the_remote_tier_is_promoted_from_it_then_written_to_disk(
@@ -132,10 +132,10 @@ def test_a_block_only_in_the_remote_tier_is_promoted_from_it_then_written_to_dis
     assert m.lowers[0].lookup(ks).hits == 0
     assert m.lookup(ks) == LookupResult(0, pending=True)
     (promotion,) = m.take_transfers()
-    assert promotion.src == RemoteBlocks(tuple(ks), (2,)) and isinstance(promotion.dst, HostBlocks)
+    assert promotion.src == TierBlocks(Medium.REMOTE, tuple(ks), (2,)) and isinstance(promotion.dst, HostBlocks)
     Workers(redis_client).finish(m, promotion)
     (write,) = m.take_transfers()
-    assert write.src == promotion.dst and write.dst == DiskBlocks(tuple(ks), (2,))
+    assert write.src == promotion.dst and write.dst == TierBlocks(Medium.DISK, tuple(ks), (2,))
     Workers(redis_client).finish(m, write)
     assert m.lookup(ks).hits == 2 and m.lowers[0].lookup(ks).hits == 2
     m.check_integrity()
@@ -148,7 +148,8 @@ def test_a_prefix_split_between_disk_and_remote_is_promoted_from_both_in_one_loo
     split_between_disk_and_remote(m, ks, redis_client)
     assert m.lookup(ks) == LookupResult(0, pending=True)
     promotions = m.take_transfers()
-    assert [p.src for p in promotions] == [DiskBlocks(tuple(ks[:2]), (2,)), RemoteBlocks(tuple(ks[2:]), (2,))]
+    assert [p.src for p in promotions] == [TierBlocks(Medium.DISK, tuple(ks[:2]), (2,)),
+                                           TierBlocks(Medium.REMOTE, tuple(ks[2:]), (2,))]
     dst = [s for p in promotions if isinstance(p.dst, HostBlocks) for s in p.dst.slots]
     assert len(set(dst)) == 4  # four distinct host slots
     assert m.lookup(ks).pending
@@ -181,7 +182,7 @@ def test_a_slow_remote_tier_ends_the_hit_where_the_disk_run_ends(make: Any, redi
     split_between_disk_and_remote(m, ks, redis_client)
     assert m.lookup(ks) == LookupResult(0, pending=True)
     (promotion,) = m.take_transfers()
-    assert promotion.src == DiskBlocks(tuple(ks[:2]), (2,))
+    assert promotion.src == TierBlocks(Medium.DISK, tuple(ks[:2]), (2,))
 
 
 def test_on_evict_disk_beside_write_through_remote(make: Any, redis_client: Any) -> None:
@@ -189,7 +190,7 @@ def test_on_evict_disk_beside_write_through_remote(make: Any, redis_client: Any)
     ks = keys(3)
     store(m, ks)
     (write,) = m.take_transfers()
-    assert write.dst == RemoteBlocks(tuple(ks), (3,))  # the remote tier at once, the disk not yet
+    assert write.dst == TierBlocks(Medium.REMOTE, tuple(ks), (3,))  # the remote tier at once, the disk not yet
     Workers(redis_client).finish(m, write)
     store(m, keys(1, salt=1))
     writes = m.take_transfers()

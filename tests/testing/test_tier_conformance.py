@@ -67,7 +67,7 @@ class SlotHarness(KeyedHarness):
 def tier_spec(keys: Sequence[OffloadKey], slots: Sequence[int]) -> BlockSpec:
     from kvoffload.specs import TierBlocks
 
-    return TierBlocks(MEDIUM, tuple(keys), tuple(slots), (len(keys),))
+    return TierBlocks(MEDIUM, tuple(keys), (len(keys),), tuple(slots))
 
 
 class DiskHarness(KeyedHarness):

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload.canonical import BlockRef, CanonicalKV
-from kvoffload.specs import NO_BLOCK, DeviceBlocks, DiskBlocks, HostBlocks, JobId, Medium, TransferJob
+from kvoffload.specs import NO_BLOCK, DeviceBlocks, HostBlocks, JobId, Medium, TierBlocks, TransferJob
 from kvoffload.transfer.copy_plan import CopyPlan, PlanLayout, build_plan, validate_job
 
 PAGE = 64
@@ -72,7 +72,7 @@ def test_sub_blocks_fill_a_slot_in_order_and_a_load_skips_the_held_ones() -> Non
     (TransferJob(JobId(1), DeviceBlocks((1,), (1,)), HostBlocks((0,), (1,), skip_sub_blocks=1)), "store cannot"),
     (TransferJob(JobId(1), HostBlocks((0,), (1,), skip_sub_blocks=1), DeviceBlocks((), (0,))), "below the factor"),
     (TransferJob(JobId(1), DeviceBlocks((1,), (1, 0)), HostBlocks((0,), (1, 0))), "must have 1 entries"),
-    (TransferJob(JobId(1), HostBlocks((0,), (1,)), DiskBlocks((), ())), "not device<->host"),
+    (TransferJob(JobId(1), HostBlocks((0,), (1,)), TierBlocks(Medium.DISK, (), ())), "not device<->host"),
     (TransferJob(JobId(1), DeviceBlocks((1, NO_BLOCK), (2,)), HostBlocks((0, 1), (2,))), "store has a hole"),
     (TransferJob(JobId(1), HostBlocks((0,), (1,)), DeviceBlocks((-2,), (1,))), "block id"),
 ])

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 
 from kvoffload.index.base import EventKind, IntegrityError, LowerIndex, PrepareStoreOutput
 from kvoffload.keys import OffloadKey
-from kvoffload.specs import BlockSpec, DeviceBlocks, HostBlocks, TierBlocks
+from kvoffload.specs import BlockSpec, DeviceBlocks, HostBlocks
 from kvoffload.testing.conformance import ConformanceError
 
 MIN_CAPACITY = 4
@@ -133,13 +133,11 @@ def _used(index: LowerIndex) -> int:
 
 def _entries(spec: BlockSpec) -> list[object]:
     """What locates each entry of a spec: its slot, its key, or both."""
-    if isinstance(spec, TierBlocks):
-        return list(zip(spec.keys, spec.slots, strict=True))
     if isinstance(spec, HostBlocks):
         return list(spec.slots)
     if isinstance(spec, DeviceBlocks):
         return list(spec.block_ids)
-    return list(spec.keys)
+    return list(zip(spec.keys, spec.slots, strict=True)) if spec.slots else list(spec.keys)
 
 
 def _one_entry_per_key(index: LowerIndex, spec: BlockSpec, keys: Sequence[OffloadKey], call: str) -> None:

@@ -6,13 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tests.tiers.jobs import Groups, TierJobs, run
 
 from kvoffload.config import DiskTierConfig
 from kvoffload.keys import Namespace, OffloadKey, offload_key
-from kvoffload.specs import DiskBlocks, HostBlocks, JobId, TransferJob
+from kvoffload.specs import Medium
 from kvoffload.tiers.disk.handler import DiskHandler
 from kvoffload.tiers.disk.paths import block_path, rank_directory
-from kvoffload.transfer.base import TransferResult
 from kvoffload.transfer.host_pool import HostPool
 
 NS = Namespace(model="m", dtype="bf16", layout="pages=64")
@@ -38,27 +38,10 @@ def make_pool(slots: int = 8) -> HostPool:
     return pool
 
 
-_ids = iter(range(1, 1 << 30))
+__all__ = ["Groups", "load", "run", "store"]  # the shared job builders, bound to this tier (tests/tiers/jobs.py)
 
-
-Groups = tuple[int, ...] | None
-
-
-def store(slots: tuple[int, ...], ks: tuple[OffloadKey, ...], groups: Groups = None) -> TransferJob:
-    groups = groups or (len(slots),)
-    return TransferJob(JobId(next(_ids)), HostBlocks(slots, groups), DiskBlocks(ks, groups))
-
-
-def load(ks: tuple[OffloadKey, ...], slots: tuple[int, ...], groups: Groups = None) -> TransferJob:
-    groups = groups or (len(slots),)
-    return TransferJob(JobId(next(_ids)), DiskBlocks(ks, groups), HostBlocks(slots, groups))
-
-
-def run(handler: DiskHandler, job: TransferJob) -> TransferResult:
-    assert handler.submit(job)
-    handler.wait([job.job_id])
-    (result,) = [r for r in handler.get_finished() if r.job_id == job.job_id]
-    return result
+_jobs = TierJobs(Medium.DISK)
+store, load = _jobs.store, _jobs.load
 
 
 def path_of(config: DiskTierConfig, key: OffloadKey, ns: Namespace = NS) -> Path:

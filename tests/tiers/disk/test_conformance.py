@@ -12,7 +12,7 @@ import torch
 
 from kvoffload.config import DiskTierConfig
 from kvoffload.keys import Namespace, OffloadKey, offload_key
-from kvoffload.specs import DiskBlocks, HostBlocks, JobId, Medium, TransferJob
+from kvoffload.specs import HostBlocks, JobId, Medium, TierBlocks, TransferJob
 from kvoffload.testing.conformance import ALL_CHECKS, MAX_OUTSTANDING, HandlerHarness
 from kvoffload.tiers.disk.file_io import FileOps, read_block, write_block
 from kvoffload.tiers.disk.handler import DiskHandler
@@ -51,11 +51,11 @@ class DiskHarness(HandlerHarness):
 
     def make_failing_job(self, job_id: JobId) -> TransferJob:
         missing = (next(self._keys),)  # never written: the read fails
-        return TransferJob(job_id, DiskBlocks(missing, (1,)), HostBlocks((next(self._slot),), (1,)))
+        return TransferJob(job_id, TierBlocks(Medium.DISK, missing, (1,)), HostBlocks((next(self._slot),), (1,)))
 
     def verify(self, job: TransferJob) -> bool:
         if job.transfer_type == (Medium.HOST, Medium.DISK):
-            assert isinstance(job.dst, DiskBlocks)
+            assert isinstance(job.dst, TierBlocks) and job.dst.medium == Medium.DISK
             return self._files(job.dst.keys) == self._expected[job.job_id]
         assert isinstance(job.dst, HostBlocks)
         return [bytes(self.pool.buffer[s].numpy()) for s in job.dst.slots] == self._expected[job.job_id]
@@ -68,7 +68,7 @@ class DiskHarness(HandlerHarness):
         for slot, data in zip(slots, fresh, strict=True):
             self.pool.buffer[slot] = torch.frombuffer(bytearray(data), dtype=torch.int8)
         self._expected[job_id] = fresh
-        return TransferJob(job_id, HostBlocks(slots, (len(slots),)), DiskBlocks(keys, (len(keys),)))
+        return TransferJob(job_id, HostBlocks(slots, (len(slots),)), TierBlocks(Medium.DISK, keys, (len(keys),)))
 
     def _read_job(self, job_id: JobId, keys: tuple[OffloadKey, ...], slots: tuple[int, ...]) -> TransferJob:
         fresh = [os.urandom(ENTRY) for _ in keys]
@@ -77,7 +77,7 @@ class DiskHarness(HandlerHarness):
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             write_block(FileOps(), path, NS.fingerprint(), key, memoryview(data))
         self._expected[job_id] = fresh
-        return TransferJob(job_id, DiskBlocks(keys, (len(keys),)), HostBlocks(slots, (len(slots),)))
+        return TransferJob(job_id, TierBlocks(Medium.DISK, keys, (len(keys),)), HostBlocks(slots, (len(slots),)))
 
     def _files(self, keys: tuple[OffloadKey, ...]) -> list[bytes]:
         out: list[bytes] = []

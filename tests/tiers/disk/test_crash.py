@@ -25,7 +25,7 @@ WRITER = textwrap.dedent(f"""
     from pathlib import Path
     from kvoffload.config import DiskTierConfig
     from kvoffload.keys import Namespace, offload_key
-    from kvoffload.specs import DiskBlocks, HostBlocks, JobId, TransferJob
+    from kvoffload.specs import HostBlocks, JobId, Medium, TierBlocks, TransferJob
     from kvoffload.tiers.disk.handler import DiskHandler
     from kvoffload.transfer.host_pool import HostPool
 
@@ -35,7 +35,7 @@ WRITER = textwrap.dedent(f"""
                           Namespace(model="m", dtype="bf16", layout="crash"), ({PAYLOAD},))
     for i in range(1 << 30):
         keys = tuple(offload_key(i.to_bytes(8, "little") + bytes([j]), 0) for j in range(8))
-        job = TransferJob(JobId(i), HostBlocks(tuple(range(8)), (8,)), DiskBlocks(keys, (8,)))
+        job = TransferJob(JobId(i), HostBlocks(tuple(range(8)), (8,)), TierBlocks(Medium.DISK, keys, (8,)))
         handler.submit(job)
         if i == 4:
             handler.wait([JobId(i)])

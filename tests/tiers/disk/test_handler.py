@@ -26,7 +26,7 @@ from tests.tiers.disk.handlers import (
 
 from kvoffload.config import DiskTierConfig
 from kvoffload.keys import Namespace
-from kvoffload.specs import DiskBlocks, HostBlocks, JobId, Medium, TransferJob
+from kvoffload.specs import HostBlocks, JobId, Medium, TierBlocks, TransferJob
 from kvoffload.tiers.disk.file_io import FileOps
 from kvoffload.tiers.disk.handler import DiskHandler
 from kvoffload.tiers.disk.paths import rank_directory
@@ -177,9 +177,10 @@ def test_malformed_jobs_raise_value_error(handler: DiskHandler) -> None:
     with pytest.raises(ValueError, match="outside the pool"):
         handler.submit(store((99,), keys(1)))
     with pytest.raises(ValueError, match="does not move"):
-        handler.submit(TransferJob(JobId(1), DiskBlocks(keys(1), (1,)), DiskBlocks(keys(1), (1,))))
+        tier = TierBlocks(Medium.DISK, keys(1), (1,))
+        handler.submit(TransferJob(JobId(1), tier, tier))
     with pytest.raises(ValueError, match="skip_sub_blocks"):
-        handler.submit(TransferJob(JobId(2), HostBlocks((0,), (1,), 1), DiskBlocks(keys(1), (1,))))
+        handler.submit(TransferJob(JobId(2), HostBlocks((0,), (1,), 1), TierBlocks(Medium.DISK, keys(1), (1,))))
 
 
 def test_entry_larger_than_a_host_slot_is_rejected(config: DiskTierConfig) -> None:

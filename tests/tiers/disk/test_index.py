@@ -20,7 +20,7 @@ import pytest
 from kvoffload.config import ConfigError, DiskTierConfig, OffloadConfig
 from kvoffload.index.base import EventKind, LookupResult
 from kvoffload.keys import Namespace, OffloadKey, offload_key
-from kvoffload.specs import DiskBlocks, Medium
+from kvoffload.specs import Medium, TierBlocks
 from kvoffload.tiers.disk.index import DiskIndex
 from kvoffload.tiers.disk.paths import block_path, rank_directory
 from kvoffload.tiers.lower.block_format import file_bytes
@@ -76,7 +76,7 @@ def test_unusable_disk_path_is_a_config_error_naming_disk_path(tmp_path: Path) -
 def test_stored_blocks_are_found_and_announced_on_disk(manager: DiskIndex) -> None:
     ks = keys(3)
     out = manager.prepare_store(ks)
-    assert out is not None and out.store_spec == DiskBlocks(tuple(ks), (3,))
+    assert out is not None and out.store_spec == TierBlocks(Medium.DISK, tuple(ks), (3,))
     assert manager.lookup(ks).pending
     manager.complete_store(ks)
     assert manager.lookup(ks).hits == 3
@@ -141,7 +141,7 @@ def test_a_block_written_by_another_engine_is_adopted_on_lookup(
     stored(manager, tmp_path, ks[:1])
     plant(tmp_path, ks[1])  # written by a second engine sharing the directory, after this one started
     assert manager.lookup(ks).hits == 2
-    assert manager.prepare_load(ks[:2]) == DiskBlocks(tuple(ks[:2]), (2,))
+    assert manager.prepare_load(ks[:2]) == TierBlocks(Medium.DISK, tuple(ks[:2]), (2,))
     manager.check_integrity()
 
 

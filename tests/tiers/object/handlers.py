@@ -11,15 +11,15 @@ from typing import Any
 
 import pytest
 import torch
+from tests.tiers.jobs import Groups, TierJobs, run
 
 from kvoffload.config import ObjectTierConfig
 from kvoffload.keys import Namespace, OffloadKey, offload_key
-from kvoffload.specs import HostBlocks, JobId, ObjectBlocks, TransferJob
+from kvoffload.specs import Medium
 from kvoffload.tiers.lower.block_codec import open_into
 from kvoffload.tiers.lower.block_format import BlockFormat, CorruptBlockError
 from kvoffload.tiers.object.client import rank_prefix
 from kvoffload.tiers.object.handler import ObjectHandler
-from kvoffload.transfer.base import TransferResult
 from kvoffload.transfer.host_pool import HostPool
 
 NS = Namespace(model="m", dtype="bf16", layout="pages=64")
@@ -51,27 +51,10 @@ def small_breaker(config: ObjectTierConfig, **changes: Any) -> ObjectTierConfig:
     return dataclasses.replace(config, breaker_errors=3, breaker_cooldown_s=COOLDOWN_S, **changes)
 
 
-_ids = iter(range(1, 1 << 30))
+__all__ = ["Groups", "load", "run", "store"]  # the shared job builders, bound to this tier (tests/tiers/jobs.py)
 
-Groups = tuple[int, ...] | None
-
-
-def store(slots: tuple[int, ...], ks: tuple[OffloadKey, ...], groups: Groups = None) -> TransferJob:
-    groups = groups or (len(slots),)
-    return TransferJob(JobId(next(_ids)), HostBlocks(slots, groups), ObjectBlocks(ks, groups))
-
-
-def load(ks: tuple[OffloadKey, ...], slots: tuple[int, ...], groups: Groups = None) -> TransferJob:
-    groups = groups or (len(slots),)
-    return TransferJob(JobId(next(_ids)), ObjectBlocks(ks, groups), HostBlocks(slots, groups))
-
-
-def run(handler: ObjectHandler, job: TransferJob) -> TransferResult:
-    """Submit ``job``, wait for it and return its result (which must come exactly once)."""
-    assert handler.submit(job)
-    handler.wait([job.job_id])
-    (result,) = [r for r in handler.get_finished() if r.job_id == job.job_id]
-    return result
+_jobs = TierJobs(Medium.OBJECT)
+store, load = _jobs.store, _jobs.load
 
 
 def row(handler: ObjectHandler, slot: int, nbytes: int = ENTRY[0]) -> bytes:

@@ -13,7 +13,7 @@ import pytest
 
 from kvoffload.config import ObjectTierConfig
 from kvoffload.keys import OffloadKey
-from kvoffload.specs import BlockSpec, JobId, Medium, ObjectBlocks
+from kvoffload.specs import BlockSpec, JobId, Medium, TierBlocks
 from kvoffload.testing.conformance import ALL_CHECKS, HandlerHarness
 from kvoffload.testing.keyed_store_harness import ENTRY, NS, KeyedStoreHarness
 from kvoffload.tiers.lower.block_codec import encode_value
@@ -36,7 +36,7 @@ class ObjectHarness(KeyedStoreHarness):
         return ObjectHandler(self.config, self.pool, NS, (ENTRY,))
 
     def tier_blocks(self, keys: tuple[OffloadKey, ...]) -> BlockSpec:
-        return ObjectBlocks(keys, (len(keys),))
+        return TierBlocks(Medium.OBJECT, keys, (len(keys),))
 
     def put(self, key: OffloadKey, value: bytes) -> None:
         self.s3.put_object(Bucket=self.config.bucket, Key=self._prefix + PLAIN.name(key), Body=value)
@@ -67,7 +67,7 @@ def test_the_harness_catches_a_store_that_wrote_other_bytes(config: ObjectTierCo
         assert handler.submit(job)
         handler.wait([job.job_id])
         assert [r.success for r in handler.get_finished()] == [True] and harness.verify(job)
-        assert isinstance(job.dst, ObjectBlocks)
+        assert isinstance(job.dst, TierBlocks) and job.dst.medium == Medium.OBJECT
         key = job.dst.keys[0]
         harness.put(key, encode_value(PLAIN, NS.fingerprint(), key, memoryview(os.urandom(ENTRY))))
         assert not harness.verify(job)

@@ -28,7 +28,7 @@ from tests.tiers.object.handlers import (
 from kvoffload.auth import TAG_BYTES, TierSecret
 from kvoffload.config import ObjectTierConfig
 from kvoffload.keys import Namespace
-from kvoffload.specs import HostBlocks, JobId, Medium, ObjectBlocks, TransferJob
+from kvoffload.specs import HostBlocks, JobId, Medium, TierBlocks, TransferJob
 from kvoffload.tiers.lower.block_format import HEADER_BYTES, checksum, decode_header
 from kvoffload.tiers.object.handler import ObjectHandler
 
@@ -242,9 +242,10 @@ def test_malformed_jobs_raise_value_error(handler: ObjectHandler, tier: ObjectTi
     with pytest.raises(ValueError, match="outside the pool"):
         handler.submit(store((99,), keys(1)))
     with pytest.raises(ValueError, match="does not move"):
-        handler.submit(TransferJob(JobId(1), ObjectBlocks(keys(1), (1,)), ObjectBlocks(keys(1), (1,))))
+        tier = TierBlocks(Medium.OBJECT, keys(1), (1,))
+        handler.submit(TransferJob(JobId(1), tier, tier))
     with pytest.raises(ValueError, match="skip_sub_blocks"):
-        handler.submit(TransferJob(JobId(2), HostBlocks((0,), (1,), 1), ObjectBlocks(keys(1), (1,))))
+        handler.submit(TransferJob(JobId(2), HostBlocks((0,), (1,), 1), TierBlocks(Medium.OBJECT, keys(1), (1,))))
     with pytest.raises(ValueError, match="entry_bytes"):
         ObjectHandler(tier, make_pool(), NS, (SLOT + 1,))
     assert handler.requests == 0 and handler.get_finished() == []

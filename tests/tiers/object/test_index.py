@@ -32,7 +32,7 @@ from kvoffload.auth import TierSecret
 from kvoffload.config import ConfigError, ObjectTierConfig, OffloadConfig
 from kvoffload.index.base import EventKind, LookupResult
 from kvoffload.keys import OffloadKey
-from kvoffload.specs import Medium, ObjectBlocks
+from kvoffload.specs import Medium, TierBlocks
 from kvoffload.testing.ceph_rgw import CephRGW
 from kvoffload.testing.tier_conformance import ALL_INDEX_CHECKS, IndexCheck, IndexHarness
 from kvoffload.tiers.lower.block_format import PLAIN
@@ -81,7 +81,7 @@ def test_lookup_finds_the_objects_another_engine_wrote(s3: Any, config: ObjectTi
     write(s3, config, ks[:3])
     assert m.lookup(ks) == LookupResult(3)
     assert m.lookup(ks[:2]) == LookupResult(2) and m.lookup([]) == LookupResult(0)
-    assert m.prepare_load(ks[:3]) == ObjectBlocks(tuple(ks[:3]), (3,))
+    assert m.prepare_load(ks[:3]) == TierBlocks(Medium.OBJECT, tuple(ks[:3]), (3,))
     m.complete_load(ks[:3])
     assert m.usage()[0].used_blocks == 0 and m.take_events() == []  # read, not owned
     m.reset()

@@ -68,7 +68,7 @@ class RamHarness(HandlerHarness):
         from ramtier import MEDIUM
 
         self.slots.keys[tier[0]] = next(self._keys)  # the slot holds another block than the job's
-        return TransferJob(job_id, TierBlocks(MEDIUM, (next(self._keys),), tier, (1,)), HostBlocks(host, (1,)))
+        return TransferJob(job_id, TierBlocks(MEDIUM, (next(self._keys),), (1,), tier), HostBlocks(host, (1,)))
 
     def verify(self, job: TransferJob) -> bool:
         expected = self._expected[job.job_id]
@@ -92,7 +92,7 @@ class RamHarness(HandlerHarness):
         data = fresh_bytes(len(host))
         self.pool.buffer[list(host)] = data
         self._expected[job_id] = data
-        return TransferJob(job_id, HostBlocks(host, (len(host),)), TierBlocks(MEDIUM, keys, tier, (len(tier),)))
+        return TransferJob(job_id, HostBlocks(host, (len(host),)), TierBlocks(MEDIUM, keys, (len(tier),), tier))
 
     def _load_job(self, job_id: JobId, tier: tuple[int, ...], host: tuple[int, ...],
                   keys: tuple[OffloadKey, ...]) -> TransferJob:
@@ -103,7 +103,7 @@ class RamHarness(HandlerHarness):
         for slot, key in zip(tier, keys, strict=True):
             self.slots.keys[slot] = key
         self._expected[job_id] = data
-        return TransferJob(job_id, TierBlocks(MEDIUM, keys, tier, (len(tier),)), HostBlocks(host, (len(host),)))
+        return TransferJob(job_id, TierBlocks(MEDIUM, keys, (len(tier),), tier), HostBlocks(host, (len(host),)))
 
 
 @pytest.mark.parametrize("check", ALL_CHECKS, ids=lambda c: c.__name__)
@@ -119,8 +119,8 @@ def test_a_load_of_a_slot_holding_another_key_fails_and_leaves_the_host_slot(ram
     handler.submit(store)
     overwrite = harness.make_job(JobId(2))  # another block into the same tier slots would be the scheduler's reuse
     assert isinstance(overwrite.dst, TierBlocks)
-    reused = TransferJob(JobId(4), overwrite.src, TierBlocks(store.dst.medium, overwrite.dst.keys, store.dst.slots,
-                                                             store.dst.group_sizes))
+    reused = TransferJob(JobId(4), overwrite.src, TierBlocks(store.dst.medium, overwrite.dst.keys,
+                                                             store.dst.group_sizes, store.dst.slots))
     handler.submit(reused)
     before = harness.pool.buffer[[60, 61]].clone()
     stale = TransferJob(JobId(6), store.dst, HostBlocks((60, 61), (2,)))  # asks for the first block's keys
@@ -139,5 +139,5 @@ def test_jobs_the_handler_does_not_serve_are_refused_as_malformed(ramtier_instal
     from ramtier import MEDIUM
 
     with pytest.raises(ValueError, match="outside"):
-        handler.submit(TransferJob(JobId(2), HostBlocks((0,), (1,)), TierBlocks(MEDIUM, (make_key(0),), (SLOTS,),
-                                                                                (1,))))
+        handler.submit(TransferJob(JobId(2), HostBlocks((0,), (1,)), TierBlocks(MEDIUM, (make_key(0),), (1,),
+                                                                                (SLOTS,))))

@@ -50,9 +50,9 @@ def test_the_index_answers_tier_blocks_of_its_medium_with_the_slots_it_gave(ramt
     keys = harness.keys(3)
     out = index.prepare_store(keys)
     assert out is not None
-    assert out.store_spec == TierBlocks(Medium("ramtier"), tuple(keys), (0, 1, 2), (3,))
+    assert out.store_spec == TierBlocks(Medium("ramtier"), tuple(keys), (3,), (0, 1, 2))
     index.complete_store(keys)
-    assert index.prepare_load(keys[1:]) == TierBlocks(Medium("ramtier"), tuple(keys[1:]), (1, 2), (2,))
+    assert index.prepare_load(keys[1:]) == TierBlocks(Medium("ramtier"), tuple(keys[1:]), (2,), (1, 2))
 
 
 @pytest.mark.parametrize("capacity", [0, -1, True, 2.5])

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 import torch
+from tests.tiers.jobs import Groups, TierJobs, run
 
 from kvoffload.config import RemoteTierConfig
 from kvoffload.keys import Namespace, OffloadKey, offload_key
-from kvoffload.specs import HostBlocks, JobId, RemoteBlocks, TransferJob
+from kvoffload.specs import Medium
 from kvoffload.tiers.remote.handler import RemoteHandler
-from kvoffload.transfer.base import TransferResult
 from kvoffload.transfer.host_pool import HostPool
 
 NS = Namespace(model="m", dtype="bf16", layout="pages=64")
@@ -44,26 +44,10 @@ def make_config(url: str, **changes: Any) -> RemoteTierConfig:
     return dataclasses.replace(RemoteTierConfig(urls=(url,), breaker_errors=3, breaker_cooldown_s=10.0), **changes)
 
 
-_ids = iter(range(1, 1 << 30))
+__all__ = ["Groups", "load", "run", "store"]  # the shared job builders, bound to this tier (tests/tiers/jobs.py)
 
-Groups = tuple[int, ...] | None
-
-
-def store(slots: tuple[int, ...], ks: tuple[OffloadKey, ...], groups: Groups = None) -> TransferJob:
-    groups = groups or (len(slots),)
-    return TransferJob(JobId(next(_ids)), HostBlocks(slots, groups), RemoteBlocks(ks, groups))
-
-
-def load(ks: tuple[OffloadKey, ...], slots: tuple[int, ...], groups: Groups = None) -> TransferJob:
-    groups = groups or (len(slots),)
-    return TransferJob(JobId(next(_ids)), RemoteBlocks(ks, groups), HostBlocks(slots, groups))
-
-
-def run(handler: RemoteHandler, job: TransferJob) -> TransferResult:
-    assert handler.submit(job)
-    handler.wait([job.job_id])
-    (result,) = [r for r in handler.get_finished() if r.job_id == job.job_id]
-    return result
+_jobs = TierJobs(Medium.REMOTE)
+store, load = _jobs.store, _jobs.load
 
 
 def row(handler: RemoteHandler, slot: int, nbytes: int = ENTRY[0]) -> bytes:

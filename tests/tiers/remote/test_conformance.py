@@ -15,7 +15,7 @@ import pytest
 
 from kvoffload.config import RemoteTierConfig
 from kvoffload.keys import OffloadKey
-from kvoffload.specs import BlockSpec, Medium, RemoteBlocks
+from kvoffload.specs import BlockSpec, Medium, TierBlocks
 from kvoffload.testing.conformance import ALL_CHECKS, HandlerHarness
 from kvoffload.testing.keyed_store_harness import ENTRY, NS, KeyedStoreHarness
 from kvoffload.testing.redis_server import RedisServer
@@ -39,7 +39,7 @@ class RemoteHarness(KeyedStoreHarness):
         return RemoteHandler(self.config, self.pool, NS, (ENTRY,))
 
     def tier_blocks(self, keys: tuple[OffloadKey, ...]) -> BlockSpec:
-        return RemoteBlocks(keys, (len(keys),))
+        return TierBlocks(Medium.REMOTE, keys, (len(keys),))
 
     def put(self, key: OffloadKey, value: bytes) -> None:
         self.client.set(value_name(NS, PLAIN, key), value)

@@ -26,7 +26,7 @@ from tests.tiers.remote.handlers import (
 from kvoffload.auth import TAG_BYTES, TierSecret
 from kvoffload.config import RemoteTierConfig
 from kvoffload.keys import Namespace
-from kvoffload.specs import HostBlocks, JobId, Medium, RemoteBlocks, TransferJob
+from kvoffload.specs import HostBlocks, JobId, Medium, TierBlocks, TransferJob
 from kvoffload.testing.redis_server import RedisCluster, RedisServer
 from kvoffload.tiers.lower.block_format import HEADER_BYTES, PLAIN, BlockFormat, checksum, decode_header
 from kvoffload.tiers.remote.client import value_name
@@ -152,9 +152,10 @@ def test_malformed_jobs_raise_value_error(handler: RemoteHandler) -> None:
     with pytest.raises(ValueError, match="outside the pool"):
         handler.submit(store((99,), keys(1)))
     with pytest.raises(ValueError, match="does not move"):
-        handler.submit(TransferJob(JobId(1), RemoteBlocks(keys(1), (1,)), RemoteBlocks(keys(1), (1,))))
+        tier = TierBlocks(Medium.REMOTE, keys(1), (1,))
+        handler.submit(TransferJob(JobId(1), tier, tier))
     with pytest.raises(ValueError, match="skip_sub_blocks"):
-        handler.submit(TransferJob(JobId(2), HostBlocks((0,), (1,), 1), RemoteBlocks(keys(1), (1,))))
+        handler.submit(TransferJob(JobId(2), HostBlocks((0,), (1,), 1), TierBlocks(Medium.REMOTE, keys(1), (1,))))
     with pytest.raises(ValueError, match="entry_bytes"):
         RemoteHandler(make_config("redis://127.0.0.1:1"), make_pool(), NS, (SLOT + 1,))
 

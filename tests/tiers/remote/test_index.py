@@ -14,7 +14,7 @@ from tests.tiers.remote.indexes import NS, NS2, VALUE, Counting, config, exists,
 from kvoffload.auth import TierSecret
 from kvoffload.config import ConfigError, OffloadConfig, RemoteTierConfig
 from kvoffload.index.base import EventKind, LookupResult
-from kvoffload.specs import Medium, RemoteBlocks
+from kvoffload.specs import Medium, TierBlocks
 from kvoffload.testing.redis_server import RedisServer
 from kvoffload.tiers.lower import probed_index
 from kvoffload.tiers.lower.block_format import PLAIN, BlockFormat
@@ -154,7 +154,7 @@ def test_two_engines_on_one_server_load_each_others_values(url: str, redis_clien
     a, b = make(url), make(url)
     ks = stored(a, redis_client, keys(3))
     assert b.lookup(ks).hits == 3
-    assert b.prepare_load(ks) == RemoteBlocks(tuple(ks), (3,))
+    assert b.prepare_load(ks) == TierBlocks(Medium.REMOTE, tuple(ks), (3,))
     b.complete_load(ks)
     assert b.usage()[0].used_blocks == 0  # read, not owned
     b.reset()

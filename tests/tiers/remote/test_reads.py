@@ -12,11 +12,12 @@ from typing import Any
 
 import pytest
 import torch
+from tests.tiers.jobs import TierJobs, run
 
 from kvoffload.auth import TierSecret
 from kvoffload.config import RemoteTierConfig
 from kvoffload.keys import Namespace, OffloadKey, offload_key
-from kvoffload.specs import HostBlocks, JobId, RemoteBlocks, TransferJob
+from kvoffload.specs import Medium, TransferJob
 from kvoffload.testing.redis_server import RedisCluster, RedisServer
 from kvoffload.tiers.lower.block_format import BlockFormat
 from kvoffload.tiers.remote.client import value_name
@@ -37,26 +38,16 @@ PLANTED = 64 << 20
 SLACK = 16 << 20
 """What a load may add to the peak besides one batch: allocator pages, thread stacks, small replies."""
 
-_ids = iter(range(1, 1 << 30))
-
-
 def keys(n: int, salt: int = 0) -> tuple[OffloadKey, ...]:
     return tuple(offload_key(bytes([salt, i]) * 8, 0) for i in range(n))  # type: ignore[arg-type]
 
 
-def store(slots: tuple[int, ...], ks: tuple[OffloadKey, ...]) -> TransferJob:
-    return TransferJob(JobId(next(_ids)), HostBlocks(slots, (len(slots),)), RemoteBlocks(ks, (len(slots),)))
+_jobs = TierJobs(Medium.REMOTE)
+store, load = _jobs.store, _jobs.load
 
 
-def load(ks: tuple[OffloadKey, ...], slots: tuple[int, ...]) -> TransferJob:
-    return TransferJob(JobId(next(_ids)), RemoteBlocks(ks, (len(slots),)), HostBlocks(slots, (len(slots),)))
-
-
-def run(handler: RemoteHandler, job: TransferJob) -> bool:
-    assert handler.submit(job)
-    handler.wait([job.job_id])
-    (result,) = [r for r in handler.get_finished() if r.job_id == job.job_id]
-    return result.success
+def succeeds(handler: RemoteHandler, job: TransferJob) -> bool:
+    return run(handler, job).success
 
 
 def make_handler(url: str, fmt_id: str, client: Any | None = None, **changes: Any) -> RemoteHandler:
@@ -135,9 +126,9 @@ def test_planted_64_mib_values_fail_the_load_are_deleted_and_add_less_than_a_bat
     ks = keys(4)
     for name in names(fmt_id, ks):
         plant(client, name, "huge")
-    assert run(handler, store((0, 1, 2, 3), keys(4, salt=1)))  # warm the lanes up on ordinary bytes
+    assert succeeds(handler, store((0, 1, 2, 3), keys(4, salt=1)))  # warm the lanes up on ordinary bytes
     with PeakRss() as peak:
-        loaded = run(handler, load(ks, (4, 5, 6, 7)))
+        loaded = succeeds(handler, load(ks, (4, 5, 6, 7)))
     assert not loaded and peak.growth < BATCH_BYTES + SLACK
     assert [client.exists(n) for n in names(fmt_id, ks)] == [0, 0, 0, 0]  # else SET NX would keep them for good
     assert handler.faults.counts[Fault.CORRUPT] == 1 and not handler.breaker.is_open
@@ -178,9 +169,9 @@ def test_no_read_asks_for_more_than_one_byte_past_a_values_size(server: RedisSer
     h = make_handler(server.url, fmt_id, client=recording)
     try:
         ks = keys(3)
-        job = TransferJob(JobId(next(_ids)), HostBlocks((0, 1, 2), (2, 1)), RemoteBlocks(ks, (2, 1)))
-        assert run(h, job)
-        assert run(h, TransferJob(JobId(next(_ids)), RemoteBlocks(ks, (2, 1)), HostBlocks((3, 4, 5), (2, 1))))
+        job = store((0, 1, 2), ks, (2, 1))
+        assert succeeds(h, job)
+        assert succeeds(h, load(ks, (3, 4, 5), (2, 1)))
     finally:
         h.shutdown()
         recording.close()
@@ -195,26 +186,26 @@ def test_no_read_asks_for_more_than_one_byte_past_a_values_size(server: RedisSer
 def test_a_planted_value_fails_every_load_is_deleted_and_never_opens_the_breaker(
         handler: RemoteHandler, client: Any, fmt_id: str, kind: str) -> None:
     ks = keys(3)
-    assert run(handler, store((0, 1, 2), ks))
+    assert succeeds(handler, store((0, 1, 2), ks))
     name = names(fmt_id, ks)[2]
     for _ in range(5):  # more than breaker_errors
         plant(client, name, kind, FORMATS[fmt_id].file_bytes(ENTRY[0]))
-        assert not run(handler, load(ks, (3, 4, 5)))
+        assert not succeeds(handler, load(ks, (3, 4, 5)))
         assert client.exists(name) == 0
     assert handler.faults.counts[Fault.CORRUPT] == 5 and handler.faults.counts[Fault.ERROR] == 0
     assert not handler.breaker.is_open and handler.breaker.errors == 0
-    assert run(handler, store((0, 1, 2), ks)) and run(handler, load(ks, (3, 4, 5)))  # stored again, served
+    assert succeeds(handler, store((0, 1, 2), ks)) and succeeds(handler, load(ks, (3, 4, 5)))  # stored again, served
 
 
 def test_a_planted_empty_value_is_told_from_a_missing_one(handler: RemoteHandler, client: Any, fmt_id: str) -> None:
     ks = keys(3)
-    assert run(handler, store((0, 1, 2), ks))
+    assert succeeds(handler, store((0, 1, 2), ks))
     missing, empty, _ = names(fmt_id, ks)
     client.delete(missing)
     plant(client, empty, "empty")
-    assert not run(handler, load(ks, (3, 4, 5)))
+    assert not succeeds(handler, load(ks, (3, 4, 5)))
     assert handler.faults.counts[Fault.CORRUPT] == 1 and client.exists(empty) == 0
-    assert not run(handler, load(ks, (3, 4, 5)))  # now only misses: no fault
+    assert not succeeds(handler, load(ks, (3, 4, 5)))  # now only misses: no fault
     assert handler.faults.counts[Fault.CORRUPT] == 1 and sum(handler.faults.counts.values()) == 1
     assert client.exists(missing) == 0 and client.exists(empty) == 0
 
@@ -225,11 +216,11 @@ def test_planted_values_in_a_cluster_are_deleted_and_fail_the_load() -> None:
         c = redis.RedisCluster.from_url(cluster.urls[0])
         try:
             ks = keys(6)
-            assert run(h, store(tuple(range(6)), ks))
+            assert succeeds(h, store(tuple(range(6)), ks))
             planted = names("plain", ks)[1::2]
             for name, kind in zip(planted, ["huge", "list", "hash"], strict=True):
                 plant(c, name, kind)
-            assert not run(h, load(ks, tuple(range(6, 12))))
+            assert not succeeds(h, load(ks, tuple(range(6, 12))))
             assert [c.exists(n) for n in planted] == [0, 0, 0]
             assert h.faults.counts[Fault.CORRUPT] == 1 and not h.breaker.is_open
         finally:

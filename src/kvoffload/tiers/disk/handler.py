@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from kvoffload.config import DiskTierConfig
 from kvoffload.keys import Namespace, OffloadKey
-from kvoffload.specs import DiskBlocks, Medium, TransferJob
+from kvoffload.specs import Medium, TransferJob
 from kvoffload.tiers.disk.file_io import FileOps, read_for_slot, write_block
 from kvoffload.tiers.disk.paths import block_path, rank_directory
 from kvoffload.tiers.disk.tree import Access, open_tree, scan
@@ -75,7 +75,7 @@ class _Job(LowerJob[_Block]):
         return [b.path for b in self.blocks] if self.is_store else [b.slot for b in self.blocks]
 
 
-class DiskHandler(LowerTierHandler[DiskBlocks, _Block, _Job]):
+class DiskHandler(LowerTierHandler[_Block, _Job]):
     """Host pool <-> block files of one rank. Register it for both (HOST, DISK) and (DISK, HOST).
 
     Args:
@@ -95,7 +95,6 @@ class DiskHandler(LowerTierHandler[DiskBlocks, _Block, _Job]):
 
     store_type = HOST_TO_DISK
     load_type = DISK_TO_HOST
-    spec_type = DiskBlocks
 
     def __init__(self, config: DiskTierConfig, pool: HostPool, namespace: Namespace,
                  entry_bytes: tuple[int, ...], *, file_ops: FileOps | None = None,

@@ -42,7 +42,7 @@ from kvoffload.index.base import (
 )
 from kvoffload.index.slot_index import SlotIndex
 from kvoffload.keys import Namespace, OffloadKey
-from kvoffload.specs import BlockSpec, DiskBlocks, Medium
+from kvoffload.specs import BlockSpec, Medium, TierBlocks
 from kvoffload.tiers.disk.paths import block_path, rank_directories
 from kvoffload.tiers.disk.tree import Access, Tree, WorldLock, open_tree, scan
 from kvoffload.tiers.lower.block_format import BlockFormat
@@ -60,9 +60,9 @@ def identity(info: os.stat_result) -> FileIdentity:
     return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
 
 
-def disk_blocks(keys: Sequence[OffloadKey], slots: Sequence[int]) -> DiskBlocks:
+def disk_blocks(keys: Sequence[OffloadKey], slots: Sequence[int]) -> TierBlocks:
     """The disk tier's spec: files named by key, one group (the logical slots stay in the index)."""
-    return DiskBlocks(keys=tuple(keys), group_sizes=(len(keys),))
+    return TierBlocks(Medium.DISK, keys=tuple(keys), group_sizes=(len(keys),))
 
 
 class DiskIndex(BlockIndex):

@@ -7,8 +7,8 @@ from ``get_finished``, ``wait`` and ``shutdown`` (so that none of them waits on 
 its result once (``_end``), after every copy into or out of its slots (``_holding_slots``) is over: once the result
 is out the scheduler may give the slots to other blocks, and a late block must not touch them.
 
-A tier supplies its medium pair and block spec (``store_type``, ``load_type``, ``spec_type``), how to name one block
-(``_block``), its job state (``_new_job``), how to run a job (``_launch``), its deadlines (``_is_late``,
+A tier supplies its medium pair (``store_type``, ``load_type``; its side of a job is a ``TierBlocks``), how to name
+one block (``_block``), its job state (``_new_job``), how to run a job (``_launch``), its deadlines (``_is_late``,
 ``_wait_slice``, ``_expire``) and how to stop its threads and connections (``_stop``); a tier that orders its jobs
 also supplies ``_admit`` and ``_release``, and one that cleans up after a failure ``_settle``.
 """
@@ -20,11 +20,11 @@ import threading
 from abc import abstractmethod
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from kvoffload.auth import TierSecret
 from kvoffload.keys import Namespace, OffloadKey
-from kvoffload.specs import HostBlocks, JobId, Medium, TransferJob
+from kvoffload.specs import HostBlocks, JobId, Medium, TierBlocks, TransferJob
 from kvoffload.tiers.lower.block_format import BlockFormat
 from kvoffload.tiers.lower.job_waits import drain_jobs, wait_jobs
 from kvoffload.transfer.base import TransferHandler, TransferResult
@@ -36,19 +36,6 @@ SHUTDOWN_GRACE_S = 10.0
 """How long ``shutdown`` waits for unfinished jobs before failing them (a job with a deadline ends at it too)."""
 
 BlockT = TypeVar("BlockT")
-
-
-class KeyedBlockSpec(Protocol):
-    """What a handler reads of its tier's block spec (``DiskBlocks``, ``RemoteBlocks``): one key per block."""
-
-    @property
-    def keys(self) -> tuple[OffloadKey, ...]: ...
-
-    @property
-    def group_sizes(self) -> tuple[int, ...]: ...
-
-
-SpecT = TypeVar("SpecT", bound=KeyedBlockSpec)
 
 
 @dataclass(eq=False)
@@ -76,7 +63,7 @@ class LowerJob(Generic[BlockT]):
 JobT = TypeVar("JobT", bound=LowerJob[Any])
 
 
-class LowerTierHandler(TransferHandler, Generic[SpecT, BlockT, JobT]):
+class LowerTierHandler(TransferHandler, Generic[BlockT, JobT]):
     """Host pool <-> one tier under host: the bookkeeping of its jobs; a subclass does the I/O.
 
     Args:
@@ -93,8 +80,6 @@ class LowerTierHandler(TransferHandler, Generic[SpecT, BlockT, JobT]):
     """(HOST, the tier's medium)."""
     load_type: tuple[Medium, Medium]
     """(the tier's medium, HOST)."""
-    spec_type: type[SpecT]
-    """The tier's block spec: the side of a job that is not the host's."""
 
     def __init__(self, pool: HostPool, namespace: Namespace, entry_bytes: tuple[int, ...],
                  secret: TierSecret | None, clock: Callable[[], float]) -> None:
@@ -206,7 +191,7 @@ class LowerTierHandler(TransferHandler, Generic[SpecT, BlockT, JobT]):
         blocks = [self._block(s, k, nbytes) for s, k in zip(host.slots, tier.keys, strict=True)]
         return self._new_job(job, blocks)
 
-    def _sides(self, job: TransferJob) -> tuple[HostBlocks, SpecT]:
+    def _sides(self, job: TransferJob) -> tuple[HostBlocks, TierBlocks]:
         """The host side and the tier side of ``job``, whichever way it goes."""
         if job.transfer_type == self.store_type:
             host, tier = job.src, job.dst
@@ -214,7 +199,7 @@ class LowerTierHandler(TransferHandler, Generic[SpecT, BlockT, JobT]):
             host, tier = job.dst, job.src
         else:
             raise ValueError(f"job {job.job_id}: {type(self).__name__} does not move {job.transfer_type}")
-        assert isinstance(host, HostBlocks) and isinstance(tier, self.spec_type)
+        assert isinstance(host, HostBlocks) and isinstance(tier, TierBlocks)
         return host, tier
 
     @contextlib.contextmanager

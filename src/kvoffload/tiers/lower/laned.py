@@ -33,7 +33,7 @@ from kvoffload.auth import TierSecret
 from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.tiers.lower.breaker import CircuitBreaker
 from kvoffload.tiers.lower.fault_log import FaultLog
-from kvoffload.tiers.lower.handler import BlockT, JobT, LowerTierHandler, SpecT
+from kvoffload.tiers.lower.handler import BlockT, JobT, LowerTierHandler
 from kvoffload.tiers.lower.io_threads import IoThreads
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ class TierFault(Protocol):
     def is_server_fault(self) -> bool: ...
 
 
-class LanedHandler(LowerTierHandler[SpecT, BlockT, JobT]):
+class LanedHandler(LowerTierHandler[BlockT, JobT]):
     """Host pool <-> a tier over a network: lanes, breaker, fault log and budgets; a subclass does the I/O.
 
     Args:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvoffload.config import ObjectTierConfig
 from kvoffload.keys import Namespace, OffloadKey
-from kvoffload.specs import Medium, ObjectBlocks, TransferJob
+from kvoffload.specs import Medium, TransferJob
 from kvoffload.tiers.lower.block_codec import open_into, seal_into
 from kvoffload.tiers.lower.block_format import CorruptBlockError
 from kvoffload.tiers.lower.handler import LowerJob
@@ -60,7 +60,7 @@ class _Job(LowerJob[NamedBlock]):
     """How long the job may run once its lane took it up."""
 
 
-class ObjectHandler(LanedHandler[ObjectBlocks, NamedBlock, _Job]):
+class ObjectHandler(LanedHandler[NamedBlock, _Job]):
     """Host pool <-> objects of one rank in an S3-API bucket. Register it for (HOST, OBJECT) and (OBJECT, HOST).
 
     Args:
@@ -77,7 +77,6 @@ class ObjectHandler(LanedHandler[ObjectBlocks, NamedBlock, _Job]):
 
     store_type = HOST_TO_OBJECT
     load_type = OBJECT_TO_HOST
-    spec_type = ObjectBlocks
 
     def __init__(self, config: ObjectTierConfig, pool: HostPool, namespace: Namespace,
                  entry_bytes: tuple[int, ...], *, client: Any | None = None,

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvoffload.config import ConfigError, EvictionPolicy, ObjectTierConfig
 from kvoffload.keys import Namespace, OffloadKey
-from kvoffload.specs import Medium, ObjectBlocks
+from kvoffload.specs import Medium, TierBlocks
 from kvoffload.tiers.lower.block_format import BlockFormat
 from kvoffload.tiers.lower.breaker import CircuitBreaker
 from kvoffload.tiers.lower.probed_index import LOOKUP_CACHE_S, ProbedIndex
@@ -26,9 +26,9 @@ from kvoffload.tiers.object.probe import ObjectProbe
 logger = logging.getLogger(__name__)
 
 
-def object_blocks(keys: Sequence[OffloadKey], slots: Sequence[int]) -> ObjectBlocks:
+def object_blocks(keys: Sequence[OffloadKey], slots: Sequence[int]) -> TierBlocks:
     """The object tier's spec: objects named by key, one group (the logical slots stay in the index)."""
-    return ObjectBlocks(keys=tuple(keys), group_sizes=(len(keys),))
+    return TierBlocks(Medium.OBJECT, keys=tuple(keys), group_sizes=(len(keys),))
 
 
 class ObjectIndex(ProbedIndex):

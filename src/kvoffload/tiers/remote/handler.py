@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvoffload.config import RemoteTierConfig
 from kvoffload.keys import Namespace, OffloadKey
-from kvoffload.specs import Medium, RemoteBlocks, TransferJob
+from kvoffload.specs import Medium, TransferJob
 from kvoffload.tiers.lower.block_codec import open_into
 from kvoffload.tiers.lower.block_format import CorruptBlockError
 from kvoffload.tiers.lower.breaker import CircuitBreaker
@@ -73,7 +73,7 @@ class _Damaged(Exception):
         self.name, self.error = name, error
 
 
-class RemoteHandler(LanedHandler[RemoteBlocks, NamedBlock, _Job]):
+class RemoteHandler(LanedHandler[NamedBlock, _Job]):
     """Host pool <-> values of one rank in a Redis-protocol store. Register it for (HOST, REMOTE) and
     (REMOTE, HOST).
 
@@ -94,7 +94,6 @@ class RemoteHandler(LanedHandler[RemoteBlocks, NamedBlock, _Job]):
 
     store_type = HOST_TO_REMOTE
     load_type = REMOTE_TO_HOST
-    spec_type = RemoteBlocks
 
     def __init__(self, config: RemoteTierConfig, pool: HostPool, namespace: Namespace,
                  entry_bytes: tuple[int, ...], *, client: Any | None = None,

@@ -17,7 +17,7 @@ from typing import Any
 
 from kvoffload.config import ConfigError, EvictionPolicy, RemoteTierConfig
 from kvoffload.keys import Namespace, OffloadKey
-from kvoffload.specs import Medium, RemoteBlocks
+from kvoffload.specs import Medium, TierBlocks
 from kvoffload.tiers.lower.block_format import BlockFormat
 from kvoffload.tiers.lower.breaker import CircuitBreaker
 from kvoffload.tiers.lower.probed_index import LOOKUP_CACHE_S, ProbedIndex
@@ -27,9 +27,9 @@ from kvoffload.tiers.remote.probe import RemoteProbe, ValueNames
 logger = logging.getLogger(__name__)
 
 
-def remote_blocks(keys: Sequence[OffloadKey], slots: Sequence[int]) -> RemoteBlocks:
+def remote_blocks(keys: Sequence[OffloadKey], slots: Sequence[int]) -> TierBlocks:
     """The remote tier's spec: values named by key, one group (the logical slots stay in the index)."""
-    return RemoteBlocks(keys=tuple(keys), group_sizes=(len(keys),))
+    return TierBlocks(Medium.REMOTE, keys=tuple(keys), group_sizes=(len(keys),))
 
 
 class RemoteIndex(ProbedIndex):

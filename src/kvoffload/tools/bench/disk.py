@@ -163,7 +163,7 @@ def bench_block_size(root: Path, block_bytes: int, args: argparse.Namespace, dro
     from kvoffload.auth import TierSecret
     from kvoffload.config import DiskTierConfig
     from kvoffload.keys import Namespace, offload_key
-    from kvoffload.specs import DiskBlocks, HostBlocks, JobId, TransferJob
+    from kvoffload.specs import HostBlocks, JobId, Medium, TierBlocks, TransferJob
     from kvoffload.tiers.disk.handler import DiskHandler
     from kvoffload.transfer.host_pool import HostPool
 
@@ -184,7 +184,7 @@ def bench_block_size(root: Path, block_bytes: int, args: argparse.Namespace, dro
         for rnd in range(args.rounds):
             keys = tuple(offload_key(rnd.to_bytes(4, "little") + i.to_bytes(8, "little"), 0)  # type: ignore[arg-type]
                          for i in range(blocks))
-            disk = DiskBlocks(keys, (blocks,))
+            disk = TierBlocks(Medium.DISK, keys, (blocks,))
             # Which handler goes first turns round by round: the second writes while the first's pages are
             # still being written back.
             order = list(handlers.items())[rnd % len(handlers):] + list(handlers.items())[:rnd % len(handlers)]

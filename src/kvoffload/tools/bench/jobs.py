@@ -4,19 +4,18 @@ from submit to its result."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 
-def round_trip(rnd: int, blocks: int, tier_spec: Callable[[tuple[Any, ...], tuple[int, ...]], Any]) -> tuple[Any, Any]:
-    """Round ``rnd``'s store job (host slots 0.. to fresh keys) and the load job back, as ``tier_spec(keys, groups)``
-    names them in the tier."""
+def round_trip(rnd: int, blocks: int, medium: Any) -> tuple[Any, Any]:
+    """Round ``rnd``'s store job (host slots 0.. to fresh keys of the tier of ``medium``) and the load job back."""
     from kvoffload.keys import offload_key
-    from kvoffload.specs import HostBlocks, JobId, TransferJob
+    from kvoffload.specs import HostBlocks, JobId, TierBlocks, TransferJob
 
     keys = tuple(offload_key(rnd.to_bytes(4, "little") + i.to_bytes(8, "little"), 0)  # type: ignore[arg-type]
                  for i in range(blocks))
-    host, tier = HostBlocks(tuple(range(blocks)), (blocks,)), tier_spec(keys, (blocks,))
+    host, tier = HostBlocks(tuple(range(blocks)), (blocks,)), TierBlocks(medium, keys, (blocks,))
     return TransferJob(JobId(2 * rnd), host, tier), TransferJob(JobId(2 * rnd + 1), tier, host)
 
 

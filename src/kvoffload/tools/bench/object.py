@@ -130,7 +130,7 @@ def bench_block_size(config: Any, block_bytes: int, args: argparse.Namespace) ->
 
     from kvoffload.auth import TierSecret
     from kvoffload.keys import Namespace
-    from kvoffload.specs import ObjectBlocks
+    from kvoffload.specs import Medium
     from kvoffload.tiers.object.client import connect
     from kvoffload.tiers.object.handler import ObjectHandler
     from kvoffload.transfer.host_pool import HostPool
@@ -149,7 +149,7 @@ def bench_block_size(config: Any, block_bytes: int, args: argparse.Namespace) ->
     requests: dict[str, list[int]] = {"store": [], "load": []}
     try:
         for rnd in range(args.rounds):
-            store, load = round_trip(rnd, blocks, ObjectBlocks)
+            store, load = round_trip(rnd, blocks, Medium.OBJECT)
             names = [f"bench-raw/{rnd}/{i}" for i in range(blocks)]
             sides: dict[str, list[tuple[str, Callable[[], float]]]] = {
                 "handler": [("store", partial(_counted, handler, store, requests["store"])),

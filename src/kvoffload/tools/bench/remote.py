@@ -79,7 +79,7 @@ def bench_block_size(url: str, block_bytes: int, args: argparse.Namespace) -> Ro
     from kvoffload.auth import TierSecret
     from kvoffload.config import RemoteTierConfig
     from kvoffload.keys import Namespace
-    from kvoffload.specs import RemoteBlocks
+    from kvoffload.specs import Medium
     from kvoffload.tiers.remote.client import in_place_connection
     from kvoffload.tiers.remote.handler import RemoteHandler
     from kvoffload.transfer.host_pool import HostPool
@@ -104,7 +104,7 @@ def bench_block_size(url: str, block_bytes: int, args: argparse.Namespace) -> Ro
     gets = [("GET", f"raw:{i}") for i in range(blocks)]
     try:
         for rnd in range(args.rounds):
-            store, load = round_trip(rnd, blocks, RemoteBlocks)
+            store, load = round_trip(rnd, blocks, Medium.REMOTE)
             sides: dict[str, list[tuple[str, Callable[[], float]]]] = {
                 "handler": [("store", functools.partial(timed_job, handler, store)),
                             ("load", functools.partial(timed_job, handler, load))],

@@ -19,7 +19,7 @@ from ramtier import MEDIUM
 
 def ram_blocks(keys: Sequence[OffloadKey], slots: Sequence[int]) -> TierBlocks:
     """The tier's spec: each entry's key and slot, one group."""
-    return TierBlocks(MEDIUM, tuple(keys), tuple(slots), (len(keys),))
+    return TierBlocks(MEDIUM, tuple(keys), (len(keys),), tuple(slots))
 
 
 def ram_index(capacity_blocks: int, policy: EvictionPolicy = EvictionPolicy.LRU) -> SlotIndex:
