@@ -2,8 +2,8 @@
 
 import pytest
 
+from kvoffload.blocks import Medium
 from kvoffload.connector.load_cost import EXPLORE_EVERY, LoadCost, LoadPolicy
-from kvoffload.specs import Medium
 
 BLOCK_TOKENS, BLOCK_BYTES = 32, 1 << 20  # 1 MiB per 32-token block
 

@@ -4,12 +4,12 @@ block too, leaving the engine only the last token to compute (not with state gro
 import pytest
 from tests.connector.schedulers import BLOCK, SPEC, Req, complete, make_scheduler, run_prefill
 
+from kvoffload.blocks import NO_BLOCK, DeviceBlocks, HostBlocks
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.requests import ScheduledRequest, StepSchedule
 from kvoffload.connector.scheduler import ConnectorScheduler
 from kvoffload.keys import Namespace
 from kvoffload.layout import AttentionSpec, KVCacheLayout, KVGroup, StateSpec
-from kvoffload.specs import NO_BLOCK, DeviceBlocks, HostBlocks
 
 
 def stored(sched, tokens, groups=1):

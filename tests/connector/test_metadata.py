@@ -1,7 +1,7 @@
 import pickle
 
+from kvoffload.blocks import DeviceBlocks, HostBlocks, JobId, TransferJob
 from kvoffload.connector.metadata import ConnectorMetadata, LoadJob, WorkerMetadata
-from kvoffload.specs import DeviceBlocks, HostBlocks, JobId, TransferJob
 
 
 def test_worker_reports_add_up_across_workers():

@@ -2,13 +2,13 @@
 
 from tests.connector.schedulers import BLOCK, SPEC, Req, complete, make_scheduler, run_prefill
 
+from kvoffload.blocks import NO_BLOCK, DeviceBlocks, HostBlocks
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.metadata import ConnectorMetadata, WorkerMetadata
 from kvoffload.connector.requests import ScheduledRequest, StepSchedule
 from kvoffload.connector.scheduler import ConnectorScheduler
 from kvoffload.keys import Namespace
 from kvoffload.layout import KVCacheLayout, KVGroup, StateSpec
-from kvoffload.specs import NO_BLOCK, DeviceBlocks, HostBlocks
 
 
 def test_full_blocks_are_stored_after_the_step_that_fills_them():

@@ -1,10 +1,10 @@
 """The worker half on its own: deferred stores, load reports, failures as values."""
 
+from kvoffload.blocks import NO_BLOCK, DeviceBlocks, HostBlocks, JobId, TransferJob
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.metadata import ConnectorMetadata, LoadJob
 from kvoffload.connector.worker import ConnectorWorker, WorkerPoll
 from kvoffload.keys import Namespace
-from kvoffload.specs import NO_BLOCK, DeviceBlocks, HostBlocks, JobId, TransferJob
 from kvoffload.testing.layouts import attention_layout
 
 

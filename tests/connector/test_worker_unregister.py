@@ -5,11 +5,11 @@ pages at the same addresses and calls restore. These tests play that on CPU tens
 ``recommit`` (every page zeroed, one block rewritten by the engine), then restore.
 """
 
+from kvoffload.blocks import DeviceBlocks, HostBlocks, JobId, Medium, TierBlocks, TransferJob
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.metadata import ConnectorMetadata, LoadJob
 from kvoffload.connector.worker import ConnectorWorker, WorkerPoll
 from kvoffload.keys import Namespace, offload_key
-from kvoffload.specs import DeviceBlocks, HostBlocks, JobId, Medium, TierBlocks, TransferJob
 from kvoffload.testing.layouts import attention_layout
 
 NEW = 7  # what the engine writes after the recommit; the seeded bytes are random in [1, 63]

@@ -8,10 +8,10 @@ import tracemalloc
 import pytest
 from tests.index.workloads import held, key, keys, stored
 
+from kvoffload.blocks import HostBlocks, Medium, TierBlocks
 from kvoffload.config import EvictionPolicy
 from kvoffload.index.base import EventKind, IntegrityError, LookupResult, OffloadEvent, TierUsage
 from kvoffload.index.slot_index import SlotIndex
-from kvoffload.specs import HostBlocks, Medium, TierBlocks
 
 
 def test_rejects_a_capacity_that_is_not_a_positive_integer() -> None:

@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from tests.index.workloads import held, keys
 
+from kvoffload.blocks import Medium
 from kvoffload.config import EvictionPolicy
 from kvoffload.index.base import EventKind, LookupResult
 from kvoffload.index.slot_index import SlotIndex
 from kvoffload.keys import OffloadKey
-from kvoffload.specs import Medium
 
 
 class Model:

@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
+from kvoffload.blocks import HostBlocks, Medium, TierBlocks
 from kvoffload.config import DiskTierConfig, OffloadConfig, RemoteTierConfig, WritePolicy
 from kvoffload.index.base import LookupResult, TierTransfer
 from kvoffload.index.slot_index import SlotIndex
 from kvoffload.index.tiered import Below, TieredIndex
 from kvoffload.keys import Namespace, OffloadKey, offload_key
-from kvoffload.specs import HostBlocks, Medium, TierBlocks
 from kvoffload.tiers.disk.spec import DiskTierSpec
 from kvoffload.tiers.lower.block_format import PLAIN, file_bytes
 from kvoffload.tiers.remote.client import value_name

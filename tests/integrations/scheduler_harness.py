@@ -121,7 +121,7 @@ def full_attention(num_layers: int, block_size: int = 16) -> dict[str, KVCacheSp
 
 
 def make_engine(model: Path, specs: Mapping[str, KVCacheSpec], **config: Any) -> Engine:
-    """An ``Engine`` for layers ``specs`` (their block size is the engine's); ``config``: ``make_vllm_config``'s."""
+    """An ``Engine`` for layers ``blocks`` (their block size is the engine's); ``config``: ``make_vllm_config``'s."""
     block_size = next(iter(specs.values())).block_size
     vllm_config = make_vllm_config(model, block_size=block_size, **config)
     if len({type(spec) for spec in specs.values()}) > 1:

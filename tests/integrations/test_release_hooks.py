@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
+from kvoffload.blocks import DeviceBlocks, HostBlocks, JobId, TransferJob
 from kvoffload.connector.metadata import ConnectorMetadata, LoadJob
 from kvoffload.integrations.vllm import adapters
 from kvoffload.integrations.vllm.messages import KVOffloadMetadata
 from kvoffload.integrations.vllm.scheduler_side import NO_JOBS
-from kvoffload.specs import DeviceBlocks, HostBlocks, JobId, TransferJob
 from kvoffload.testing import layouts
 
 

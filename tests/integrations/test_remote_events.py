@@ -7,12 +7,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from kvoffload.blocks import JobId, Medium
 from kvoffload.connector.stats import TransferStats
 from kvoffload.index.base import EventKind, OffloadEvent
 from kvoffload.integrations.vllm.events import MEDIUM_REMOTE, kv_events
 from kvoffload.integrations.vllm.metrics import KVOffloadStats
 from kvoffload.keys import OffloadKey
-from kvoffload.specs import JobId, Medium
 from kvoffload.transfer.base import TransferResult
 
 KEY = OffloadKey(b"k" * 16)

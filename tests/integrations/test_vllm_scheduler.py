@@ -30,8 +30,8 @@ from tests.integrations.scheduler_harness import (
 )
 from vllm.v1.request import RequestStatus
 
+from kvoffload.blocks import DeviceBlocks
 from kvoffload.integrations.vllm import compat
-from kvoffload.specs import DeviceBlocks
 
 BLOCK = 16
 
@@ -201,8 +201,8 @@ def test_the_control_without_the_fence_a_late_store_carries_the_next_requests_kv
         build: Engines, monkeypatch: pytest.MonkeyPatch) -> None:
     """The abort above with the fence taken away (the workers see no ``jobs_to_flush``) and a's store held back
     until x's forward pass has run: kvoffload then stores x's KV under a's keys, and b's load reads it back."""
+    from kvoffload.blocks import HostBlocks
     from kvoffload.integrations.vllm import connector
-    from kvoffload.specs import HostBlocks
     from kvoffload.transfer.host_copier import HostCopier
 
     meta, submit = connector._meta, HostCopier.submit

@@ -30,9 +30,9 @@ from vllm.config import SchedulerConfig
 from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec
 from vllm.v1.request import RequestStatus
 
+from kvoffload.blocks import NO_BLOCK, DeviceBlocks
 from kvoffload.integrations.vllm import compat
 from kvoffload.integrations.vllm.messages import KVOffloadMetadata
-from kvoffload.specs import NO_BLOCK, DeviceBlocks
 
 
 def hybrid_window(num_layers: int, window: int, block_size: int = 16) -> dict[str, KVCacheSpec]:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from kvoffload.blocks import DeviceBlocks, HostBlocks, JobId, TransferJob
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.metadata import ConnectorMetadata, LoadJob
 from kvoffload.integrations.vllm import adapters
@@ -21,7 +22,6 @@ from kvoffload.integrations.vllm.messages import KVOffloadMetadata
 from kvoffload.integrations.vllm.scheduler_side import NO_JOBS
 from kvoffload.integrations.vllm.worker_side import WorkerSide
 from kvoffload.keys import Namespace
-from kvoffload.specs import DeviceBlocks, HostBlocks, JobId, TransferJob
 from kvoffload.testing import layouts
 
 STORE = JobId(0)

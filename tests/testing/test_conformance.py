@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvoffload.specs import JobId, TransferJob
+from kvoffload.blocks import JobId, TransferJob
 from kvoffload.testing.conformance import ALL_CHECKS, Check, ConformanceError, check_transfer_handler
 from kvoffload.testing.device_host_harness import DeviceHostHarness
 from kvoffload.transfer.base import TransferHandler, TransferResult

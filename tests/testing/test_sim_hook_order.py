@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from kvoffload.blocks import JobId, TransferJob
 from kvoffload.connector.metadata import ConnectorMetadata
 from kvoffload.connector.worker import WorkerPoll
-from kvoffload.specs import JobId, TransferJob
 from kvoffload.testing import layouts, sim_workload
 from kvoffload.testing.sim import HookOrder, SimEngine, Status
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.specs import Medium
+from kvoffload.blocks import Medium
 from kvoffload.testing import sim_workload
 from kvoffload.testing.sim import SimEngine, Status
 from kvoffload.testing.sim_workload import tokens

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from kvoffload.blocks import Medium
 from kvoffload.connector.metadata import WorkerMetadata
 from kvoffload.connector.worker import WorkerPoll
 from kvoffload.keys import Namespace
-from kvoffload.specs import Medium
 from kvoffload.testing import sim_values, sim_workload
 from kvoffload.testing.sim import SimEngine, SimRequest, Status
 from kvoffload.testing.sim_workload import tokens

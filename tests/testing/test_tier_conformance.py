@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
+from kvoffload.blocks import BlockSpec, Medium
 from kvoffload.config import DiskTierConfig, RemoteTierConfig
 from kvoffload.index.base import LookupResult, LowerIndex
 from kvoffload.index.slot_index import SlotIndex
 from kvoffload.keys import BlockHash, Namespace, OffloadKey, offload_key
-from kvoffload.specs import BlockSpec, Medium
 from kvoffload.testing.tier_conformance import (
     ALL_INDEX_CHECKS,
     IndexHarness,
@@ -65,7 +65,7 @@ class SlotHarness(KeyedHarness):
 
 
 def tier_spec(keys: Sequence[OffloadKey], slots: Sequence[int]) -> BlockSpec:
-    from kvoffload.specs import TierBlocks
+    from kvoffload.blocks import TierBlocks
 
     return TierBlocks(MEDIUM, tuple(keys), (len(keys),), tuple(slots))
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import itertools
 
+from kvoffload.blocks import HostBlocks, JobId, Medium, TierBlocks, TransferJob
 from kvoffload.keys import OffloadKey
-from kvoffload.specs import HostBlocks, JobId, Medium, TierBlocks, TransferJob
 from kvoffload.transfer.base import TransferHandler, TransferResult
 
 Groups = tuple[int, ...] | None

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvoffload.blocks import NO_BLOCK, DeviceBlocks, HostBlocks, JobId, Medium, TierBlocks, TransferJob
 from kvoffload.canonical import BlockRef, CanonicalKV
-from kvoffload.specs import NO_BLOCK, DeviceBlocks, HostBlocks, JobId, Medium, TierBlocks, TransferJob
 from kvoffload.transfer.copy_plan import CopyPlan, PlanLayout, build_plan, validate_job
 
 PAGE = 64

@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvoffload.blocks import DeviceBlocks, HostBlocks, JobId, TransferJob
 from kvoffload.canonical import BlockRef, CanonicalKV
-from kvoffload.specs import DeviceBlocks, HostBlocks, JobId, TransferJob
 from kvoffload.transfer import cuda_batch
 from kvoffload.transfer.copy_plan import CopyPlan, PlanLayout, build_plan
 from kvoffload.transfer.cuda_copy import flat_bytes

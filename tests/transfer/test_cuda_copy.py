@@ -12,8 +12,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from kvoffload.blocks import DeviceBlocks, HostBlocks, JobId, TransferJob
 from kvoffload.canonical import BlockRef, CanonicalKV
-from kvoffload.specs import DeviceBlocks, HostBlocks, JobId, TransferJob
 from kvoffload.transfer import cuda_batch
 from kvoffload.transfer.base import TransferResult
 from kvoffload.transfer.copy_plan import LOAD, STORE, PlanLayout, build_plan

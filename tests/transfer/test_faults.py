@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvoffload.specs import NO_BLOCK, DeviceBlocks, HostBlocks
+from kvoffload.blocks import NO_BLOCK, DeviceBlocks, HostBlocks
 from kvoffload.transfer.faults import first_copied_slot
 
 

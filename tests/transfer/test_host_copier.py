@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvoffload.blocks import DeviceBlocks, HostBlocks, JobId, Medium, TransferJob
 from kvoffload.canonical import BlockRef, CanonicalKV, canonicalize
-from kvoffload.specs import DeviceBlocks, HostBlocks, JobId, Medium, TransferJob
 from kvoffload.testing.device_host_harness import FaultyDeviceHostHandler
 from kvoffload.testing.layouts import ALL_LAYOUTS
 from kvoffload.transfer import cpu_copy

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvoffload.specs import DeviceBlocks, HostBlocks, JobId, Medium, TransferJob
+from kvoffload.blocks import DeviceBlocks, HostBlocks, JobId, Medium, TransferJob
 from kvoffload.transfer.base import TransferHandler, TransferResult
 from kvoffload.transfer.faults import FailFirstLoads
 from kvoffload.transfer.router import JobRouter

@@ -16,13 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
+from kvoffload.blocks import BlockSpec, JobId, Medium, TransferJob
 from kvoffload.connector.load_cost import LoadCost
 from kvoffload.connector.metadata import WorkerMetadata
 from kvoffload.connector.requests import RequestState
 from kvoffload.connector.stats import SchedulerStats
 from kvoffload.index.base import BlockIndex, TierTransfer
 from kvoffload.keys import OffloadKey
-from kvoffload.specs import BlockSpec, JobId, Medium, TransferJob
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from kvoffload.blocks import Medium
 from kvoffload.config import LoadPolicy
-from kvoffload.specs import Medium
 
 WINDOW = 32
 MIN_SAMPLES = 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvoffload.blocks import NO_BLOCK, BlockSpec, DeviceBlocks, HostBlocks, TransferJob
 from kvoffload.connector.jobs import JobBook, JobKind, regroup
 from kvoffload.connector.metadata import LoadJob
 from kvoffload.connector.requests import EngineRequest, PlannedLoad, RequestState
@@ -18,7 +19,6 @@ from kvoffload.connector.stats import SchedulerStats
 from kvoffload.connector.stores import StoreAdmitter
 from kvoffload.index.base import BlockIndex
 from kvoffload.keys import OffloadKey
-from kvoffload.specs import NO_BLOCK, BlockSpec, DeviceBlocks, HostBlocks, TransferJob
 
 
 class LoadPlanner:

@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from kvoffload.specs import JobId, TransferJob
+from kvoffload.blocks import JobId, TransferJob
 
 
 @dataclass(frozen=True)

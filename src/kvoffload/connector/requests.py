@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
+from kvoffload.blocks import JobId
 from kvoffload.keys import BlockHash, OffloadKey, chain_hashes, frame_extra_keys, offload_key
-from kvoffload.specs import JobId
 
 
 class EngineRequest(Protocol):

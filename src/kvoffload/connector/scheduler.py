@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from kvoffload.blocks import Medium
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.jobs import JobBook
 from kvoffload.connector.load_cost import LoadCost
@@ -30,7 +31,6 @@ from kvoffload.index.admission import make_admission
 from kvoffload.index.base import BlockIndex, OffloadEvent, TierUsage
 from kvoffload.keys import Namespace
 from kvoffload.layout import KVCacheLayout
-from kvoffload.specs import Medium
 from kvoffload.tiers.sizing import host_slot_bytes, offload_factor
 from kvoffload.tiers.spec import TierContext
 from kvoffload.tiers.stack import build_index

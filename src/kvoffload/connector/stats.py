@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvoffload.specs import transfer_name
+from kvoffload.blocks import transfer_name
 from kvoffload.transfer.base import TransferResult
 
 

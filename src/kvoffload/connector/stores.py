@@ -20,13 +20,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvoffload import _stepscan
+from kvoffload.blocks import DeviceBlocks, TransferJob
 from kvoffload.connector.jobs import JobBook, JobKind, regroup
 from kvoffload.connector.requests import NEVER, RequestState, StepSchedule
 from kvoffload.connector.stats import SchedulerStats
 from kvoffload.index.admission import Admission, AdmitAll
 from kvoffload.index.base import BlockIndex
 from kvoffload.keys import OffloadKey
-from kvoffload.specs import DeviceBlocks, TransferJob
 
 logger = logging.getLogger(__name__)
 

@@ -36,13 +36,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvoffload.blocks import DeviceBlocks, JobId, Medium, TransferJob
 from kvoffload.canonical import CanonicalKV, canonicalize
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.metadata import ConnectorMetadata, WorkerMetadata
 from kvoffload.connector.stats import TransferStats
 from kvoffload.keys import Namespace
 from kvoffload.layout import KVCacheLayout
-from kvoffload.specs import DeviceBlocks, JobId, Medium, TransferJob
 from kvoffload.tiers.sizing import offload_factor
 from kvoffload.tiers.spec import TierContext
 from kvoffload.tiers.stack import build_worker

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from kvoffload.blocks import BlockSpec, Medium
 from kvoffload.keys import OffloadKey
-from kvoffload.specs import BlockSpec, Medium
 
 if TYPE_CHECKING:
     from kvoffload.index.policies.base import Policy

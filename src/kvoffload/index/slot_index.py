@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
+from kvoffload.blocks import BlockSpec, HostBlocks, Medium
 from kvoffload.config import EvictionPolicy
 from kvoffload.index.base import (
     EventKind,
@@ -43,7 +44,6 @@ from kvoffload.index.base import (
 from kvoffload.index.policies.base import Policy
 from kvoffload.index.policies.registry import make_policy
 from kvoffload.keys import OffloadKey
-from kvoffload.specs import BlockSpec, HostBlocks, Medium
 
 logger = logging.getLogger(__name__)
 

@@ -37,6 +37,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvoffload.blocks import BlockSpec, HostBlocks, Medium
 from kvoffload.config import WritePolicy
 from kvoffload.index.base import (
     BlockIndex,
@@ -52,7 +53,6 @@ from kvoffload.index.base import (
 )
 from kvoffload.index.policies.base import Policy
 from kvoffload.keys import OffloadKey
-from kvoffload.specs import BlockSpec, HostBlocks, Medium
 
 
 class _Kind(enum.Enum):

@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from kvoffload.specs import JobId, TransferJob
+from kvoffload.blocks import JobId, TransferJob
 from kvoffload.transfer.base import TransferHandler, TransferResult
 
 MAX_OUTSTANDING = 16

@@ -16,8 +16,8 @@ import random
 
 import torch
 
+from kvoffload.blocks import NO_BLOCK, DeviceBlocks, HostBlocks, JobId, TransferJob
 from kvoffload.canonical import CanonicalKV, canonicalize
-from kvoffload.specs import NO_BLOCK, DeviceBlocks, HostBlocks, JobId, TransferJob
 from kvoffload.testing.conformance import MAX_OUTSTANDING, HandlerHarness
 from kvoffload.testing.layouts import mamba_layout
 from kvoffload.transfer.base import TransferHandler

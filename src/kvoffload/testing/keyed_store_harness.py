@@ -24,8 +24,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kvoffload.blocks import BlockSpec, HostBlocks, JobId, Medium, TransferJob
 from kvoffload.keys import Namespace, OffloadKey, offload_key
-from kvoffload.specs import BlockSpec, HostBlocks, JobId, Medium, TransferJob
 from kvoffload.testing.conformance import MAX_OUTSTANDING, HandlerHarness
 from kvoffload.tiers.lower.block_codec import encode_value, open_into
 from kvoffload.tiers.lower.block_format import PLAIN, CorruptBlockError

@@ -27,9 +27,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
+from kvoffload.blocks import BlockSpec, DeviceBlocks, HostBlocks
 from kvoffload.index.base import EventKind, IntegrityError, LowerIndex, PrepareStoreOutput
 from kvoffload.keys import OffloadKey
-from kvoffload.specs import BlockSpec, DeviceBlocks, HostBlocks
 from kvoffload.testing.conformance import ConformanceError
 
 MIN_CAPACITY = 4

@@ -24,9 +24,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvoffload.blocks import Medium
 from kvoffload.config import OffloadConfig, WritePolicy
 from kvoffload.keys import Namespace
-from kvoffload.specs import Medium
 from kvoffload.tiers.sizing import GroupedLayout, entry_bytes_of
 
 if TYPE_CHECKING:

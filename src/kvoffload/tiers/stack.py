@@ -14,9 +14,9 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvoffload.blocks import Medium
 from kvoffload.config import KEYS, OffloadConfig
 from kvoffload.index.base import BlockIndex
-from kvoffload.specs import Medium
 from kvoffload.tiers.registry import plugin_spec
 from kvoffload.tiers.spec import HostSpec, TierContext, TierSpec
 

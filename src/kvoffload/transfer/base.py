@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from kvoffload.specs import JobId, Medium, TransferJob
+from kvoffload.blocks import JobId, Medium, TransferJob
 
 
 @dataclass(frozen=True)

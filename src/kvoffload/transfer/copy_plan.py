@@ -26,8 +26,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload import _blockplan
+from kvoffload.blocks import DeviceBlocks, HostBlocks, Medium, TransferJob
 from kvoffload.canonical import CanonicalKV
-from kvoffload.specs import DeviceBlocks, HostBlocks, Medium, TransferJob
 
 Int64Array = npt.NDArray[np.int64]
 

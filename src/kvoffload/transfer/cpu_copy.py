@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from kvoffload._blockcopy import copy_ranges
-from kvoffload.specs import JobId, Medium
+from kvoffload.blocks import JobId, Medium
 from kvoffload.transfer.base import TransferResult
 from kvoffload.transfer.copy_plan import STORE, CopyPlan, Int64Array
 

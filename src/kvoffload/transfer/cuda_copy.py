@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvoffload.specs import JobId, Medium
+from kvoffload.blocks import JobId, Medium
 from kvoffload.transfer import cuda_batch
 from kvoffload.transfer.base import TransferResult
 from kvoffload.transfer.copy_plan import STORE, CopyPlan

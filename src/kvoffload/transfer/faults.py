@@ -9,7 +9,7 @@ would prove nothing.
 
 from __future__ import annotations
 
-from kvoffload.specs import NO_BLOCK, DeviceBlocks, HostBlocks, Medium, TransferJob
+from kvoffload.blocks import NO_BLOCK, DeviceBlocks, HostBlocks, Medium, TransferJob
 from kvoffload.transfer.base import HandlerWrapper, TransferHandler
 from kvoffload.transfer.host_pool import HostPool
 
@@ -54,7 +54,7 @@ class CorruptFirstLoads(HandlerWrapper):
 
 
 def first_copied_slot(device: DeviceBlocks, host: HostBlocks, factor: int) -> int | None:
-    """The host slot of the first device entry of a load that is not a hole (``specs``: entry ``k`` of a group
+    """The host slot of the first device entry of a load that is not a hole (``blocks``: entry ``k`` of a group
     pairs with that group's host entry ``(k + skip_sub_blocks) // factor``), or None when every entry is one."""
     d0 = h0 = 0
     for dn, hn in zip(device.group_sizes, host.group_sizes, strict=True):

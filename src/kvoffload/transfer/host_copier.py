@@ -15,8 +15,8 @@ from collections.abc import Collection
 
 import torch
 
+from kvoffload.blocks import JobId, TransferJob
 from kvoffload.canonical import CanonicalKV
-from kvoffload.specs import JobId, TransferJob
 from kvoffload.transfer.base import TransferHandler, TransferResult
 from kvoffload.transfer.copy_plan import PlanLayout, build_plan, validate_job
 from kvoffload.transfer.cpu_copy import CpuCopier

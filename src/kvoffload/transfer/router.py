@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection
 
-from kvoffload.specs import JobId, Medium, TransferJob
+from kvoffload.blocks import JobId, Medium, TransferJob
 from kvoffload.transfer.base import TransferHandler, TransferResult
 
 logger = logging.getLogger(__name__)

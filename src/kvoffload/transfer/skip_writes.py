@@ -7,7 +7,7 @@ still completes the job (and rank 0's failure still fails it). Every rank reads 
 
 from __future__ import annotations
 
-from kvoffload.specs import Medium, TransferJob
+from kvoffload.blocks import Medium, TransferJob
 from kvoffload.transfer.base import HandlerWrapper, TransferHandler
 
 

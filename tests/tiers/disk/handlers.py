@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 from tests.tiers.jobs import Groups, TierJobs, run
 
+from kvoffload.blocks import Medium
 from kvoffload.config import DiskTierConfig
 from kvoffload.keys import Namespace, OffloadKey, offload_key
-from kvoffload.specs import Medium
 from kvoffload.tiers.disk.handler import DiskHandler
 from kvoffload.tiers.disk.paths import block_path, rank_directory
 from kvoffload.transfer.host_pool import HostPool

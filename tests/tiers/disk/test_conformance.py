@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvoffload.blocks import HostBlocks, JobId, Medium, TierBlocks, TransferJob
 from kvoffload.config import DiskTierConfig
 from kvoffload.keys import Namespace, OffloadKey, offload_key
-from kvoffload.specs import HostBlocks, JobId, Medium, TierBlocks, TransferJob
 from kvoffload.testing.conformance import ALL_CHECKS, MAX_OUTSTANDING, HandlerHarness
 from kvoffload.tiers.disk.file_io import FileOps, read_block, write_block
 from kvoffload.tiers.disk.handler import DiskHandler

@@ -25,7 +25,7 @@ WRITER = textwrap.dedent(f"""
     from pathlib import Path
     from kvoffload.config import DiskTierConfig
     from kvoffload.keys import Namespace, offload_key
-    from kvoffload.specs import HostBlocks, JobId, Medium, TierBlocks, TransferJob
+    from kvoffload.blocks import HostBlocks, JobId, Medium, TierBlocks, TransferJob
     from kvoffload.tiers.disk.handler import DiskHandler
     from kvoffload.transfer.host_pool import HostPool
 

@@ -24,9 +24,9 @@ from tests.tiers.disk.handlers import (
     store,
 )
 
+from kvoffload.blocks import HostBlocks, JobId, Medium, TierBlocks, TransferJob
 from kvoffload.config import DiskTierConfig
 from kvoffload.keys import Namespace
-from kvoffload.specs import HostBlocks, JobId, Medium, TierBlocks, TransferJob
 from kvoffload.tiers.disk.file_io import FileOps
 from kvoffload.tiers.disk.handler import DiskHandler
 from kvoffload.tiers.disk.paths import rank_directory

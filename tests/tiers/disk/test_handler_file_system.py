@@ -28,8 +28,8 @@ from tests.tiers.disk.handlers import (
     store,
 )
 
+from kvoffload.blocks import TransferJob
 from kvoffload.config import ConfigError, DiskTierConfig
-from kvoffload.specs import TransferJob
 from kvoffload.tiers.disk.file_io import FileOps
 from kvoffload.tiers.disk.handler import DiskHandler
 from kvoffload.tiers.disk.index import DiskIndex

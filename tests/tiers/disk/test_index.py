@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from kvoffload.blocks import Medium, TierBlocks
 from kvoffload.config import ConfigError, DiskTierConfig, OffloadConfig
 from kvoffload.index.base import EventKind, LookupResult
 from kvoffload.keys import Namespace, OffloadKey, offload_key
-from kvoffload.specs import Medium, TierBlocks
 from kvoffload.tiers.disk.index import DiskIndex
 from kvoffload.tiers.disk.paths import block_path, rank_directory
 from kvoffload.tiers.lower.block_format import file_bytes

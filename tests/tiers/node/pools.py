@@ -7,9 +7,9 @@ import mmap
 from pathlib import Path
 
 from kvoffload import _nodeindex
+from kvoffload.blocks import HostBlocks
 from kvoffload.config import NodeTierConfig
 from kvoffload.keys import BlockHash, Namespace, OffloadKey, offload_key
-from kvoffload.specs import HostBlocks
 from kvoffload.tiers.node.files import open_index, open_pool
 from kvoffload.tiers.node.index import NodeIndex
 from kvoffload.tiers.node.liveness import EngineLocks

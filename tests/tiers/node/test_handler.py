@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from tests.tiers.node.pools import keys, locks_in, segment_in
 
+from kvoffload.blocks import HostBlocks, JobId, TransferJob
 from kvoffload.keys import OffloadKey
-from kvoffload.specs import HostBlocks, JobId, TransferJob
 from kvoffload.testing.conformance import ALL_CHECKS, Check, HandlerHarness
 from kvoffload.testing.device_host_harness import DeviceHostHarness
 from kvoffload.tiers.node.handler import NodeCheck

@@ -13,9 +13,9 @@ import pytest
 import torch
 from tests.tiers.jobs import Groups, TierJobs, run
 
+from kvoffload.blocks import Medium
 from kvoffload.config import ObjectTierConfig
 from kvoffload.keys import Namespace, OffloadKey, offload_key
-from kvoffload.specs import Medium
 from kvoffload.tiers.lower.block_codec import open_into
 from kvoffload.tiers.lower.block_format import BlockFormat, CorruptBlockError
 from kvoffload.tiers.object.client import rank_prefix

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from kvoffload.blocks import BlockSpec, JobId, Medium, TierBlocks
 from kvoffload.config import ObjectTierConfig
 from kvoffload.keys import OffloadKey
-from kvoffload.specs import BlockSpec, JobId, Medium, TierBlocks
 from kvoffload.testing.conformance import ALL_CHECKS, HandlerHarness
 from kvoffload.testing.keyed_store_harness import ENTRY, NS, KeyedStoreHarness
 from kvoffload.tiers.lower.block_codec import encode_value

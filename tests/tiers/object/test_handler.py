@@ -26,9 +26,9 @@ from tests.tiers.object.handlers import (
 )
 
 from kvoffload.auth import TAG_BYTES, TierSecret
+from kvoffload.blocks import HostBlocks, JobId, Medium, TierBlocks, TransferJob
 from kvoffload.config import ObjectTierConfig
 from kvoffload.keys import Namespace
-from kvoffload.specs import HostBlocks, JobId, Medium, TierBlocks, TransferJob
 from kvoffload.tiers.lower.block_format import HEADER_BYTES, checksum, decode_header
 from kvoffload.tiers.object.handler import ObjectHandler
 

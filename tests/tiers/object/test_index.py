@@ -29,10 +29,10 @@ from tests.tiers.object.indexes import (
 )
 
 from kvoffload.auth import TierSecret
+from kvoffload.blocks import Medium, TierBlocks
 from kvoffload.config import ConfigError, ObjectTierConfig, OffloadConfig
 from kvoffload.index.base import EventKind, LookupResult
 from kvoffload.keys import OffloadKey
-from kvoffload.specs import Medium, TierBlocks
 from kvoffload.testing.ceph_rgw import CephRGW
 from kvoffload.testing.tier_conformance import ALL_INDEX_CHECKS, IndexCheck, IndexHarness
 from kvoffload.tiers.lower.block_format import PLAIN

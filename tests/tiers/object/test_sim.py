@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from tests.tiers.object.indexes import listed
 
+from kvoffload.blocks import Medium
 from kvoffload.index.tiered import TieredIndex
 from kvoffload.keys import OffloadKey
-from kvoffload.specs import Medium
 from kvoffload.testing import sim_workload
 from kvoffload.testing.ceph_rgw import CephRGW
 from kvoffload.testing.sim import SimEngine, Status

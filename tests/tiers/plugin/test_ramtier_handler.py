@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvoffload.blocks import HostBlocks, JobId, Medium, TierBlocks, TransferJob
 from kvoffload.keys import BlockHash, OffloadKey, offload_key
-from kvoffload.specs import HostBlocks, JobId, Medium, TierBlocks, TransferJob
 from kvoffload.testing.conformance import ALL_CHECKS, MAX_OUTSTANDING, HandlerHarness
 from kvoffload.transfer.base import TransferHandler
 from kvoffload.transfer.host_pool import HostPool

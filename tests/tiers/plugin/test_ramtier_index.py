@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from tests.architecture_rules import module_graph, reach
 
+from kvoffload.blocks import Medium, TierBlocks
 from kvoffload.index.base import LowerIndex
 from kvoffload.keys import BlockHash, OffloadKey, offload_key
-from kvoffload.specs import Medium, TierBlocks
 from kvoffload.testing.tier_conformance import ALL_INDEX_CHECKS, IndexHarness
 
 PACKAGE = Path(__file__).resolve().parent / "ramtier"

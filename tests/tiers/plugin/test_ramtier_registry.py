@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
+from kvoffload.blocks import Medium
 from kvoffload.config import ConfigError, OffloadConfig
 from kvoffload.index.tiered import TieredIndex
 from kvoffload.keys import Namespace
-from kvoffload.specs import Medium
 from kvoffload.testing import layouts
 from kvoffload.tiers import stack
 from kvoffload.tiers.registry import GROUP, installed_tiers

@@ -11,9 +11,9 @@ import pytest
 import torch
 from tests.tiers.jobs import Groups, TierJobs, run
 
+from kvoffload.blocks import Medium
 from kvoffload.config import RemoteTierConfig
 from kvoffload.keys import Namespace, OffloadKey, offload_key
-from kvoffload.specs import Medium
 from kvoffload.tiers.remote.handler import RemoteHandler
 from kvoffload.transfer.host_pool import HostPool
 

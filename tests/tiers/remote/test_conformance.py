@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
+from kvoffload.blocks import BlockSpec, Medium, TierBlocks
 from kvoffload.config import RemoteTierConfig
 from kvoffload.keys import OffloadKey
-from kvoffload.specs import BlockSpec, Medium, TierBlocks
 from kvoffload.testing.conformance import ALL_CHECKS, HandlerHarness
 from kvoffload.testing.keyed_store_harness import ENTRY, NS, KeyedStoreHarness
 from kvoffload.testing.redis_server import RedisServer

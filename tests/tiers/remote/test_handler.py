@@ -24,9 +24,9 @@ from tests.tiers.remote.handlers import (
 )
 
 from kvoffload.auth import TAG_BYTES, TierSecret
+from kvoffload.blocks import HostBlocks, JobId, Medium, TierBlocks, TransferJob
 from kvoffload.config import RemoteTierConfig
 from kvoffload.keys import Namespace
-from kvoffload.specs import HostBlocks, JobId, Medium, TierBlocks, TransferJob
 from kvoffload.testing.redis_server import RedisCluster, RedisServer
 from kvoffload.tiers.lower.block_format import HEADER_BYTES, PLAIN, BlockFormat, checksum, decode_header
 from kvoffload.tiers.remote.client import value_name

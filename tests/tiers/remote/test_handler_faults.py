@@ -26,7 +26,7 @@ from tests.tiers.remote.handlers import (
 )
 
 from kvoffload.auth import TierSecret
-from kvoffload.specs import Medium
+from kvoffload.blocks import Medium
 from kvoffload.testing.redis_server import RedisServer, free_port
 from kvoffload.tiers.lower.block_format import PLAIN
 from kvoffload.tiers.remote.client import value_name

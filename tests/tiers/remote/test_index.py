@@ -12,9 +12,9 @@ import pytest
 from tests.tiers.remote.indexes import NS, NS2, VALUE, Counting, config, exists, keys, make, removed, stored, write
 
 from kvoffload.auth import TierSecret
+from kvoffload.blocks import Medium, TierBlocks
 from kvoffload.config import ConfigError, OffloadConfig, RemoteTierConfig
 from kvoffload.index.base import EventKind, LookupResult
-from kvoffload.specs import Medium, TierBlocks
 from kvoffload.testing.redis_server import RedisServer
 from kvoffload.tiers.lower import probed_index
 from kvoffload.tiers.lower.block_format import PLAIN, BlockFormat

@@ -15,9 +15,9 @@ import torch
 from tests.tiers.jobs import TierJobs, run
 
 from kvoffload.auth import TierSecret
+from kvoffload.blocks import Medium, TransferJob
 from kvoffload.config import RemoteTierConfig
 from kvoffload.keys import Namespace, OffloadKey, offload_key
-from kvoffload.specs import Medium, TransferJob
 from kvoffload.testing.redis_server import RedisCluster, RedisServer
 from kvoffload.tiers.lower.block_format import BlockFormat
 from kvoffload.tiers.remote.client import value_name

@@ -113,7 +113,7 @@ def test_values_gone_between_lookup_and_promotion_cost_a_recompute(own_server: R
 
 
 def test_the_worker_registers_the_remote_handler_both_ways(server: RedisServer) -> None:
-    from kvoffload.specs import Medium
+    from kvoffload.blocks import Medium
     from kvoffload.tiers.remote.handler import RemoteHandler
 
     engine = make_engine(server.url)

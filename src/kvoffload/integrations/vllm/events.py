@@ -11,8 +11,8 @@ from typing import Any
 
 from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent
 
+from kvoffload.blocks import Medium
 from kvoffload.index.base import EventKind, OffloadEvent
-from kvoffload.specs import Medium
 
 MEDIUM_REMOTE = "REMOTE"
 """The remote tier's events: vLLM 0.32 names GPU, CPU and STORAGE only, and a router must tell a store shared by

@@ -46,9 +46,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from kvoffload.blocks import Medium, transfer_name
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.stats import SchedulerStats, TransferStats
-from kvoffload.specs import Medium, transfer_name
 from kvoffload.tiers.node.index import POOL_COUNTERS
 from kvoffload.tiers.node.status import gauges, read_status
 from kvoffload.tiers.stack import host_spec, transfer_routes

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.v1.outputs import KVConnectorOutput
 
+from kvoffload.blocks import Medium
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.scheduler import NO_JOBS as CORE_NO_JOBS
 from kvoffload.connector.scheduler import ConnectorScheduler
@@ -24,7 +25,6 @@ from kvoffload.integrations.vllm.messages import KVOffloadMetadata, KVOffloadWor
 from kvoffload.integrations.vllm.metrics import KVOffloadStats
 from kvoffload.keys import Namespace
 from kvoffload.layout import KVCacheLayout
-from kvoffload.specs import Medium
 from kvoffload.tiers.sizing import host_slot_bytes
 
 if TYPE_CHECKING:

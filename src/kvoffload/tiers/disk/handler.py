@@ -31,9 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvoffload.blocks import Medium, TransferJob
 from kvoffload.config import DiskTierConfig
 from kvoffload.keys import Namespace, OffloadKey
-from kvoffload.specs import Medium, TransferJob
 from kvoffload.tiers.disk.file_io import FileOps, read_for_slot, write_block
 from kvoffload.tiers.disk.paths import block_path, rank_directory
 from kvoffload.tiers.disk.tree import Access, open_tree, scan

@@ -31,6 +31,7 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvoffload.blocks import BlockSpec, Medium, TierBlocks
 from kvoffload.config import ConfigError, DiskTierConfig, EvictionPolicy
 from kvoffload.index.base import (
     BlockIndex,
@@ -42,7 +43,6 @@ from kvoffload.index.base import (
 )
 from kvoffload.index.slot_index import SlotIndex
 from kvoffload.keys import Namespace, OffloadKey
-from kvoffload.specs import BlockSpec, Medium, TierBlocks
 from kvoffload.tiers.disk.paths import block_path, rank_directories
 from kvoffload.tiers.disk.tree import Access, Tree, WorldLock, open_tree, scan
 from kvoffload.tiers.lower.block_format import BlockFormat

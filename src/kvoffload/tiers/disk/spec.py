@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvoffload.blocks import Medium
 from kvoffload.config import DiskTierConfig, WritePolicy
-from kvoffload.specs import Medium
 from kvoffload.tiers.lower.block_format import BlockFormat
 from kvoffload.tiers.spec import TierContext, TierSpec
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from kvoffload.auth import TierSecret
+from kvoffload.blocks import HostBlocks, JobId, Medium, TierBlocks, TransferJob
 from kvoffload.keys import Namespace, OffloadKey
-from kvoffload.specs import HostBlocks, JobId, Medium, TierBlocks, TransferJob
 from kvoffload.tiers.lower.block_format import BlockFormat
 from kvoffload.tiers.lower.job_waits import drain_jobs, wait_jobs
 from kvoffload.transfer.base import TransferHandler, TransferResult

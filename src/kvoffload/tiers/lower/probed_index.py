@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from kvoffload.blocks import BlockSpec, Medium
 from kvoffload.config import EvictionPolicy
 from kvoffload.index.base import (
     BlockIndex,
@@ -40,7 +41,6 @@ from kvoffload.index.base import (
 )
 from kvoffload.index.slot_index import SlotIndex
 from kvoffload.keys import OffloadKey
-from kvoffload.specs import BlockSpec, Medium
 
 LOOKUP_CACHE_S = 1.0
 """How long an answer of the store (a block exists, or not) is trusted without asking again."""

@@ -21,7 +21,7 @@ import mmap
 from collections.abc import Callable
 
 from kvoffload import _nodeindex
-from kvoffload.specs import HostBlocks, JobId, TransferJob
+from kvoffload.blocks import HostBlocks, JobId, TransferJob
 from kvoffload.tiers.node.segment import MISSING_EPOCH
 from kvoffload.transfer.base import HandlerWrapper, TransferHandler, TransferResult
 

@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kvoffload import _nodeindex
+from kvoffload.blocks import HostBlocks, Medium
 from kvoffload.config import ConfigError
 from kvoffload.index.base import (
     EventKind,
@@ -47,7 +48,6 @@ from kvoffload.index.base import (
     TierUsage,
 )
 from kvoffload.keys import KEY_BYTES, OffloadKey
-from kvoffload.specs import HostBlocks, Medium
 from kvoffload.tiers.node.files import BoundFiles
 from kvoffload.tiers.node.liveness import EngineLocks
 from kvoffload.tiers.node.segment import MISSING_EPOCH, own_identity

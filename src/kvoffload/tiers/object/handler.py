@@ -35,9 +35,9 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvoffload.blocks import Medium, TransferJob
 from kvoffload.config import ObjectTierConfig
 from kvoffload.keys import Namespace, OffloadKey
-from kvoffload.specs import Medium, TransferJob
 from kvoffload.tiers.lower.block_codec import open_into, seal_into
 from kvoffload.tiers.lower.block_format import CorruptBlockError
 from kvoffload.tiers.lower.handler import LowerJob

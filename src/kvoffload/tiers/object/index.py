@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvoffload.blocks import Medium, TierBlocks
 from kvoffload.config import ConfigError, EvictionPolicy, ObjectTierConfig
 from kvoffload.keys import Namespace, OffloadKey
-from kvoffload.specs import Medium, TierBlocks
 from kvoffload.tiers.lower.block_format import BlockFormat
 from kvoffload.tiers.lower.breaker import CircuitBreaker
 from kvoffload.tiers.lower.probed_index import LOOKUP_CACHE_S, ProbedIndex

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvoffload.blocks import Medium
 from kvoffload.config import ObjectTierConfig
-from kvoffload.specs import Medium
 from kvoffload.tiers.lower.block_format import BlockFormat
 from kvoffload.tiers.object.client import require_boto3
 from kvoffload.tiers.spec import TierContext, TierSpec

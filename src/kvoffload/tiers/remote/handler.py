@@ -39,9 +39,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from kvoffload.blocks import Medium, TransferJob
 from kvoffload.config import RemoteTierConfig
 from kvoffload.keys import Namespace, OffloadKey
-from kvoffload.specs import Medium, TransferJob
 from kvoffload.tiers.lower.block_codec import open_into
 from kvoffload.tiers.lower.block_format import CorruptBlockError
 from kvoffload.tiers.lower.breaker import CircuitBreaker

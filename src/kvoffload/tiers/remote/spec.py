@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING
 
+from kvoffload.blocks import Medium
 from kvoffload.config import ConfigError, RemoteTierConfig
-from kvoffload.specs import Medium
 from kvoffload.tiers.lower.block_format import BlockFormat
 from kvoffload.tiers.spec import TierContext, TierSpec
 

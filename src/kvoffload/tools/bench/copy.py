@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     import torch
 
+    from kvoffload.blocks import DeviceBlocks, HostBlocks, TransferJob
     from kvoffload.canonical import CanonicalKV
-    from kvoffload.specs import DeviceBlocks, HostBlocks, TransferJob
     from kvoffload.transfer.host_copier import HostCopier
     from kvoffload.transfer.host_pool import HostPool
 
@@ -160,7 +160,7 @@ def measure_cuda(page_bytes: int, blocks: int, store: bool, runs: int, layers: i
 def measure(page_bytes: int, blocks: int, store: bool, runs: int, threads: int, device: str = "cpu",
             layers: int = 1, batching: bool = True) -> Row:
     """One row: ``runs`` timed (handler, memcpy) pairs after warm-up, for one job shape."""
-    from kvoffload.specs import JobId, TransferJob
+    from kvoffload.blocks import JobId, TransferJob
     from kvoffload.transfer.host_copier import HostCopier
 
     # The handler moves every block (its ``layers`` pages) to a random slot of an equal-sized pool (and back);
@@ -192,8 +192,8 @@ def _setup(page_bytes: int, blocks: int, layers: int, device: str
     """The KV buffer (``layers`` views of ``blocks`` pages, end to end), its canonical form, a pool, the specs."""
     import torch
 
+    from kvoffload.blocks import DeviceBlocks, HostBlocks
     from kvoffload.canonical import BlockRef, CanonicalKV
-    from kvoffload.specs import DeviceBlocks, HostBlocks
     from kvoffload.transfer.host_pool import HostPool
 
     rng = random.Random(page_bytes * 7 + blocks)
@@ -211,7 +211,7 @@ def _setup(page_bytes: int, blocks: int, layers: int, device: str
 
 def _batched(page_bytes: int, blocks: int, store: bool, layers: int) -> bool:
     """Whether the CUDA copier batches this row's job (the same plan, built on CPU tensors)."""
-    from kvoffload.specs import JobId, TransferJob
+    from kvoffload.blocks import JobId, TransferJob
     from kvoffload.transfer import cuda_batch
     from kvoffload.transfer.copy_plan import PlanLayout, build_plan
 

@@ -161,9 +161,9 @@ def bench_block_size(root: Path, block_bytes: int, args: argparse.Namespace, dro
     import torch
 
     from kvoffload.auth import TierSecret
+    from kvoffload.blocks import HostBlocks, JobId, Medium, TierBlocks, TransferJob
     from kvoffload.config import DiskTierConfig
     from kvoffload.keys import Namespace, offload_key
-    from kvoffload.specs import HostBlocks, JobId, Medium, TierBlocks, TransferJob
     from kvoffload.tiers.disk.handler import DiskHandler
     from kvoffload.transfer.host_pool import HostPool
 

@@ -10,8 +10,8 @@ from typing import Any
 
 def round_trip(rnd: int, blocks: int, medium: Any) -> tuple[Any, Any]:
     """Round ``rnd``'s store job (host slots 0.. to fresh keys of the tier of ``medium``) and the load job back."""
+    from kvoffload.blocks import HostBlocks, JobId, TierBlocks, TransferJob
     from kvoffload.keys import offload_key
-    from kvoffload.specs import HostBlocks, JobId, TierBlocks, TransferJob
 
     keys = tuple(offload_key(rnd.to_bytes(4, "little") + i.to_bytes(8, "little"), 0)  # type: ignore[arg-type]
                  for i in range(blocks))

@@ -188,7 +188,7 @@ def _timed(handler: TransferHandler, job: Any) -> float:
 
 def _store(index: NodeIndex, handler: TransferHandler, keys: list[OffloadKey], first_block: int, job_id: int) -> float:
     """Store ``keys`` from KV blocks ``first_block...`` into the node pool; the copy's seconds."""
-    from kvoffload.specs import DeviceBlocks, JobId, TransferJob
+    from kvoffload.blocks import DeviceBlocks, JobId, TransferJob
 
     out = index.prepare_store(keys)
     if out is None or len(out.keys_to_store) != len(keys):
@@ -201,7 +201,7 @@ def _store(index: NodeIndex, handler: TransferHandler, keys: list[OffloadKey], f
 
 def _load(index: NodeIndex, handler: TransferHandler, keys: list[OffloadKey], job_id: int) -> float:
     """Pin, load into KV blocks 0... and unpin ``keys``; the copy's seconds."""
-    from kvoffload.specs import DeviceBlocks, JobId, TransferJob
+    from kvoffload.blocks import DeviceBlocks, JobId, TransferJob
 
     if index.lookup(keys).hits != len(keys):
         raise RuntimeError("bench node: the stored blocks are not all in the node pool")
@@ -230,7 +230,7 @@ def measure_loads(root: Path, block: int, blocks: int, runs: int, threads: int) 
     """One load row: A stores in its process, B (here) loads from the node pool and from a private pool."""
     import torch
 
-    from kvoffload.specs import DeviceBlocks, HostBlocks, JobId, TransferJob
+    from kvoffload.blocks import DeviceBlocks, HostBlocks, JobId, TransferJob
     from kvoffload.tiers.node.handler import NodeCheck
     from kvoffload.transfer.host_copier import HostCopier
     from kvoffload.transfer.host_pool import HostPool
@@ -315,7 +315,7 @@ def _engine_many(root: Path | None, engine: int, engines: int, blocks: int, bloc
                  start: Barrier, out: Any) -> None:
     """One of N engines: store its share of the blocks, wait for all, load every block; the seconds of both.
     ``root`` None: a private pool of its own holding the same blocks."""
-    from kvoffload.specs import DeviceBlocks, HostBlocks, JobId, TransferJob
+    from kvoffload.blocks import DeviceBlocks, HostBlocks, JobId, TransferJob
     from kvoffload.tiers.node.handler import NodeCheck
     from kvoffload.transfer.host_copier import HostCopier
     from kvoffload.transfer.host_pool import HostPool

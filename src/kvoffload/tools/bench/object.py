@@ -129,8 +129,8 @@ def bench_block_size(config: Any, block_bytes: int, args: argparse.Namespace) ->
     import torch
 
     from kvoffload.auth import TierSecret
+    from kvoffload.blocks import Medium
     from kvoffload.keys import Namespace
-    from kvoffload.specs import Medium
     from kvoffload.tiers.object.client import connect
     from kvoffload.tiers.object.handler import ObjectHandler
     from kvoffload.transfer.host_pool import HostPool

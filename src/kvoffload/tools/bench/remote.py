@@ -77,9 +77,9 @@ def bench_block_size(url: str, block_bytes: int, args: argparse.Namespace) -> Ro
     import torch
 
     from kvoffload.auth import TierSecret
+    from kvoffload.blocks import Medium
     from kvoffload.config import RemoteTierConfig
     from kvoffload.keys import Namespace
-    from kvoffload.specs import Medium
     from kvoffload.tiers.remote.client import in_place_connection
     from kvoffload.tiers.remote.handler import RemoteHandler
     from kvoffload.transfer.host_pool import HostPool

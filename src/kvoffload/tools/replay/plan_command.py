@@ -9,8 +9,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from kvoffload.blocks import Medium
 from kvoffload.config import EvictionPolicy, HostTierConfig, StoreAdmission
-from kvoffload.specs import Medium
 from kvoffload.tools.bench.common import Progress, format_table
 from kvoffload.tools.replay.loop import Bound, Strategy
 from kvoffload.tools.replay.models import GIB, kv_shape, parse_capacity

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvoffload.blocks import HostBlocks, JobId, Medium, TierBlocks, TransferJob
 from kvoffload.keys import OffloadKey
-from kvoffload.specs import HostBlocks, JobId, Medium, TierBlocks, TransferJob
 from kvoffload.transfer.base import TransferHandler, TransferResult
 from kvoffload.transfer.host_pool import HostPool
 from ramtier import MEDIUM

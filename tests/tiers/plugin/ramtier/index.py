@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvoffload.blocks import TierBlocks
 from kvoffload.config import EvictionPolicy
 from kvoffload.index.slot_index import SlotIndex
 from kvoffload.keys import OffloadKey
-from kvoffload.specs import TierBlocks
 from ramtier import MEDIUM
 
 

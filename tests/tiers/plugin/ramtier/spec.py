@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvoffload.specs import Medium
+from kvoffload.blocks import Medium
 from kvoffload.tiers.spec import TierContext, TierSpec
 from ramtier import MEDIUM
 

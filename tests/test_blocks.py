@@ -6,8 +6,8 @@ import pickle
 
 import pytest
 
+from kvoffload.blocks import Medium, TierBlocks
 from kvoffload.keys import OffloadKey
-from kvoffload.specs import Medium, TierBlocks
 
 
 def test_a_medium_has_one_instance_per_name_also_after_pickling() -> None:
