@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvoffload.config import OffloadConfig
-from kvoffload.connector.metadata import ConnectorMetadata, WorkerMetadata
+from kvoffload.connector.metadata import ConnectorMetadata, WorkerReport
 from kvoffload.connector.requests import ScheduledRequest, StepSchedule
 from kvoffload.connector.scheduler import ConnectorScheduler
 from kvoffload.keys import Namespace
@@ -50,5 +50,5 @@ def complete(sched: ConnectorScheduler, meta: ConnectorMetadata, world_size: int
     """Every worker reports the step's store and load jobs: done, or failed for the ids in ``failed``."""
     jobs = [j.job_id for j in meta.store_jobs] + [lj.job.job_id for lj in meta.load_jobs]
     for _ in range(world_size):
-        sched.update_connector_output(WorkerMetadata.of([j for j in jobs if j not in failed],
+        sched.update_connector_output(WorkerReport.of([j for j in jobs if j not in failed],
                                                         [j for j in jobs if j in failed]))

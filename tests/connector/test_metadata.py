@@ -1,17 +1,17 @@
 import pickle
 
 from kvoffload.blocks import DeviceBlocks, HostBlocks, JobId, TransferJob
-from kvoffload.connector.metadata import ConnectorMetadata, LoadJob, WorkerMetadata
+from kvoffload.connector.metadata import ConnectorMetadata, LoadJob, WorkerReport
 
 
 def test_worker_reports_add_up_across_workers():
-    a = WorkerMetadata.of([JobId(1), JobId(2)], [JobId(3)])
-    b = WorkerMetadata.of([JobId(1)], [JobId(2)])
+    a = WorkerReport.of([JobId(1), JobId(2)], [JobId(3)])
+    b = WorkerReport.of([JobId(1)], [JobId(2)])
     total = a.aggregate(b)
     assert total.completed == {1: 2, 2: 1}
     assert total.failed == {3: 1, 2: 1}
     assert not total.is_empty
-    assert WorkerMetadata().is_empty
+    assert WorkerReport().is_empty
 
 
 def test_metadata_pickles_small():

@@ -4,7 +4,7 @@ from tests.connector.schedulers import BLOCK, SPEC, Req, complete, make_schedule
 
 from kvoffload.blocks import NO_BLOCK, DeviceBlocks, HostBlocks
 from kvoffload.config import OffloadConfig
-from kvoffload.connector.metadata import ConnectorMetadata, WorkerMetadata
+from kvoffload.connector.metadata import ConnectorMetadata, WorkerReport
 from kvoffload.connector.requests import ScheduledRequest, StepSchedule
 from kvoffload.connector.scheduler import ConnectorScheduler
 from kvoffload.keys import Namespace
@@ -75,8 +75,8 @@ def test_a_store_failed_on_any_worker_is_never_indexed():
     sched = make_scheduler(world_size=2)
     meta = run_prefill(sched, Req("a", list(range(64))))
     job = meta.store_jobs[0].job_id
-    sched.update_connector_output(WorkerMetadata.of([job], []))
-    sched.update_connector_output(WorkerMetadata.of([], [job]))
+    sched.update_connector_output(WorkerReport.of([job], []))
+    sched.update_connector_output(WorkerReport.of([], [job]))
     assert sched.get_num_new_matched_tokens(Req("b", list(range(65))), 0) == (0, False)
     sched.index.check_integrity()
 

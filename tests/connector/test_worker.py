@@ -3,7 +3,7 @@
 from kvoffload.blocks import NO_BLOCK, DeviceBlocks, HostBlocks, JobId, TransferJob
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.metadata import ConnectorMetadata, LoadJob
-from kvoffload.connector.worker import ConnectorWorker, WorkerPoll
+from kvoffload.connector.worker import ConnectorWorker, WorkerFinished
 from kvoffload.keys import Namespace
 from kvoffload.testing.layouts import attention_layout
 
@@ -36,22 +36,22 @@ def test_stores_wait_for_the_next_step_then_round_trip_the_bytes():
     # The scheduler half loads a block only once its store completed.
     worker.start_kv_transfers(ConnectorMetadata(load_jobs=(LoadJob("r", load(1, 0, 5)),)))
     worker.wait_all()
-    poll = worker.poll()
+    poll = worker.get_finished()
     assert poll.finished_loads == {"r"} and poll.failed_loads == set() and poll.load_errors == set()
-    assert poll.worker_meta.completed == {0: 1, 1: 1}
+    assert poll.report.completed == {0: 1, 1: 1}
     for view in kv.views:
         assert view[5].equal(view[3])
     assert poll.stats is not None and set(poll.stats.by_type) == {"device_to_host", "host_to_device"}
-    assert worker.poll() == WorkerPoll()  # reset on read
+    assert worker.get_finished() == WorkerFinished()  # reset on read
 
 
 def test_a_failed_load_reports_its_request_and_device_blocks():
     worker = make_worker(inject_load_failures=1)
     worker.start_kv_transfers(ConnectorMetadata(load_jobs=(LoadJob("r", load(0, 0, 6)),)))
     worker.wait_all()
-    poll = worker.poll()
+    poll = worker.get_finished()
     assert poll.finished_loads == {"r"} and poll.failed_loads == {"r"} and poll.load_errors == {6}
-    assert poll.worker_meta.failed == {0: 1} and poll.worker_meta.completed == {}
+    assert poll.report.failed == {0: 1} and poll.report.completed == {}
 
 
 def test_a_failed_load_never_reports_a_hole_as_a_bad_block():
@@ -59,7 +59,7 @@ def test_a_failed_load_never_reports_a_hole_as_a_bad_block():
     job = TransferJob(JobId(0), HostBlocks((0, 1), (2,)), DeviceBlocks((NO_BLOCK, 6), (2,)))
     worker.start_kv_transfers(ConnectorMetadata(load_jobs=(LoadJob("r", job),)))
     worker.wait_all()
-    poll = worker.poll()
+    poll = worker.get_finished()
     assert poll.load_errors == {6} and poll.failed_loads == {"r"}
 
 
@@ -67,4 +67,4 @@ def test_flushing_waits_for_the_deferred_stores_of_a_finished_request():
     worker = make_worker()
     worker.prepare_store_kv(ConnectorMetadata(store_jobs=(store(0, 2, 1),)))
     worker.handle_preemptions(ConnectorMetadata(jobs_to_flush=frozenset({JobId(0)})))
-    assert worker.poll().worker_meta.completed == {0: 1}
+    assert worker.get_finished().report.completed == {0: 1}

@@ -8,7 +8,7 @@ pages at the same addresses and calls restore. These tests play that on CPU tens
 from kvoffload.blocks import DeviceBlocks, HostBlocks, JobId, Medium, TierBlocks, TransferJob
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.metadata import ConnectorMetadata, LoadJob
-from kvoffload.connector.worker import ConnectorWorker, WorkerPoll
+from kvoffload.connector.worker import ConnectorWorker, WorkerFinished
 from kvoffload.keys import Namespace, offload_key
 from kvoffload.testing.layouts import attention_layout
 
@@ -47,7 +47,7 @@ def recommit(worker, rewritten):
 def next_step(worker, meta=None):
     worker.start_kv_transfers(meta or ConnectorMetadata())
     worker.wait_all()
-    return worker.poll()
+    return worker.get_finished()
 
 
 def slot_is_empty(worker, slot):
@@ -63,7 +63,7 @@ def test_a_store_deferred_before_unregister_fails_and_never_reads_the_recommitte
     worker.restore_kv_caches()
     poll = next_step(worker)
 
-    assert poll.worker_meta.failed == {0: 1} and poll.worker_meta.completed == {}
+    assert poll.report.failed == {0: 1} and poll.report.completed == {}
     assert slot_is_empty(worker, 0)
 
 
@@ -79,7 +79,7 @@ def test_a_store_in_flight_at_unregister_finishes_first_with_the_old_bytes():
     worker.restore_kv_caches()
     poll = next_step(worker, ConnectorMetadata(load_jobs=(LoadJob("r", load(1, 0, 5)),)))
 
-    assert poll.worker_meta.completed == {0: 1, 1: 1} and poll.worker_meta.failed == {}
+    assert poll.report.completed == {0: 1, 1: 1} and poll.report.failed == {}
     assert all(now.equal(before) for now, before in zip(pages(worker, 5), old, strict=True))
 
 
@@ -90,10 +90,10 @@ def test_a_load_not_yet_reported_at_unregister_fails_and_names_its_blocks():
     worker.unregister_kv_caches()
     recommit(worker, rewritten=3)
     worker.restore_kv_caches()
-    poll = worker.poll()
+    poll = worker.get_finished()
 
     assert poll.finished_loads == {"r"} and poll.failed_loads == {"r"} and poll.load_errors == {6}
-    assert poll.worker_meta.failed == {0: 1} and poll.worker_meta.completed == {}
+    assert poll.report.failed == {0: 1} and poll.report.completed == {}
 
 
 def test_device_jobs_while_unregistered_fail_without_touching_the_pages():
@@ -107,9 +107,9 @@ def test_device_jobs_while_unregistered_fail_without_touching_the_pages():
     worker.prepare_store_kv(meta)
     worker.handle_preemptions(ConnectorMetadata())
     worker.wait_all()
-    poll = worker.poll()
+    poll = worker.get_finished()
 
-    assert poll.worker_meta.failed == {0: 1, 1: 1} and poll.worker_meta.completed == {}
+    assert poll.report.failed == {0: 1, 1: 1} and poll.report.completed == {}
     assert poll.failed_loads == {"r"} and poll.load_errors == {6}
     assert all(now.equal(b) for now, b in zip(pages(worker, 6), before, strict=True))
     assert slot_is_empty(worker, 1)
@@ -126,7 +126,7 @@ def test_tier_jobs_go_on_while_unregistered(tmp_path):
     written = next_step(worker, ConnectorMetadata(tier_jobs=(write,)))
     read_back = next_step(worker, ConnectorMetadata(tier_jobs=(read,)))
 
-    assert written.worker_meta.completed == {0: 1} and read_back.worker_meta.completed == {1: 1}
+    assert written.report.completed == {0: 1} and read_back.report.completed == {1: 1}
     assert worker.pool.buffer[1].equal(worker.pool.buffer[0])
     worker.shutdown()
 
@@ -142,7 +142,7 @@ def test_jobs_after_restore_round_trip_the_new_bytes():
     stored = next_step(worker)
     loaded = next_step(worker, ConnectorMetadata(load_jobs=(LoadJob("r", load(1, 0, 5)),)))
 
-    assert stored.worker_meta.completed == {0: 1} and loaded.worker_meta.completed == {1: 1}
+    assert stored.report.completed == {0: 1} and loaded.report.completed == {1: 1}
     assert loaded.failed_loads == set() and loaded.load_errors == set()
     assert all(now.equal(b) for now, b in zip(pages(worker, 5), new, strict=True))
 
@@ -159,9 +159,9 @@ def test_each_job_is_reported_once_across_repeated_hooks():
     recommit(worker, rewritten=3)
     worker.restore_kv_caches()
     worker.restore_kv_caches()
-    polls = [worker.poll(), next_step(worker), next_step(worker)]
+    polls = [worker.get_finished(), next_step(worker), next_step(worker)]
 
-    completed = [job for p in polls for job, n in p.worker_meta.completed.items() for _ in range(n)]
-    failed = [job for p in polls for job, n in p.worker_meta.failed.items() for _ in range(n)]
+    completed = [job for p in polls for job, n in p.report.completed.items() for _ in range(n)]
+    failed = [job for p in polls for job, n in p.report.failed.items() for _ in range(n)]
     assert sorted(completed) == [1] and sorted(failed) == [0, 2]
-    assert polls[1:] == [WorkerPoll(), WorkerPoll()]
+    assert polls[1:] == [WorkerFinished(), WorkerFinished()]

@@ -246,7 +246,7 @@ class LateLoads:
 
         self.submitted: list[tuple[Any, Any]] = []  # loads submitted in this step
         self.in_flight: list[tuple[Any, Any]] = []  # loads that finish at the next poll
-        submit, wait, poll = HostCopier.submit, HostCopier.wait, ConnectorWorker.poll
+        submit, wait, poll = HostCopier.submit, HostCopier.wait, ConnectorWorker.get_finished
 
         def late_submit(copier: Any, job: Any) -> bool:
             if not isinstance(job.dst, DeviceBlocks):
@@ -265,7 +265,7 @@ class LateLoads:
 
         monkeypatch.setattr(HostCopier, "submit", late_submit)
         monkeypatch.setattr(HostCopier, "wait", fence)
-        monkeypatch.setattr(ConnectorWorker, "poll", late_poll)
+        monkeypatch.setattr(ConnectorWorker, "get_finished", late_poll)
 
     def _finish(self, submit: Any, due: Any) -> None:
         for queue in (self.in_flight, self.submitted):

@@ -132,7 +132,7 @@ def test_each_report_hook_takes_its_part_of_the_step_s_one_poll_once() -> None:
     side.start_load_kv(ConnectorMetadata(load_jobs=(LoadJob("r", load),)))
     side.core.wait_all()
     assert side.take_load_errors() == set() and side.stats() is None  # nothing polled yet
-    assert side.worker_meta() is None
+    assert side.report() is None
 
     assert side.transfer_results().finished_recving == {"r"}  # vLLM's first report hook polls
 
@@ -140,9 +140,9 @@ def test_each_report_hook_takes_its_part_of_the_step_s_one_poll_once() -> None:
     stats = side.stats()
     assert stats is not None and stats.transfers.by_type["host_to_device"].failed_jobs == 1
     assert side.stats() is None
-    report = side.worker_meta()
+    report = side.report()
     assert report is not None and report.report.failed == {JobId(7): 1}
-    assert side.worker_meta() is None
+    assert side.report() is None
     side.shutdown()
 
 
@@ -154,7 +154,7 @@ def test_a_part_whose_hook_was_skipped_comes_with_the_next_poll_s() -> None:
         side.core.wait_all()
         assert side.transfer_results().finished_recving == set()
 
-    report, stats = side.worker_meta(), side.stats()
+    report, stats = side.report(), side.stats()
     assert report is not None and report.report.completed == {JobId(0): 1, JobId(1): 1}
     assert stats is not None and stats.transfers.by_type["device_to_host"].jobs == 2
     side.shutdown()

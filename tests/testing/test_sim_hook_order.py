@@ -13,7 +13,7 @@ import pytest
 
 from kvoffload.blocks import JobId, TransferJob
 from kvoffload.connector.metadata import ConnectorMetadata
-from kvoffload.connector.worker import WorkerPoll
+from kvoffload.connector.worker import WorkerFinished
 from kvoffload.testing import layouts, sim_workload
 from kvoffload.testing.sim import HookOrder, SimEngine, Status
 
@@ -55,19 +55,19 @@ def record_jobs(engine: SimEngine) -> JobLog:
 
     engine.scheduler.build_connector_meta = build_meta  # type: ignore[method-assign]
     for rank, worker in enumerate(engine.workers):
-        submit, poll = worker.transfers.submit, worker.poll
+        submit, poll = worker.transfers.submit, worker.get_finished
 
         def submitted(job: TransferJob, rank: int = rank, submit: Any = submit) -> bool:
             log.events.append(("submitted", engine.step_count, rank, job.job_id))
             return bool(submit(job))
 
-        def reported(rank: int = rank, poll: Any = poll) -> WorkerPoll:
-            result: WorkerPoll = poll()
-            log.events.extend(("reported", engine.step_count, rank, job) for job in result.worker_meta.completed)
+        def reported(rank: int = rank, poll: Any = poll) -> WorkerFinished:
+            result: WorkerFinished = poll()
+            log.events.extend(("reported", engine.step_count, rank, job) for job in result.report.completed)
             return result
 
         worker.transfers.submit = submitted  # type: ignore[method-assign]
-        worker.poll = reported  # type: ignore[method-assign]
+        worker.get_finished = reported  # type: ignore[method-assign]
     return log
 
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from kvoffload.blocks import Medium
-from kvoffload.connector.metadata import WorkerMetadata
-from kvoffload.connector.worker import WorkerPoll
+from kvoffload.connector.metadata import WorkerReport
+from kvoffload.connector.worker import WorkerFinished
 from kvoffload.keys import Namespace
 from kvoffload.testing import sim_values, sim_workload
 from kvoffload.testing.sim import SimEngine, SimRequest, Status
@@ -156,18 +156,18 @@ class HeldReports:
     """Keeps one worker's reports from the scheduler half until released, as a slow rank would."""
 
     def __init__(self, engine: SimEngine, rank: int) -> None:
-        self._poll = engine.workers[rank].poll
-        self._held = WorkerMetadata()
+        self._poll = engine.workers[rank].get_finished
+        self._held = WorkerReport()
         self.releasing = False
-        engine.workers[rank].poll = self  # type: ignore[method-assign]
+        engine.workers[rank].get_finished = self  # type: ignore[method-assign]
 
-    def __call__(self) -> WorkerPoll:
+    def __call__(self) -> WorkerFinished:
         poll = self._poll()
-        self._held = self._held.aggregate(poll.worker_meta)
+        self._held = self._held.aggregate(poll.report)
         if not self.releasing:
-            return dataclasses.replace(poll, worker_meta=WorkerMetadata())
-        report, self._held = self._held, WorkerMetadata()
-        return dataclasses.replace(poll, worker_meta=report)
+            return dataclasses.replace(poll, report=WorkerReport())
+        report, self._held = self._held, WorkerReport()
+        return dataclasses.replace(poll, report=report)
 
     @property
     def held_jobs(self) -> int:
@@ -269,12 +269,12 @@ def test_load_failing_on_one_rank_is_recomputed_on_both(ignore_rank1_errors: boo
     scrub_free_blocks(engine)
     fail_next_load(engine, rank=1)
     if ignore_rank1_errors:  # the mutant: an engine that takes only rank 0's failed blocks
-        poll = engine.workers[1].poll
+        poll = engine.workers[1].get_finished
 
-        def no_errors() -> WorkerPoll:
+        def no_errors() -> WorkerFinished:
             return dataclasses.replace(poll(), load_errors=frozenset())
 
-        engine.workers[1].poll = no_errors  # type: ignore[method-assign]
+        engine.workers[1].get_finished = no_errors  # type: ignore[method-assign]
     b = engine.add_request("b", [*prompt, 7], max_new_tokens=4)
 
     if ignore_rank1_errors:  # caught: rank 1 computes on blocks it never received

@@ -49,7 +49,7 @@ class Rig:
     def run(self, job_id: int, ids: list[int], slots: list[int], store: bool) -> TransferResult:
         self.start(job_id, ids, slots, store)
         self.copier.wait({JobId(job_id)})
-        (result,) = self.copier.poll()
+        (result,) = self.copier.get_finished()
         return result
 
     def block(self, block_id: int) -> torch.Tensor:
@@ -118,9 +118,9 @@ def test_poll_does_not_wait_for_a_job_still_queued_and_reports_it_once_done() ->
     rig.pool.buffer[slots] = 9
     torch.cuda._sleep(200_000_000)  # the copy stream waits for this before the load's copies
     rig.start(1, targets, slots, store=False)
-    assert rig.copier.poll() == []
+    assert rig.copier.get_finished() == []
     rig.copier.wait({JobId(1)})
-    (result,) = rig.copier.poll()
+    (result,) = rig.copier.get_finished()
     assert result.success and rig.copier.batched_jobs == 1
     # Once reported, the loaded blocks are what the compute stream reads.
     assert all(bool(torch.all(v[targets] == 9)) for v in rig.views)
@@ -133,5 +133,5 @@ def test_a_job_that_fails_to_start_is_a_failed_result_and_the_next_job_runs() ->
     rig.start(1, ids, slots, store=True)
     rig.start(2, ids, slots, store=True)
     rig.copier.wait({JobId(1), JobId(2)})
-    assert [(r.job_id, r.success) for r in rig.copier.poll()] == [(1, False), (2, True)]
+    assert [(r.job_id, r.success) for r in rig.copier.get_finished()] == [(1, False), (2, True)]
     assert all(torch.equal(rig.pool.buffer[s].cpu(), rig.block(b)) for b, s in zip(ids, slots, strict=True))

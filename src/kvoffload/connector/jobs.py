@@ -2,7 +2,7 @@
 
 Load planning (``loads.py``) and the store scan (``stores.py``) open jobs here; ``ConnectorScheduler`` hands the
 index's tier transfers here as jobs, puts the jobs to flush into each step's ``ConnectorMetadata``, and passes the
-workers' reports (``WorkerMetadata``) to ``report``. A job is done once every worker reported it and failed if any
+workers' reports (``WorkerReport``) to ``report``. A job is done once every worker reported it and failed if any
 worker failed it; finishing it tells the index (a completed store makes its blocks loadable, a failed load drops
 its keys) and, for a promotion from a lower tier, times it for cost-aware loading (``load_cost.py``).
 """
@@ -18,7 +18,7 @@ from enum import Enum
 
 from kvoffload.blocks import BlockSpec, JobId, Medium, TransferJob
 from kvoffload.connector.load_cost import LoadCost
-from kvoffload.connector.metadata import WorkerMetadata
+from kvoffload.connector.metadata import WorkerReport
 from kvoffload.connector.requests import RequestState
 from kvoffload.connector.stats import SchedulerStats
 from kvoffload.index.base import BlockIndex, TierTransfer
@@ -98,7 +98,7 @@ class JobBook:
         flush, self.to_flush, self.to_flush_next = self.to_flush, self.to_flush_next, set()
         return flush
 
-    def report(self, report: WorkerMetadata) -> bool:
+    def report(self, report: WorkerReport) -> bool:
         """Count one worker's report; finish a job once every worker has reported it.
 
         Returns whether any job finished (tier usage may have moved). A report for an unknown job is logged and

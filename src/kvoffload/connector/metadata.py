@@ -1,7 +1,7 @@
 """The small values that cross between the connector's two halves each engine step.
 
 Scheduler -> workers: ``ConnectorMetadata`` (which jobs to start, which to flush).
-Workers -> scheduler: ``WorkerMetadata`` (which jobs finished), summed over workers with ``aggregate``.
+Workers -> scheduler: ``WorkerReport`` (which jobs finished), summed over workers with ``aggregate``.
 Both are plain frozen dataclasses of ints, strings and specs: cheap to pickle across processes.
 """
 
@@ -43,19 +43,19 @@ class ConnectorMetadata:
 
 
 @dataclass(frozen=True)
-class WorkerMetadata:
+class WorkerReport:
     """Jobs that finished since the last report, counted per worker (one worker reports counts of 1)."""
 
     completed: Mapping[JobId, int] = field(default_factory=dict)
     failed: Mapping[JobId, int] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, completed: Iterable[JobId], failed: Iterable[JobId]) -> WorkerMetadata:
+    def of(cls, completed: Iterable[JobId], failed: Iterable[JobId]) -> WorkerReport:
         return cls(dict(Counter(completed)), dict(Counter(failed)))
 
-    def aggregate(self, other: WorkerMetadata) -> WorkerMetadata:
+    def aggregate(self, other: WorkerReport) -> WorkerReport:
         """Sum two reports (from two workers, or two steps)."""
-        return WorkerMetadata(
+        return WorkerReport(
             dict(Counter(self.completed) + Counter(other.completed)),
             dict(Counter(self.failed) + Counter(other.failed)),
         )

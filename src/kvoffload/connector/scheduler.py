@@ -22,7 +22,7 @@ from kvoffload.config import OffloadConfig
 from kvoffload.connector.jobs import JobBook
 from kvoffload.connector.load_cost import LoadCost
 from kvoffload.connector.loads import LoadPlanner
-from kvoffload.connector.metadata import ConnectorMetadata, WorkerMetadata
+from kvoffload.connector.metadata import ConnectorMetadata, WorkerReport
 from kvoffload.connector.recording import TraceTap
 from kvoffload.connector.requests import EngineRequest, RequestState, StepSchedule
 from kvoffload.connector.stats import SchedulerStats
@@ -181,7 +181,7 @@ class ConnectorScheduler:
             self.load_cost.observe_step(blocks // self.num_groups * self.offload_tokens, now - started)
         self._last_meta = (now, filled_blocks)
 
-    def update_connector_output(self, report: WorkerMetadata) -> None:
+    def update_connector_output(self, report: WorkerReport) -> None:
         """Count worker reports; finish a job once every worker has reported it."""
         if self._jobs.report(report):
             self._usage_moved = True

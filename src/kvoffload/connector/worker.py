@@ -6,7 +6,7 @@ Semantics of vLLM's original ``OffloadingConnectorWorker``, plus failures end to
 - ``handle_preemptions`` submits the deferred stores and waits for ``jobs_to_flush`` before the engine reuses
   device blocks those jobs read or write;
 - ``start_kv_transfers`` submits deferred stores first, then background tier jobs, then this step's loads;
-- ``poll`` reports, in one ``WorkerPoll``, everything finished since the last poll: the requests whose loads
+- ``get_finished`` reports, in one ``WorkerFinished``, everything finished since the last poll: the requests whose loads
   finished, a failed load's request and device blocks (the engine recomputes them), the finished job ids for the
   scheduler half and the transfer stats. One poll, one look at the handlers' results: its parts agree (a request
   reported finished has every failure of its load in the same poll), whatever order the engine reads them in.
@@ -16,10 +16,11 @@ a weight update that borrows their memory), ``unregister_kv_caches`` comes while
 bytes: it fails the deferred stores, waits for the device jobs already submitted (a store among them reports what
 it copied; a load not yet reported fails, since the engine recomputes what the released pages held), and from
 then on fails every device job without touching the pages; tier jobs go on. ``restore_kv_caches``, after fresh
-pages are mapped at the same addresses, lets device jobs run again. Each job is still reported once, by ``poll``.
+pages are mapped at the same addresses, lets device jobs run again. Each job is still reported once, by
+``get_finished``.
 
-``poll`` may come before or after ``prepare_store_kv``: vLLM calls ``wait_for_save`` after the step's reports when
-it runs a speculative drafter (testing/sim.HookOrder). Nothing here depends on which: ``prepare_store_kv`` only
+``get_finished`` may come before or after ``prepare_store_kv``: vLLM calls ``wait_for_save`` after the step's reports
+when it runs a speculative drafter (testing/sim.HookOrder). Nothing here depends on which: ``prepare_store_kv`` only
 queues, the next step's ``handle_preemptions`` submits, and a job is reported once, from the handler's result,
 after it was submitted.
 
@@ -39,7 +40,7 @@ import torch
 from kvoffload.blocks import DeviceBlocks, JobId, Medium, TransferJob
 from kvoffload.canonical import CanonicalKV, canonicalize
 from kvoffload.config import OffloadConfig
-from kvoffload.connector.metadata import ConnectorMetadata, WorkerMetadata
+from kvoffload.connector.metadata import ConnectorMetadata, WorkerReport
 from kvoffload.connector.stats import TransferStats
 from kvoffload.keys import Namespace
 from kvoffload.layout import KVCacheLayout
@@ -53,8 +54,8 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class WorkerPoll:
-    """What one worker finished since its last ``poll``, all taken from one look at the handlers' results."""
+class WorkerFinished:
+    """What one worker finished since its last ``get_finished``, all taken from one look at the handlers' results."""
 
     finished_loads: frozenset[str] = frozenset()
     """Requests whose loads finished, successfully or not."""
@@ -62,7 +63,7 @@ class WorkerPoll:
     """Those of them whose load failed (for engines that recompute whole requests)."""
     load_errors: frozenset[int] = frozenset()
     """The failed loads' device blocks (for engines that recompute from the first bad block); never a hole."""
-    worker_meta: WorkerMetadata = field(default_factory=WorkerMetadata)
+    report: WorkerReport = field(default_factory=WorkerReport)
     """Finished job ids (loads, stores, tier jobs), for the scheduler half."""
     stats: TransferStats | None = None
     """Bytes and seconds per transfer type of the jobs the handlers finished; None when they finished none."""
@@ -126,11 +127,11 @@ class ConnectorWorker:
             return
         self._deferred_stores.extend(meta.store_jobs)
 
-    def poll(self) -> WorkerPoll:
+    def get_finished(self) -> WorkerFinished:
         """Everything finished since the last poll; each part is reset on read."""
         self._collect()
-        poll = WorkerPoll(frozenset(self._finished_loads), frozenset(self._failed_loads),
-                          frozenset(self._load_errors), WorkerMetadata.of(self._completed, self._failed),
+        poll = WorkerFinished(frozenset(self._finished_loads), frozenset(self._failed_loads),
+                          frozenset(self._load_errors), WorkerReport.of(self._completed, self._failed),
                           None if self._stats.is_empty() else self._stats)
         self._finished_loads, self._failed_loads, self._load_errors = set(), set(), set()
         self._completed, self._failed = [], []

@@ -2,7 +2,7 @@
 
 Each step: schedule (decode running requests, admit waiting ones through the device prefix cache and then
 kvoffload, preempt the newest request when blocks run out) -> ``build_connector_meta`` -> on every worker:
-``handle_preemptions``, ``start_kv_transfers``, the forward pass, ``prepare_store_kv`` and the step's ``poll``
+``handle_preemptions``, ``start_kv_transfers``, the forward pass, ``prepare_store_kv`` and the step's ``get_finished``
 (finished loads, load errors, finished jobs, transfer stats) in either of vLLM's orders (``HookOrder``) ->
 ``update_connector_output`` -> finished loads, finished requests.
 
@@ -29,7 +29,7 @@ import torch
 
 from kvoffload.canonical import CanonicalKV
 from kvoffload.config import OffloadConfig
-from kvoffload.connector.metadata import WorkerMetadata
+from kvoffload.connector.metadata import WorkerReport
 from kvoffload.connector.requests import ScheduledRequest, StepSchedule
 from kvoffload.connector.scheduler import ConnectorScheduler
 from kvoffload.connector.stats import TransferStats
@@ -152,7 +152,7 @@ class SimEngine:
         self._work = []
         scheduled, preempted = self._schedule()
         meta = self.scheduler.build_connector_meta(StepSchedule.of(scheduled, frozenset(preempted)))
-        report = WorkerMetadata()
+        report = WorkerReport()
         for rank, worker in enumerate(self.workers):
             worker.handle_preemptions(meta)
             worker.start_kv_transfers(meta)
@@ -169,14 +169,14 @@ class SimEngine:
         tokens = sum(end - start for _, start, end in self._work)
         return StepReport(self.step_count, tokens, tuple(finished), meta.is_empty)
 
-    def _collect(self, rank: int) -> WorkerMetadata:
+    def _collect(self, rank: int) -> WorkerReport:
         """One worker's poll of the step: finished loads, failed load blocks, stats; its finished jobs returned."""
-        poll = self.workers[rank].poll()
+        poll = self.workers[rank].get_finished()
         for req_id in poll.finished_loads:
             self._finished_loads[req_id] = self._finished_loads.get(req_id, 0) + 1
         self._load_errors |= poll.load_errors
         self.transfer_stats[rank] = self.transfer_stats[rank].aggregate(poll.stats or TransferStats())
-        return poll.worker_meta
+        return poll.report
 
     def _schedule(self) -> tuple[list[ScheduledRequest], list[str]]:
         scheduled: list[ScheduledRequest] = []

@@ -78,7 +78,7 @@ class CpuCopier:
             # Stores stay in the background: nothing waits for them.
             self._execute((job_id, transfer_type, plan))
 
-    def poll(self) -> list[TransferResult]:
+    def get_finished(self) -> list[TransferResult]:
         with self._done:
             results, self._results = self._results, []
         return results

@@ -3,7 +3,7 @@
 At submit, the copy stream first waits on the engine's current (compute) stream, so a store reads blocks
 only after the kernels that wrote them, then every copy of the plan is queued as a ``non_blocking`` copy
 between a slice of a KV view and a slice of the pinned host pool, bracketed by two CUDA events. Nothing
-blocks at submit: the copies run while the engine computes. ``poll`` asks the end events (never waits);
+blocks at submit: the copies run while the engine computes. ``get_finished`` asks the end events (never waits);
 ``wait`` synchronizes only the events of the asked jobs. One stream means jobs finish in submission order.
 
 The views and the pool are flattened once into 1-D byte tensors (row 0 to the end of the last row), so each
@@ -11,7 +11,7 @@ plan copy is one contiguous slice copy, i.e. one ``cudaMemcpyAsync``. A plan of 
 batched way instead (``cuda_batch``: one gather or scatter kernel per view through a device staging buffer,
 one copy per run of the host pool), queued on the same stream between the same events, so ordering and
 completion are the same on both paths. A load's bytes are in the KV views once its end event has fired: the
-engine reads them only after ``poll`` reported the job, and a store's gather runs after the compute stream's
+engine reads them only after ``get_finished`` reported the job, and a store's gather runs after the compute stream's
 work queued before ``start``.
 """
 
@@ -122,7 +122,7 @@ class CudaCopier:
         # until the copy stream has read it, so dropping it here is safe.
         return torch.from_numpy(index).pin_memory().to(self._device, non_blocking=True)
 
-    def poll(self) -> list[TransferResult]:
+    def get_finished(self) -> list[TransferResult]:
         # One stream: if a job's end event has not fired, no later job's has.
         while self._in_flight and self._finished(self._in_flight[0]):
             self._results.append(self._result(self._in_flight.popleft()))
@@ -138,7 +138,7 @@ class CudaCopier:
                     logger.exception("device<->host job %d: waiting for its copies failed", job.job_id)
 
     def shutdown(self) -> None:
-        """Let queued copies finish; their results stay available to ``poll``."""
+        """Let queued copies finish; their results stay available to ``get_finished``."""
         try:
             self._stream.synchronize()
         except Exception:

@@ -77,7 +77,7 @@ class HostCopier(TransferHandler):
         return True
 
     def get_finished(self) -> list[TransferResult]:
-        return self._copier.poll()
+        return self._copier.get_finished()
 
     def wait(self, job_ids: Collection[JobId]) -> None:
         self._copier.wait(frozenset(job_ids))

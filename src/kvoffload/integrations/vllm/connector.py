@@ -4,7 +4,7 @@ vLLM builds one instance per role: the scheduler role (``SchedulerSide``, in the
 scheduler) and the worker role (``WorkerSide``, in every worker process). This class only parses the
 configuration, describes the KV cache, and forwards each vLLM hook to the side that owns it; the two sides
 talk only through the metadata vLLM carries between them (``KVOffloadMetadata`` down,
-``KVOffloadWorkerMetadata`` up).
+``KVOffloadWorkerReport`` up).
 
 Configuration: ``kv_connector_extra_config`` goes to ``OffloadConfig.from_dict`` and nowhere else; a bad key
 stops start-up with one ``ConfigError`` naming every culprit, as does an ``offload_block_tokens`` that is not
@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvoffload.config import OffloadConfig
 from kvoffload.integrations.vllm import adapters, compat, logs
-from kvoffload.integrations.vllm.messages import KVOffloadMetadata, KVOffloadWorkerMetadata
+from kvoffload.integrations.vllm.messages import KVOffloadMetadata, KVOffloadWorkerReport
 from kvoffload.integrations.vllm.metrics import KVOffloadPromMetrics, KVOffloadStats
 from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
 from kvoffload.integrations.vllm.worker_side import WorkerSide
@@ -135,8 +135,8 @@ class KVOffloadConnector(compat.VersionHooks, KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()
 
-    def build_connector_worker_meta(self) -> KVOffloadWorkerMetadata | None:
-        return self._worker.worker_meta() if self._worker is not None else None
+    def build_connector_worker_meta(self) -> KVOffloadWorkerReport | None:
+        return self._worker.report() if self._worker is not None else None
 
     def shutdown(self) -> None:
         if self._worker is not None:

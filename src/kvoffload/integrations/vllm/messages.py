@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from kvoffload.connector.metadata import ConnectorMetadata, WorkerMetadata
+from kvoffload.connector.metadata import ConnectorMetadata, WorkerReport
 
 
 @dataclass(frozen=True)
@@ -23,12 +23,12 @@ class KVOffloadMetadata(KVConnectorMetadata):
 
 
 @dataclass(frozen=True)
-class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
+class KVOffloadWorkerReport(KVConnectorWorkerMetadata):
     """Jobs one worker (or, once aggregated, all workers) finished since its last report."""
 
-    report: WorkerMetadata
+    report: WorkerReport
 
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVOffloadWorkerMetadata:
-        if not isinstance(other, KVOffloadWorkerMetadata):
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVOffloadWorkerReport:
+        if not isinstance(other, KVOffloadWorkerReport):
             raise TypeError(f"cannot aggregate kvoffload worker metadata with {type(other).__name__}")
-        return KVOffloadWorkerMetadata(self.report.aggregate(other.report))
+        return KVOffloadWorkerReport(self.report.aggregate(other.report))

@@ -21,7 +21,7 @@ from kvoffload.connector.scheduler import NO_JOBS as CORE_NO_JOBS
 from kvoffload.connector.scheduler import ConnectorScheduler
 from kvoffload.integrations.vllm import adapters, compat
 from kvoffload.integrations.vllm.events import kv_events
-from kvoffload.integrations.vllm.messages import KVOffloadMetadata, KVOffloadWorkerMetadata
+from kvoffload.integrations.vllm.messages import KVOffloadMetadata, KVOffloadWorkerReport
 from kvoffload.integrations.vllm.metrics import KVOffloadStats
 from kvoffload.keys import Namespace
 from kvoffload.layout import KVCacheLayout
@@ -82,7 +82,7 @@ class SchedulerSide:
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         report = output.kv_connector_worker_meta
         # type() first: an isinstance against vLLM's abstract base costs a microsecond, and this runs every step.
-        if type(report) is KVOffloadWorkerMetadata or isinstance(report, KVOffloadWorkerMetadata):
+        if type(report) is KVOffloadWorkerReport or isinstance(report, KVOffloadWorkerReport):
             self.core.update_connector_output(report.report)
 
     def request_finished(self, request: Request) -> None:

@@ -13,8 +13,8 @@ orders).
 One poll per step: vLLM asks for the step's reports in four hooks, one after another and always in this order
 (``get_transfer_results``, ``get_block_ids_with_load_errors``, ``get_kv_connector_stats``,
 ``build_connector_worker_meta``; ``CALL_ORDERS``). The first, ``transfer_results``, polls the worker half
-(``ConnectorWorker.poll``) and hands out the finished loads at once; the poll's other parts wait here, unclaimed,
-until their own hook takes them (``take_load_errors``, ``stats``, ``worker_meta``). A part taken twice is empty
+(``ConnectorWorker.get_finished``) and hands out the finished loads at once; the poll's other parts wait here,
+unclaimed, until their own hook takes them (``take_load_errors``, ``stats``, ``report``). A part taken twice is empty
 the second time; a hook vLLM skips leaves its part to be added to the next poll's, so nothing is lost or reported
 twice, and a failed block never reaches vLLM before its request's finish does (both come from the same poll).
 
@@ -36,10 +36,10 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvoffload.config import OffloadConfig
-from kvoffload.connector.metadata import ConnectorMetadata, WorkerMetadata
+from kvoffload.connector.metadata import ConnectorMetadata, WorkerReport
 from kvoffload.connector.stats import TransferStats
 from kvoffload.connector.worker import ConnectorWorker
-from kvoffload.integrations.vllm.messages import KVOffloadWorkerMetadata
+from kvoffload.integrations.vllm.messages import KVOffloadWorkerReport
 from kvoffload.integrations.vllm.metrics import KVOffloadStats
 from kvoffload.keys import Namespace
 from kvoffload.layout import KVCacheLayout
@@ -55,7 +55,7 @@ class WorkerSide:
         # The last polls' parts that their hooks have not taken yet.
         self._load_errors: set[int] = set()
         self._stats: TransferStats | None = None
-        self._meta = WorkerMetadata()
+        self._report = WorkerReport()
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         self.core.register_kv_caches(kv_caches)
@@ -77,12 +77,12 @@ class WorkerSide:
 
     def transfer_results(self) -> KVConnectorTransferResults:
         """Poll: requests whose loads finished; failures as block ids (one group) or request ids (several)."""
-        poll = self.core.poll()
+        poll = self.core.get_finished()
         if self.single_group:
             self._load_errors |= poll.load_errors
         if poll.stats is not None:
             self._stats = poll.stats if self._stats is None else self._stats.aggregate(poll.stats)
-        self._meta = poll.worker_meta if self._meta.is_empty else self._meta.aggregate(poll.worker_meta)
+        self._report = poll.report if self._report.is_empty else self._report.aggregate(poll.report)
         finished = set(poll.finished_loads)
         if self.single_group:
             return KVConnectorTransferResults(finished_recving=finished)
@@ -96,9 +96,9 @@ class WorkerSide:
         transfers, self._stats = self._stats, None
         return None if transfers is None else KVOffloadStats.of(transfers=transfers)
 
-    def worker_meta(self) -> KVOffloadWorkerMetadata | None:
-        report, self._meta = self._meta, WorkerMetadata()
-        return None if report.is_empty else KVOffloadWorkerMetadata(report)
+    def report(self) -> KVOffloadWorkerReport | None:
+        report, self._report = self._report, WorkerReport()
+        return None if report.is_empty else KVOffloadWorkerReport(report)
 
     def shutdown(self) -> None:
         self.core.shutdown()

@@ -5,7 +5,7 @@ kvoffload hits), one worker. Every connector call the engine makes is timed arou
 
 - scheduler half: ``get_num_new_matched_tokens``, ``update_state_after_alloc``, ``build_connector_meta``,
   ``update_connector_output``, ``request_finished``;
-- worker half: ``handle_preemptions``, ``start_kv_transfers``, ``prepare_store_kv``, ``poll``.
+- worker half: ``handle_preemptions``, ``start_kv_transfers``, ``prepare_store_kv``, ``get_finished``.
 
 Steps are sorted by what the engine did in them: ``admission`` (requests were waiting: prompts looked up, allocated,
 their blocks stored), ``decode`` (every request running, each decoding one token; stores of blocks that became full
@@ -37,7 +37,7 @@ from kvoffload.tools.bench.common import (
 
 SCHEDULER_CALLS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
                    "update_connector_output", "request_finished")
-WORKER_CALLS = ("handle_preemptions", "start_kv_transfers", "prepare_store_kv", "poll")
+WORKER_CALLS = ("handle_preemptions", "start_kv_transfers", "prepare_store_kv", "get_finished")
 TARGET_US = 100.0
 ADMISSION_MARGIN = 6
 

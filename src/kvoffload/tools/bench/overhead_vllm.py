@@ -129,13 +129,13 @@ def _sides(configs: _Configs) -> list[_Side]:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
     from vllm.v1.outputs import KVConnectorOutput
 
-    from kvoffload.connector.metadata import WorkerMetadata
+    from kvoffload.connector.metadata import WorkerReport
     from kvoffload.integrations.vllm.connector import KVOffloadConnector
-    from kvoffload.integrations.vllm.messages import KVOffloadWorkerMetadata
+    from kvoffload.integrations.vllm.messages import KVOffloadWorkerReport
 
     def ours_report(meta: Any) -> Any:
         jobs = [j.job.job_id for j in meta.meta.load_jobs] + [j.job_id for j in meta.meta.store_jobs]
-        return KVConnectorOutput(kv_connector_worker_meta=KVOffloadWorkerMetadata(WorkerMetadata.of(jobs, ())))
+        return KVConnectorOutput(kv_connector_worker_meta=KVOffloadWorkerReport(WorkerReport.of(jobs, ())))
 
     def vllm_report(meta: Any) -> Any:
         jobs = {job_id: 1 for job_id in (*meta.load_jobs, *meta.store_jobs)}
