@@ -85,7 +85,7 @@ def store(m: TieredIndex, ks: list[OffloadKey], success: bool = True) -> None:
 
 def finish(tier: Tier, m: TieredIndex, transfer: TierTransfer, success: bool = True) -> None:
     tier.run(transfer, success)
-    m.complete_transfer(transfer.transfer_id, success)
+    m.complete_transfer(transfer, success)
 
 
 def finish_all(tier: Tier, m: TieredIndex, success: bool = True) -> list[TierTransfer]:
@@ -106,7 +106,7 @@ def test_write_through_writes_each_stored_block_and_pins_its_host_slot_meanwhile
     assert write.src == HostBlocks((0, 1), (2,)) and write.dst == tier.blocks(ks)
     assert m.prepare_store(keys(1, salt=1)) is None  # both host slots are pinned by the write
     finish(tier, m, write)
-    assert m.lowers[0].lookup(ks).hits == 2
+    assert m.lower_indexes[0].lookup(ks).hits == 2
     assert m.prepare_store(keys(1, salt=1)) is not None  # unpinned: evictable again
     m.check_integrity()
 
@@ -153,7 +153,7 @@ def test_failed_promotion_is_a_miss_and_forgets_the_disk_block(tier: Tier) -> No
     finish_all(tier, m, success=False)  # e.g. the file was corrupt: the worker removed it
     assert m.lookup([old]) == m.lookup([old]) and m.lookup([old]).hits == 0
     assert not m.lookup([old]).pending
-    assert m.lowers[0].lookup([old]).hits == 0
+    assert m.lower_indexes[0].lookup([old]).hits == 0
     m.check_integrity()
 
 
@@ -162,7 +162,7 @@ def test_failed_write_through_leaves_the_block_on_host_only(tier: Tier) -> None:
     ks = keys(2)
     store(m, ks)
     finish_all(tier, m, success=False)
-    assert m.host.lookup(ks).hits == 2 and m.lowers[0].lookup(ks).hits == 0
+    assert m.host.lookup(ks).hits == 2 and m.lower_indexes[0].lookup(ks).hits == 0
     m.check_integrity()
 
 
@@ -194,14 +194,14 @@ def test_on_evict_writes_only_blocks_crowding_the_host_and_evicts_only_written_o
     assert write.dst == tier.blocks(first[:1])  # the least recently used dirty block
     finish(tier, m, write)
     store(m, keys(1, salt=2))  # needs room: the only evictable host block is the one on disk
-    assert m.host.lookup([first[0]]).hits == 0 and m.lowers[0].lookup([first[0]]).hits == 1
+    assert m.host.lookup([first[0]]).hits == 0 and m.lower_indexes[0].lookup([first[0]]).hits == 1
     assert m.host.lookup(first[1:]).hits == 2
     m.check_integrity()
 
 
 def test_on_evict_refuses_a_low_water_mark_outside_the_host(tier: Tier) -> None:
     with pytest.raises(ValueError, match="low_water"):
-        TieredIndex(SlotIndex(4), [Below(tier.make().lowers[0], WritePolicy.ON_EVICT)], low_water=4)
+        TieredIndex(SlotIndex(4), [Below(tier.make().lower_indexes[0], WritePolicy.ON_EVICT)], low_water=4)
 
 
 def test_reset_forgets_both_tiers(tier: Tier) -> None:
@@ -214,9 +214,18 @@ def test_reset_forgets_both_tiers(tier: Tier) -> None:
     m.check_integrity()
 
 
-def test_unknown_transfer_id_is_a_key_error(tier: Tier) -> None:
+def test_a_transfer_the_index_did_not_hand_out_or_already_saw_complete_is_a_key_error(tier: Tier) -> None:
+    m = tier.make()
     with pytest.raises(KeyError):
-        tier.make().complete_transfer(12345, True)
+        m.complete_transfer(TierTransfer(HostBlocks((0,), (1,)), tier.blocks(keys(1))), True)
+    store(m, keys(2))
+    (transfer,) = m.take_transfers()  # the write-through of the stored blocks
+    same = TierTransfer(transfer.src, transfer.dst)
+    with pytest.raises(KeyError):  # equal specs are not the same transfer
+        m.complete_transfer(same, True)
+    finish(tier, m, transfer)
+    with pytest.raises(KeyError):
+        m.complete_transfer(transfer, True)
 
 
 @pytest.mark.parametrize("policy", list(WritePolicy))

@@ -64,7 +64,7 @@ class Workers:
         if success and isinstance(transfer.dst, TierBlocks) and transfer.dst.medium == Medium.REMOTE:
             for key in transfer.dst.keys:
                 self.client.set(value_name(NS, PLAIN, key), b"v")
-        m.complete_transfer(transfer.transfer_id, success)
+        m.complete_transfer(transfer, success)
 
     def finish_all(self, m: TieredIndex) -> list[TierTransfer]:
         done: list[TierTransfer] = []
@@ -129,7 +129,7 @@ def test_a_block_only_in_the_remote_tier_is_promoted_from_it_then_written_to_dis
     store(m, ks)
     Workers(redis_client, fail=Medium.DISK).finish_all(m)  # the disk write fails: remote only
     evict_from_host(m, Workers(redis_client), 2)
-    assert m.lowers[0].lookup(ks).hits == 0
+    assert m.lower_indexes[0].lookup(ks).hits == 0
     assert m.lookup(ks) == LookupResult(0, pending=True)
     (promotion,) = m.take_transfers()
     assert promotion.src == TierBlocks(Medium.REMOTE, tuple(ks), (2,)) and isinstance(promotion.dst, HostBlocks)
@@ -137,7 +137,7 @@ def test_a_block_only_in_the_remote_tier_is_promoted_from_it_then_written_to_dis
     (write,) = m.take_transfers()
     assert write.src == promotion.dst and write.dst == TierBlocks(Medium.DISK, tuple(ks), (2,))
     Workers(redis_client).finish(m, write)
-    assert m.lookup(ks).hits == 2 and m.lowers[0].lookup(ks).hits == 2
+    assert m.lookup(ks).hits == 2 and m.lower_indexes[0].lookup(ks).hits == 2
     m.check_integrity()
 
 
@@ -207,7 +207,7 @@ def test_on_evict_disk_beside_write_through_remote(make: Any, redis_client: Any)
 def test_bad_stacks_are_refused(make: Any, below: Any) -> None:
     m = make()
     with pytest.raises(ValueError, match="TieredIndex"):
-        TieredIndex(SlotIndex(4), below(*m.lowers))
+        TieredIndex(SlotIndex(4), below(*m.lower_indexes))
 
 
 @pytest.mark.parametrize("disk_policy", list(WritePolicy))

@@ -38,7 +38,8 @@ class _PendingJob:
     kind: JobKind
     req_ids: tuple[str, ...]
     keys: tuple[OffloadKey, ...] = ()
-    transfer_id: int = -1
+    transfer: TierTransfer | None = None
+    """A tier job's transfer, handed back to the index with its outcome."""
     tokens: int = 0
     """A load's tokens: those the engine counts as loaded by it (recomputed if it fails)."""
     ok: int = 0
@@ -73,16 +74,16 @@ class JobBook:
         return len(self._jobs)
 
     def new_job(self, kind: JobKind, req_ids: tuple[str, ...], keys: tuple[OffloadKey, ...],
-                transfer_id: int = -1, tokens: int = 0) -> JobId:
+                transfer: TierTransfer | None = None, tokens: int = 0) -> JobId:
         """Open a job of ``kind`` that reads or writes the device blocks of ``req_ids`` (a load: ``tokens`` of
         them); returns its id."""
         job_id = JobId(next(self._job_ids))
-        self._jobs[job_id] = _PendingJob(kind, req_ids, tuple(keys), transfer_id, tokens=tokens)
+        self._jobs[job_id] = _PendingJob(kind, req_ids, tuple(keys), transfer, tokens=tokens)
         return job_id
 
     def tier_job(self, transfer: TierTransfer) -> TransferJob:
         """The job for one of the index's tier transfers; a promotion (into host) is timed for its tier."""
-        job = self.new_job(JobKind.TIER, (), (), transfer.transfer_id)
+        job = self.new_job(JobKind.TIER, (), (), transfer)
         if transfer.dst.medium == Medium.HOST:  # a promotion: timed for the tier's speed (load_cost)
             nbytes = sum(transfer.src.group_sizes) * self._load_cost.block_bytes
             self._promotions[job] = (transfer.src.medium, nbytes, self._clock())
@@ -132,8 +133,8 @@ class JobBook:
                 self._stats.failed_load_tokens += job.tokens
         elif job.kind is JobKind.STORE:
             self._index.complete_store(job.keys, success)
-        else:
-            self._index.complete_transfer(job.transfer_id, success)
+        elif job.transfer is not None:
+            self._index.complete_transfer(job.transfer, success)
             timed = self._promotions.pop(job_id, None)
             if timed is not None and success:
                 medium, nbytes, started = timed

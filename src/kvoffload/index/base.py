@@ -68,15 +68,14 @@ class OffloadEvent:
     medium: Medium
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TierTransfer:
     """A copy a tier wants run in the background (promotion from disk, write-through to disk).
 
-    The connector gives it a job id, ships it to the workers, and reports its outcome with
-    ``complete_transfer(transfer_id, success)``.
+    The connector ships it to the workers as a job (its one id is the job's) and hands the same object back with
+    its outcome, ``complete_transfer(transfer, success)``. Compared by identity: two transfers are never the same.
     """
 
-    transfer_id: int
     src: BlockSpec
     dst: BlockSpec
 
@@ -162,9 +161,13 @@ class BlockIndex(ABC):
     def set_load_cost(self, advisor: LoadAdvisor) -> None:  # noqa: B027 (a hook: single tiers ignore it)
         """Consult ``advisor`` before loading blocks that only a tier below host holds (a single tier has none)."""
 
-    def complete_transfer(self, transfer_id: int, success: bool) -> None:
-        """Outcome of a copy handed out by ``take_transfers``."""
-        raise KeyError(f"unknown tier transfer {transfer_id}")
+    def complete_transfer(self, transfer: TierTransfer, success: bool) -> None:
+        """Outcome of a copy handed out by ``take_transfers``.
+
+        Raises:
+            KeyError: ``transfer`` is not one this index handed out and has not seen complete.
+        """
+        raise KeyError(f"unknown tier transfer {transfer}")
 
     @abstractmethod
     def usage(self) -> list[TierUsage]:

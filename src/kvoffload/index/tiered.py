@@ -63,7 +63,7 @@ class _Kind(enum.Enum):
 @dataclass(frozen=True)
 class _Transfer:
     kind: _Kind
-    tier: int  # index into ``TieredIndex.below``
+    below: int  # position in ``TieredIndex.below``
     keys: tuple[OffloadKey, ...]
 
 
@@ -80,7 +80,7 @@ class _Run:
 class Below:
     """A tier under host, and when blocks are written to it."""
 
-    tier: LowerIndex
+    index: LowerIndex
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
 
 
@@ -97,7 +97,7 @@ class TieredIndex(BlockIndex):
     """
 
     def __init__(self, host: HostIndex, below: Sequence[Below], low_water: int | None = None) -> None:
-        media = [b.tier.medium for b in below]
+        media = [b.index.medium for b in below]
         if not below or len(set(media)) != len(media):
             raise ValueError(f"TieredIndex: needs lower tiers of distinct media, got {media}")
         on_evict = [i for i, b in enumerate(below) if b.write_policy is WritePolicy.ON_EVICT]
@@ -108,13 +108,12 @@ class TieredIndex(BlockIndex):
             raise ValueError(f"TieredIndex: low_water {low_water} must be in [1, {host.capacity})")
         self.host = host
         self.below = tuple(below)
-        self.lowers = tuple(b.tier for b in below)
+        self.lower_indexes = tuple(b.index for b in below)
         self._on_evict = on_evict[0] if on_evict else None
         self._dirty_max = host.capacity - low_water
         self._dirty: dict[OffloadKey, int] = {}  # on-evict: host-pinned, not yet written below; oldest first
-        self._transfers: dict[int, _Transfer] = {}
+        self._transfers: dict[TierTransfer, _Transfer] = {}
         self._queued: list[TierTransfer] = []
-        self._ids = itertools.count()
         self._advisor: LoadAdvisor | None = None
 
     def lookup(self, keys: Sequence[OffloadKey]) -> LookupResult:
@@ -136,7 +135,7 @@ class TieredIndex(BlockIndex):
         runs: list[_Run] = []
         last = -1
         while start < len(keys):
-            for i, tier in enumerate(self.lowers):
+            for i, tier in enumerate(self.lower_indexes):
                 hits = 0 if i == last else tier.lookup(keys[start:]).hits
                 if hits:
                     break
@@ -159,7 +158,7 @@ class TieredIndex(BlockIndex):
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self.host.touch(keys)
-        for tier in self.lowers:
+        for tier in self.lower_indexes:
             tier.touch(keys)
         dirty = self._dirty
         if dirty:
@@ -176,29 +175,29 @@ class TieredIndex(BlockIndex):
     def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
         stored = self.host.complete_store_keys(keys, success)
         if stored:
-            self._write_below(stored, len(self.lowers))
+            self._write_below(stored, len(self.lower_indexes))
 
     def take_transfers(self) -> list[TierTransfer]:
         queued, self._queued = self._queued, []
         return queued
 
-    def complete_transfer(self, transfer_id: int, success: bool) -> None:
-        transfer = self._transfers.pop(transfer_id, None)
+    def complete_transfer(self, done: TierTransfer, success: bool) -> None:
+        transfer = self._transfers.pop(done, None)
         if transfer is None:
-            raise KeyError(f"unknown tier transfer {transfer_id}")
-        tier = self.lowers[transfer.tier]
+            raise KeyError(f"unknown tier transfer {done}")
+        tier = self.lower_indexes[transfer.below]
         if transfer.kind is _Kind.PROMOTE:
             self.host.complete_store(transfer.keys, success)
             tier.complete_load(transfer.keys, success)
-            if success and transfer.tier:
-                self._write_below(transfer.keys, transfer.tier)  # keep it in the faster tiers too
+            if success and transfer.below:
+                self._write_below(transfer.keys, transfer.below)  # keep it in the faster tiers too
         else:
             tier.complete_store(transfer.keys, success)
             self.host.complete_load(transfer.keys)  # the host copy is intact either way
 
     def take_events(self) -> list[OffloadEvent]:
         events = self.host.take_events()
-        for tier in self.lowers:
+        for tier in self.lower_indexes:
             events += tier.take_events()
         return events
 
@@ -206,29 +205,29 @@ class TieredIndex(BlockIndex):
         dropped, self._dirty = list(self._dirty), {}
         self.host.complete_load(dropped, success=False)  # dirty pins go, and their blocks with them
         self.host.reset()
-        for tier in self.lowers:
+        for tier in self.lower_indexes:
             tier.reset()
 
     def check_integrity(self) -> None:
         """Every tier's laws, and: a key is in at most one transfer per lower tier, a promoted key in no other
         transfer, and a dirty key in no transfer of the on-evict tier."""
         self.host.check_integrity()
-        for tier in self.lowers:
+        for tier in self.lower_indexes:
             tier.check_integrity()
-        per_tier = [(t.tier, k) for t in self._transfers.values() for k in t.keys]
+        per_tier = [(t.below, k) for t in self._transfers.values() for k in t.keys]
         if len(per_tier) != len(set(per_tier)):
             raise IntegrityError("tiered: a key is in two transfers of one tier at once")
         promoted = [k for t in self._transfers.values() if t.kind is _Kind.PROMOTE for k in t.keys]
         written = {k for t in self._transfers.values() if t.kind is _Kind.WRITE for k in t.keys}
         if len(promoted) != len(set(promoted)) or not written.isdisjoint(promoted):
             raise IntegrityError("tiered: a key being promoted is in another transfer")
-        if any(t.tier == self._on_evict and not self._dirty.keys().isdisjoint(t.keys)
+        if any(t.below == self._on_evict and not self._dirty.keys().isdisjoint(t.keys)
                for t in self._transfers.values()):
             raise IntegrityError("tiered: a dirty key is also in a transfer of the on-evict tier")
 
     def usage(self) -> list[TierUsage]:
         usage = self.host.usage()
-        for tier in self.lowers:
+        for tier in self.lower_indexes:
             usage += tier.usage()
         return usage
 
@@ -259,7 +258,7 @@ class TieredIndex(BlockIndex):
             moving = tuple(k for k in keys[run.start:run.end] if k in slot_of)
             if moving:
                 slots = tuple(slot_of[k] for k in moving)
-                src = self.lowers[run.tier].prepare_load(moving)
+                src = self.lower_indexes[run.tier].prepare_load(moving)
                 self._queue(_Kind.PROMOTE, run.tier, moving, src, HostBlocks(slots, (len(slots),)))
         return True
 
@@ -272,7 +271,7 @@ class TieredIndex(BlockIndex):
                 self._write_through(i, keys)
 
     def _write_through(self, tier: int, keys: Sequence[OffloadKey]) -> None:
-        out = self.lowers[tier].prepare_store(keys)
+        out = self.lower_indexes[tier].prepare_store(keys)
         if out is None or not out.keys_to_store:
             return  # The lower tier is full of pinned or in-flight blocks, or off: these stay above it.
         moving = out.keys_to_store
@@ -291,7 +290,7 @@ class TieredIndex(BlockIndex):
         if excess <= 0 or self._on_evict is None:
             return
         batch = list(itertools.islice(self._dirty, excess))  # dirty keys being written left ``_dirty``
-        out = self.lowers[self._on_evict].prepare_store(batch)
+        out = self.lower_indexes[self._on_evict].prepare_store(batch)
         if out is None:
             return  # The lower tier has no evictable room now; try again after the next store.
         moving = set(out.keys_to_store)
@@ -306,6 +305,6 @@ class TieredIndex(BlockIndex):
 
     def _queue(self, kind: _Kind, tier: int, keys: tuple[OffloadKey, ...], src: BlockSpec,
                dst: BlockSpec) -> None:
-        transfer_id = next(self._ids)
-        self._transfers[transfer_id] = _Transfer(kind, tier, keys)
-        self._queued.append(TierTransfer(transfer_id, src, dst))
+        transfer = TierTransfer(src, dst)
+        self._transfers[transfer] = _Transfer(kind, tier, keys)
+        self._queued.append(transfer)

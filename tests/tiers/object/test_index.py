@@ -261,6 +261,6 @@ def test_the_configured_object_tier_builds_host_over_object(ceph: CephRGW, bucke
     config = OffloadConfig.from_dict({"object_url": f"s3://{bucket}/team", "object_endpoint": ceph.endpoint,
                                       "host_bytes": 1 << 20, "object_bytes": 1 << 24})
     manager = build_index(config, TierContext(NS, layout, 1))
-    assert isinstance(manager, TieredIndex) and isinstance(manager.lowers[0], ObjectIndex)
+    assert isinstance(manager, TieredIndex) and isinstance(manager.lower_indexes[0], ObjectIndex)
     assert [u.medium for u in manager.usage()] == [Medium.HOST, Medium.OBJECT]
-    assert not manager.lowers[0].probe.breaker.is_open  # HeadBucket answered
+    assert not manager.lower_indexes[0].probe.breaker.is_open  # HeadBucket answered

@@ -28,8 +28,8 @@ def make_engine(ceph: CephRGW, bucket: str, host_blocks: int = 4, workers: int =
 
 def object_index(engine: SimEngine) -> ObjectIndex:
     manager = engine.scheduler.index
-    assert isinstance(manager, TieredIndex) and isinstance(manager.lowers[0], ObjectIndex)
-    return manager.lowers[0]
+    assert isinstance(manager, TieredIndex) and isinstance(manager.lower_indexes[0], ObjectIndex)
+    return manager.lower_indexes[0]
 
 
 def run_checked(engine: SimEngine) -> None:

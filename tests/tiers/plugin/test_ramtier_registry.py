@@ -51,7 +51,7 @@ def test_extra_tiers_gives_the_registered_spec(ramtier_installed: Path) -> None:
 def test_both_halves_are_built_from_the_spec(ramtier_installed: Path) -> None:
     ctx = context()
     index = stack.build_index(config(capacity_blocks=16), ctx)
-    assert isinstance(index, TieredIndex) and index.lowers[0].medium == Medium("ramtier")
+    assert isinstance(index, TieredIndex) and index.lower_indexes[0].medium == Medium("ramtier")
     assert index.usage()[1].capacity_blocks == 16
     pool = HostPool(8, max(ctx.entry_bytes))
     ((routes, handler),) = stack.build_handlers(config(capacity_blocks=16), ctx, pool)

@@ -285,7 +285,7 @@ def test_the_configured_remote_tier_builds_the_host_over_remote(url: str) -> Non
     layout, _ = layouts.attention_layout(num_blocks=8, block_size=4)
     config = OffloadConfig.from_dict({"remote_url": url, "host_bytes": 1 << 20})
     manager = build_index(config, TierContext(NS, layout, 1))
-    assert isinstance(manager, TieredIndex) and isinstance(manager.lowers[0], RemoteIndex)
+    assert isinstance(manager, TieredIndex) and isinstance(manager.lower_indexes[0], RemoteIndex)
     assert [u.medium for u in manager.usage()] == [Medium.HOST, Medium.REMOTE]
 
 

@@ -25,8 +25,8 @@ def make_engine(url: str, host_blocks: int = 4, workers: int = 1, **config: obje
 
 def remote_index(engine: SimEngine) -> RemoteIndex:
     manager = engine.scheduler.index
-    assert isinstance(manager, TieredIndex) and isinstance(manager.lowers[0], RemoteIndex)
-    return manager.lowers[0]
+    assert isinstance(manager, TieredIndex) and isinstance(manager.lower_indexes[0], RemoteIndex)
+    return manager.lower_indexes[0]
 
 
 def run_checked(engine: SimEngine) -> None:
