@@ -12,7 +12,7 @@ imports the index.
 
 from __future__ import annotations
 
-from kvoffload.blocks import Medium
+from kvoffload.tiers import Medium
 
 MEDIUM = Medium("ramtier")
 """The tier's medium: what its index's specs, events and usage name, and the routes its handler serves."""

@@ -16,10 +16,17 @@ from dataclasses import dataclass
 
 import torch
 
-from kvoffload.blocks import HostBlocks, JobId, Medium, TierBlocks, TransferJob
-from kvoffload.keys import OffloadKey
-from kvoffload.transfer.base import TransferHandler, TransferResult
-from kvoffload.transfer.host_pool import HostPool
+from kvoffload.tiers import (
+    HostBlocks,
+    HostPool,
+    JobId,
+    Medium,
+    OffloadKey,
+    TierBlocks,
+    TransferHandler,
+    TransferJob,
+    TransferResult,
+)
 from ramtier import MEDIUM
 
 STORE = (Medium.HOST, MEDIUM)

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvoffload.blocks import TierBlocks
-from kvoffload.config import EvictionPolicy
-from kvoffload.index.slot_index import SlotIndex
-from kvoffload.keys import OffloadKey
+from kvoffload.tiers import EvictionPolicy, OffloadKey, SlotIndex, TierBlocks
 from ramtier import MEDIUM
 
 

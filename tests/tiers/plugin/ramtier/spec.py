@@ -12,14 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvoffload.blocks import Medium
-from kvoffload.tiers.spec import TierContext, TierSpec
+from kvoffload.tiers import Medium, TierContext, TierSpec
 from ramtier import MEDIUM
 
 if TYPE_CHECKING:
-    from kvoffload.index.base import LowerIndex
-    from kvoffload.transfer.base import TransferHandler
-    from kvoffload.transfer.host_pool import HostPool
+    from kvoffload.tiers import HostPool, LowerIndex, TransferHandler
 
 
 @dataclass(frozen=True)
