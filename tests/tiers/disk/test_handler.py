@@ -177,8 +177,8 @@ def test_malformed_jobs_raise_value_error(handler: DiskHandler) -> None:
     with pytest.raises(ValueError, match="outside the pool"):
         handler.submit(store((99,), keys(1)))
     with pytest.raises(ValueError, match="does not move"):
-        tier = TierBlocks(Medium.DISK, keys(1), (1,))
-        handler.submit(TransferJob(JobId(1), tier, tier))
+        both = TierBlocks(Medium.DISK, keys(1), (1,))
+        handler.submit(TransferJob(JobId(1), both, both))
     with pytest.raises(ValueError, match="skip_sub_blocks"):
         handler.submit(TransferJob(JobId(2), HostBlocks((0,), (1,), 1), TierBlocks(Medium.DISK, keys(1), (1,))))
 

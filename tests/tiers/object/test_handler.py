@@ -242,8 +242,8 @@ def test_malformed_jobs_raise_value_error(handler: ObjectHandler, tier: ObjectTi
     with pytest.raises(ValueError, match="outside the pool"):
         handler.submit(store((99,), keys(1)))
     with pytest.raises(ValueError, match="does not move"):
-        tier = TierBlocks(Medium.OBJECT, keys(1), (1,))
-        handler.submit(TransferJob(JobId(1), tier, tier))
+        both = TierBlocks(Medium.OBJECT, keys(1), (1,))
+        handler.submit(TransferJob(JobId(1), both, both))
     with pytest.raises(ValueError, match="skip_sub_blocks"):
         handler.submit(TransferJob(JobId(2), HostBlocks((0,), (1,), 1), TierBlocks(Medium.OBJECT, keys(1), (1,))))
     with pytest.raises(ValueError, match="entry_bytes"):

@@ -15,7 +15,20 @@ from typing import Generic, TypeVar
 
 logger = logging.getLogger(__name__)
 
-FaultT = TypeVar("FaultT", bound=enum.Enum)
+
+
+class TierFault(enum.Enum):
+    """The base of a shared tier's fault kinds (``tiers.remote.faults.Fault``, ``tiers.object.faults.Fault``): an
+    enum with an ``ERROR`` member (the unknown kind) and a ``TIMEOUT`` member (a job past its budget), whose members
+    say whether they count towards the tier's breaker."""
+
+    @property
+    def is_server_fault(self) -> bool:
+        """The server, or the way to it, is failing: counts towards the breaker."""
+        raise NotImplementedError
+
+
+FaultT = TypeVar("FaultT", bound=TierFault)
 
 
 class FaultLog(Generic[FaultT]):

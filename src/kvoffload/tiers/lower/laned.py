@@ -21,18 +21,17 @@ supplies ``_allows``, ``_count`` and ``_answered``.
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
 import threading
 from abc import abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Generic
 
 from kvoffload.auth import TierSecret
 from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.tiers.lower.breaker import CircuitBreaker
-from kvoffload.tiers.lower.fault_log import FaultLog
+from kvoffload.tiers.lower.fault_log import FaultLog, FaultT
 from kvoffload.tiers.lower.handler import BlockT, JobT, LowerTierHandler
 from kvoffload.tiers.lower.io_threads import IoThreads
 
@@ -57,32 +56,25 @@ class Miss(Exception):
     """A block of the job is not in the tier: an ordinary outcome, not a fault."""
 
 
-class TierFault(Protocol):
-    """What the skeleton reads of a tier's fault kind (an enum member)."""
-
-    @property
-    def is_server_fault(self) -> bool: ...
-
-
-class LanedHandler(LowerTierHandler[BlockT, JobT]):
+class LanedHandler(LowerTierHandler[BlockT, JobT], Generic[BlockT, JobT, FaultT]):
     """Host pool <-> a tier over a network: lanes, breaker, fault log and budgets; a subclass does the I/O.
 
     Args:
         pool, namespace, entry_bytes, secret, clock: as ``LowerTierHandler``'s.
         tier: the tier's name in logs and thread names ("remote tier").
         where: the server, as the log names it (never with a password).
-        kinds: the tier's fault kinds (an enum with ``ERROR``, for ``FaultLog``, and ``TIMEOUT`` members).
+        kinds: the tier's fault kinds (a ``TierFault`` enum).
         breaker_errors, breaker_cooldown_s: the breaker's settings.
     """
 
     def __init__(self, pool: HostPool, namespace: Namespace, entry_bytes: tuple[int, ...],
                  secret: TierSecret | None, clock: Callable[[], float], *, tier: str, where: str,
-                 kinds: type[enum.Enum], breaker_errors: int, breaker_cooldown_s: float) -> None:
+                 kinds: type[FaultT], breaker_errors: int, breaker_cooldown_s: float) -> None:
         super().__init__(pool, namespace, entry_bytes, secret, clock)
         self.breaker = CircuitBreaker(breaker_errors, breaker_cooldown_s, clock, tier)
         self._kinds = kinds
         """The tier's fault kinds; its ``TIMEOUT`` member names a job past its budget."""
-        self.faults: FaultLog[Any] = FaultLog(where, kinds, tier)
+        self.faults: FaultLog[FaultT] = FaultLog(where, kinds, tier)
         self._outcomes = threading.Lock()
         """Held while a job's outcome updates the breakers and the log, so both see outcomes in one order."""
         name = tier.split()[0]
@@ -103,8 +95,8 @@ class LanedHandler(LowerTierHandler[BlockT, JobT]):
         """
 
     @abstractmethod
-    def _classify(self, error: BaseException) -> Any:
-        """The tier's fault kind of a job's exception (a ``TierFault``)."""
+    def _classify(self, error: BaseException) -> FaultT:
+        """The tier's fault kind of a job's exception."""
 
     @abstractmethod
     def _budget(self, state: JobT) -> float:
@@ -118,7 +110,7 @@ class LanedHandler(LowerTierHandler[BlockT, JobT]):
         """Whether the job may try its I/O now (else it fails at once)."""
         return self.breaker.allow()
 
-    def _count(self, fault: Any) -> None:
+    def _count(self, fault: FaultT) -> None:
         """Tell the breakers of a fault (under ``_outcomes``)."""
         if fault.is_server_fault:
             self.breaker.record(False)
@@ -200,7 +192,7 @@ class LanedHandler(LowerTierHandler[BlockT, JobT]):
                 self._answered(state)
             self.faults.recovered()
 
-    def _note(self, fault: Any, error: BaseException | str) -> None:
+    def _note(self, fault: FaultT, error: BaseException | str) -> None:
         with self._outcomes:
             self._count(fault)
             self.faults.note(fault, error)

@@ -8,13 +8,13 @@ be found. A missing object is no fault (``is_missing``): the job fails as a miss
 
 from __future__ import annotations
 
-import enum
 from typing import Any
 
 from kvoffload.tiers.lower.block_format import CorruptBlockError, UnauthenticBlockError
+from kvoffload.tiers.lower.fault_log import TierFault
 
 
-class Fault(enum.Enum):
+class Fault(TierFault):
     UNREACHABLE = "object store unreachable"
     TIMEOUT = "object store too slow (request timeout)"
     THROTTLED = "object store throttling (503 SlowDown)"

@@ -60,7 +60,7 @@ class _Job(LowerJob[NamedBlock]):
     """How long the job may run once its lane took it up."""
 
 
-class ObjectHandler(LanedHandler[NamedBlock, _Job]):
+class ObjectHandler(LanedHandler[NamedBlock, _Job, Fault]):
     """Host pool <-> objects of one rank in an S3-API bucket. Register it for (HOST, OBJECT) and (OBJECT, HOST).
 
     Args:

@@ -11,19 +11,18 @@ redis-py is imported lazily: a worker without a remote tier never needs it insta
 
 from __future__ import annotations
 
-import enum
 import logging
 import ssl
 from typing import Any
 
 from kvoffload.tiers.lower.block_format import CorruptBlockError, UnauthenticBlockError
-from kvoffload.tiers.lower.fault_log import FaultLog
+from kvoffload.tiers.lower.fault_log import FaultLog, TierFault
 
 logger = logging.getLogger(__name__)
 __all__ = ["Fault", "FaultLog", "classify", "delete_quietly", "raise_first_error"]
 
 
-class Fault(enum.Enum):
+class Fault(TierFault):
     UNREACHABLE = "server unreachable"
     TIMEOUT = "server too slow (command timeout)"
     FULL = "server out of memory (stores refused)"

@@ -73,7 +73,7 @@ class _Damaged(Exception):
         self.name, self.error = name, error
 
 
-class RemoteHandler(LanedHandler[NamedBlock, _Job]):
+class RemoteHandler(LanedHandler[NamedBlock, _Job, Fault]):
     """Host pool <-> values of one rank in a Redis-protocol store. Register it for (HOST, REMOTE) and
     (REMOTE, HOST).
 
