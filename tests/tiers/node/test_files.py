@@ -6,6 +6,8 @@ index over a full pool) and engines loaded other blocks' bytes."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -126,3 +128,35 @@ def test_engines_on_a_whole_set_share_it(node_path: Path) -> None:
     assert generation(first) == generation(second) and second.load(blocks) == [True] * 4
     first.tick()
     assert first.index.detached is None and second.index.detached is None
+
+
+TRUNCATED_WHILE_ATTACHING = """
+import os, sys
+from pathlib import Path
+from kvoffload.config import OffloadConfig
+from kvoffload.keys import Namespace
+from kvoffload.testing import layouts
+from kvoffload.tiers.node.files import INDEX_NAME
+from kvoffload.tiers.node.index import NodeIndex
+from kvoffload.tiers.node.spec import NodeTierSpec
+from kvoffload.tiers.spec import TierContext
+
+layout, _ = layouts.attention_layout(num_blocks=8, block_size=4)
+config = OffloadConfig.from_dict({"host_scope": "node", "node_path": sys.argv[1], "host_bytes": 1 << 20})
+attach = NodeIndex._attach
+
+def truncated_first(self):  # the index file cut to nothing after the engine mapped it, before it attached
+    os.truncate(next(Path(sys.argv[1]).rglob(INDEX_NAME)), 0)
+    attach(self)
+
+NodeIndex._attach = truncated_first
+index = NodeTierSpec(config).make_index(TierContext(Namespace("m", "bf16", "t"), layout, 1))
+print("detached:", index.detached)
+"""
+
+
+def test_an_index_truncated_while_the_engine_attaches_is_no_sigbus_and_no_pool(node_path: Path) -> None:
+    run = subprocess.run([sys.executable, "-c", TRUNCATED_WHILE_ATTACHING, str(node_path)], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]  # before the guard came first: killed by SIGBUS (-7)
+    assert run.stdout.startswith("detached: ") and "None" not in run.stdout  # the engine left the damaged pool

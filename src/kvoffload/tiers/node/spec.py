@@ -50,9 +50,10 @@ class NodeTierSpec(HostSpec):
 
         directory, access = open_directory(self._node, context.namespace), access_of(self._node)
         segment, files = open_index(directory, self.geometry(context), access)
-        index = NodeIndex(segment, EngineLocks(directory, access), files)
-        guard(segment, index)  # a truncated index reads as zeros (damaged: the engine leaves the pool), no SIGBUS
-        return index
+        # Guarded before the index first reads it (attaching does), for as long as the index keeps ``files``: a
+        # truncated index reads as zeros (damaged: the engine leaves the pool), never SIGBUS.
+        guard(segment, files)
+        return NodeIndex(segment, EngineLocks(directory, access), files)
 
     def make_pool(self, context: TierContext, pin_memory: bool) -> NodePool:
         """The worker side: this rank's slots of the shared pool.
