@@ -160,3 +160,72 @@ def test_an_index_truncated_while_the_engine_attaches_is_no_sigbus_and_no_pool(n
                          text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]  # before the guard came first: killed by SIGBUS (-7)
     assert run.stdout.startswith("detached: ") and "None" not in run.stdout  # the engine left the damaged pool
+
+
+TRUNCATED_WHILE_OPENING = """
+import os, sys
+from pathlib import Path
+from kvoffload.config import OffloadConfig
+from kvoffload.keys import Namespace
+from kvoffload.testing import layouts
+from kvoffload.tiers.node import files
+from kvoffload.tiers.node.spec import NodeTierSpec
+from kvoffload.tiers.spec import TierContext
+
+layout, _ = layouts.attention_layout(num_blocks=8, block_size=4)
+config = OffloadConfig.from_dict({"host_scope": "node", "node_path": sys.argv[1], "host_bytes": 1 << 20})
+context = TierContext(Namespace("m", "bf16", "t"), layout, 1)
+first = NodeTierSpec(config).make_index(context)  # a whole set on the tmpfs
+problem, cut = files.BoundFiles.problem, []
+
+def truncated_first(self, index):  # the index cut to nothing while the next engine checks the set it mapped
+    if not cut:
+        cut.append(next(Path(sys.argv[1]).rglob(files.INDEX_NAME)))
+        os.truncate(cut[0], 0)
+    return problem(self, index)
+
+files.BoundFiles.problem = truncated_first
+second = NodeTierSpec(config).make_index(context)
+print("attached to a new set:", bool(cut) and second.detached is None)
+"""
+
+
+def test_an_index_truncated_while_an_engine_opens_the_set_is_no_sigbus_and_a_new_set(node_path: Path) -> None:
+    run = subprocess.run([sys.executable, "-c", TRUNCATED_WHILE_OPENING, str(node_path)], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]  # before the check was guarded: killed by SIGBUS (-7)
+    assert run.stdout.strip() == "attached to a new set: True"
+
+
+TRUNCATED_WHILE_OPENING_THE_POOL = """
+import os, sys
+from pathlib import Path
+from kvoffload.config import ConfigError, OffloadConfig
+from kvoffload.keys import Namespace
+from kvoffload.testing import layouts
+from kvoffload.tiers.node import files
+from kvoffload.tiers.node.spec import NodeTierSpec
+from kvoffload.tiers.spec import TierContext
+
+layout, _ = layouts.attention_layout(num_blocks=8, block_size=4)
+config = OffloadConfig.from_dict({"host_scope": "node", "node_path": sys.argv[1], "host_bytes": 1 << 20})
+context = TierContext(Namespace("m", "bf16", "t"), layout, 1)
+open_pool_file = files._open_pool_file
+
+def truncated_first(directory, *args):  # the index cut to nothing before the worker reads its pool's record
+    os.truncate(directory / files.INDEX_NAME, 0)
+    return open_pool_file(directory, *args)
+
+files._open_pool_file = truncated_first
+try:
+    NodeTierSpec(config).make_pool(context, pin_memory=False)
+except ConfigError as e:
+    print("refused:", "damaged while this engine opened it" in str(e))
+"""
+
+
+def test_an_index_truncated_while_a_worker_opens_its_pool_is_a_config_error_not_sigbus(node_path: Path) -> None:
+    run = subprocess.run([sys.executable, "-c", TRUNCATED_WHILE_OPENING_THE_POOL, str(node_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]  # before the read was guarded: killed by SIGBUS (-7)
+    assert run.stdout.strip() == "refused: True"

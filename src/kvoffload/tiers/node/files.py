@@ -112,7 +112,8 @@ def open_pool(directory: Path, rank: int, geometry: NodeGeometry,
     with set_locked(directory):
         index, bound = _open_set(directory, geometry, access)
         try:
-            return index, bound, _open_pool_file(directory, rank, geometry, access, index)
+            with _guarded(index):
+                return index, bound, _open_pool_file(directory, rank, geometry, access, index)
         except BaseException:
             index.close()
             raise
@@ -162,7 +163,8 @@ def _open_existing(fd: int, path: Path, geometry: NodeGeometry) -> mmap.mmap | s
         return f"has an index whose header does not match itself or its file ({size} bytes)"
     _check_header(path, fields, size, geometry)
     index = _map(fd, size)
-    problem = _set_problem(path.parent, index, os.fstat(fd).st_ino, geometry)
+    with _guarded(index):
+        problem = _set_problem(path.parent, index, os.fstat(fd).st_ino, geometry)
     if problem is None:
         return index
     index.close()
@@ -212,15 +214,20 @@ def _make_set(directory: Path, fd: int, path: Path, geometry: NodeGeometry, acce
     _allocate(fd, geometry.index_bytes, path)
     index = _map(fd, geometry.index_bytes)
     generation = int.from_bytes(os.urandom(8), "little") | 1
-    _nodeindex.init(index, geometry.num_slots, geometry.slot_bytes, geometry.table_size, geometry.fingerprint,
-                    generation, engines_inode)
+    with _guarded(index):
+        _nodeindex.init(index, geometry.num_slots, geometry.slot_bytes, geometry.table_size, geometry.fingerprint,
+                        generation, engines_inode)
     return index
 
 
 def _open_pool_file(directory: Path, rank: int, geometry: NodeGeometry, access: Access,
                     index: mmap.mmap) -> mmap.mmap:
     path = directory / f"{POOL_PREFIX}{rank}"
-    recorded = _nodeindex.files(index)[2].get(rank, 0)
+    try:
+        recorded = _nodeindex.files(index)[2].get(rank, 0)
+    except _nodeindex.Damaged as e:  # the index was truncated or overwritten since this engine opened the set
+        raise ConfigError(f"node_path: the node index in {directory} was damaged while this engine opened it "
+                          f"({e}): start the engine again") from e
     if not recorded:  # none made for this index yet: a file there is an older set's (or half made), never used
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
@@ -240,18 +247,36 @@ def _open_pool_file(directory: Path, rank: int, geometry: NodeGeometry, access: 
 
 def guard(mapping: mmap.mmap, owner: object) -> int | None:
     """``mapping`` guarded against a truncation of its file (``_mapguard``) for as long as ``owner`` lives (the
-    guard keeps the mapping open); None when this process guards too many already (then it is unguarded).
-    faulthandler goes first, so that an engine enabling it later (vLLM's watchdog does) finds it on and leaves the
-    guard's handler in front."""
+    guard keeps the mapping open); None when this process guards too many already (then it is unguarded)."""
+    guarded = _guard_now(mapping)
+    if guarded is not None:
+        weakref.finalize(owner, _mapguard.unguard, guarded)
+    return guarded
+
+
+@contextlib.contextmanager
+def _guarded(mapping: mmap.mmap) -> Iterator[None]:
+    """``mapping`` guarded while the block reads or writes it: opening a set reads the index before any owner holds
+    it, and a file truncated meanwhile must read as zeros (a damaged set), never SIGBUS. Unguarded after, so the
+    mapping can be closed; the caller guards what it keeps (``guard``)."""
+    guarded = _guard_now(mapping)
+    try:
+        yield
+    finally:
+        if guarded is not None:
+            _mapguard.unguard(guarded)
+
+
+def _guard_now(mapping: mmap.mmap) -> int | None:
+    # faulthandler goes first, so that an engine enabling it later (vLLM's watchdog does) finds it on and leaves
+    # the guard's handler in front.
     if not faulthandler.is_enabled():
         faulthandler.enable()
     try:
-        guarded = _mapguard.guard(mapping)
+        return _mapguard.guard(mapping)
     except RuntimeError as e:
         logger.warning("node tier: %s; a truncation of this pool's files kills this process", e)
         return None
-    weakref.finalize(owner, _mapguard.unguard, guarded)
-    return guarded
 
 
 def _check_header(path: Path, header: tuple[int, ...], size: int, geometry: NodeGeometry) -> None:
