@@ -1,7 +1,7 @@
 """A conformance suite for the scheduler-side index of a tier under host (a ``LowerIndex``), ours and third parties'.
 
 ``TieredIndex`` trusts a lower tier's index to keep the rules of ``index.base.BlockIndex`` as the
-``LowerIndex`` docstring (``index/tiered.py``) narrows them. A tier's author writes an ``IndexHarness`` (fresh
+``LowerIndex`` docstring (``index/base.py``) narrows them. A tier's author writes an ``IndexHarness`` (fresh
 indexes of a known capacity, fresh keys, and what the tier's workers leave behind after a store) and runs every
 check against it::
 

@@ -3,8 +3,8 @@
 vLLM binds the two halves of one medium in one ``OffloadingSpec``; this is ours. A spec is made from one
 configuration section (``DiskTierConfig``, ``RemoteTierConfig``, a ``PluginTierConfig``'s options) and makes:
 
-- ``make_index``, in the scheduler process: the tier's index (a ``index.tiered.LowerIndex``), which decides what the
-  tier holds;
+- ``make_index``, in the scheduler process: the tier's index (a ``LowerIndex``, ``index/base.py``), which decides
+  what the tier holds;
 - ``make_handler``, in each worker process: the tier's ``TransferHandler``, which moves the bytes between the host
   pool and the tier as the index's jobs say;
 - ``routes``: the copy directions its handler serves (host -> tier and tier -> host).
