@@ -133,7 +133,8 @@ class JobBook:
                 self._stats.failed_load_tokens += job.tokens
         elif job.kind is JobKind.STORE:
             self._index.complete_store(job.keys, success)
-        elif job.transfer is not None:
+        else:
+            assert job.transfer is not None  # a tier job is only opened by tier_job, with its transfer
             self._index.complete_transfer(job.transfer, success)
             timed = self._promotions.pop(job_id, None)
             if timed is not None and success:
