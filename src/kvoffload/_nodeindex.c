@@ -617,6 +617,7 @@ static PyObject *py_lookup(PyObject *self, PyObject *args) {
         bad = done && s.bad;
     }
     if (!done || bad) { /* writers kept overlapping (or one died), or the read saw damage: ask under the lock */
+        done = 0;          /* a damaged read is no answer: Busy (a miss) when the lock is not had in time */
         if (lock(&s, a)) {
             s.bad = 0;
             scan(&s, keys.buf, n, a, &hits, &pending);

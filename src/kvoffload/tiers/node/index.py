@@ -17,7 +17,10 @@ means the same, with what sharing adds:
   files;
 - no engine waits on another unboundedly: an operation that cannot have the index's lock within its wait
   (``_nodeindex.set_wait_ms``) answers a miss, skips the store or fails the load; completions and unpins owed
-  then are settled at the next operation;
+  then are settled, in order, before the next pin or store, by a lookup that finds this engine's own store
+  still in flight, and once a step (``take_transfers``, which the connector calls every step): an owed
+  completion left until this engine's next lookup kept its blocks in flight (a miss for every engine, a wait
+  for its own requests) for as long as it looked nothing up;
 - an index that is damaged past repair, or whose files were removed or replaced, is left: the engine logs once
   and goes on without the pool (every lookup a miss; a load in flight is still checked by its worker, and a
   damaged index fails it). It keeps its attachment and lock until it exits, so no other engine reuses slots its
@@ -45,6 +48,7 @@ from kvoffload.index.base import (
     LookupResult,
     OffloadEvent,
     PrepareStoreOutput,
+    TierTransfer,
     TierUsage,
 )
 from kvoffload.keys import KEY_BYTES, OffloadKey
@@ -147,17 +151,24 @@ class NodeIndex(HostIndex):
 
     def lookup(self, keys: Sequence[OffloadKey]) -> LookupResult:
         self._reclaim()
-        hits, pending = self._call(_nodeindex.lookup, (0, False), *self._mine, b"".join(keys))
+        joined = b"".join(keys)
+        hits, pending = self._call(_nodeindex.lookup, (0, False), *self._mine, joined)
+        if pending and self._owed and self._settled():  # the store it waits for may be one whose completion is owed
+            hits, pending = self._call(_nodeindex.lookup, (0, False), *self._mine, joined)
         return LookupResult(hits, pending)
 
     def prepare_load(self, keys: Sequence[OffloadKey]) -> HostBlocks:
         pins = self._pins
-        new = [key for key in dict.fromkeys(keys) if key not in pins]
+        # A key whose pin was given up is pinned again: the loads still holding the failed pin fail (their specs
+        # say so), this one and the later ones need not.
+        new = [key for key in dict.fromkeys(keys) if key not in pins or pins[key][1] == MISSING_EPOCH]
         if new:
             missing = [(-1, MISSING_EPOCH)] * len(new)  # not pinned: the worker fails the load, no copy
-            pinned = self._call(_nodeindex.pin, missing, *self._mine, b"".join(new))
+            # Never before an owed unpin: run after this pin, it would take the pin away under the load.
+            pinned = self._call(_nodeindex.pin, missing, *self._mine, b"".join(new)) if self._settled() else missing
             for key, (slot, epoch) in zip(new, pinned, strict=True):
-                pins[key] = [max(slot, 0), epoch, 0]
+                entry = pins.setdefault(key, [0, MISSING_EPOCH, 0])
+                entry[0], entry[1] = max(slot, 0), epoch
         entries = [pins[key] for key in keys]
         for entry in entries:
             entry[2] += 1
@@ -184,6 +195,8 @@ class NodeIndex(HostIndex):
 
     def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
         self._reclaim()
+        if not self._settled():
+            return None  # the lock was busy just now: skipped without a second wait
         unique = list(dict.fromkeys(keys))
         out = self._call(_nodeindex.reserve, None, *self._mine, b"".join(unique))
         if out is None:
@@ -215,7 +228,13 @@ class NodeIndex(HostIndex):
         events, self._events = self._events, []
         return events
 
+    def take_transfers(self) -> list[TierTransfer]:
+        """None (a single tier); called every step, so what is owed is settled even when no request comes."""
+        self._settle()
+        return []
+
     def reset(self) -> None:
+        self._settle()
         dropped = self._call(_nodeindex.reset, 0, *self._mine)
         if dropped:
             logger.info("reset node tier: dropped the %d blocks this engine wrote", dropped)
@@ -286,7 +305,14 @@ class NodeIndex(HostIndex):
         while self._owed and self._run(*self._owed[0]):
             self._owed.pop(0)
 
+    def _settled(self) -> bool:
+        """Settle what is owed; whether nothing is owed now (False: the lock was busy past the wait)."""
+        self._settle()
+        return not self._owed
+
     def _run(self, operation: Callable[..., None], args: tuple[Any, ...]) -> bool:
+        """Whether ``operation`` is done with: ran, or will never run (this engine left the pool, or it failed
+        otherwise than on a busy lock: kept, it would hold up everything owed after it for good)."""
         if self.detached is not None:
             self._owed.clear()
             return True
@@ -296,6 +322,9 @@ class NodeIndex(HostIndex):
             return False
         except _nodeindex.Damaged as e:
             self._detach(str(e))
+        except Exception:
+            logger.exception("node tier: an owed %s failed; dropped, so that what is owed after it settles",
+                             getattr(operation, "__name__", operation))
         return True
 
     def _detach(self, reason: str) -> None:
