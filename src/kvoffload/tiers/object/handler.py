@@ -28,6 +28,7 @@ and ``shutdown`` check), and no slot is read or written for it after that (``_ow
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -40,13 +41,24 @@ from kvoffload.config import ObjectTierConfig
 from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.tiers.lower.block_codec import open_into, seal_into
 from kvoffload.tiers.lower.block_format import CorruptBlockError
+from kvoffload.tiers.lower.deadline import WATCHDOG, result_by
 from kvoffload.tiers.lower.handler import LowerJob
 from kvoffload.tiers.lower.laned import LanedHandler, Miss, NamedBlock
-from kvoffload.tiers.object.client import connect, rank_prefix
+from kvoffload.tiers.object.client import (
+    NotAnObjectStore,
+    base_prefix,
+    check_store,
+    connect,
+    rank_prefix,
+    request_s,
+    where_of,
+)
 from kvoffload.tiers.object.faults import Fault, classify, error_code, is_missing
 
 if TYPE_CHECKING:
     from kvoffload.transfer.host_pool import HostPool
+
+logger = logging.getLogger(__name__)
 
 HOST_TO_OBJECT = (Medium.HOST, Medium.OBJECT)
 OBJECT_TO_HOST = (Medium.OBJECT, Medium.HOST)
@@ -82,11 +94,14 @@ class ObjectHandler(LanedHandler[NamedBlock, _Job, Fault]):
                  entry_bytes: tuple[int, ...], *, client: Any | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(pool, namespace, entry_bytes, config.secret, clock, tier="object tier",
-                         where=f"{config.endpoint or 'AWS S3'} bucket {config.bucket}", kinds=Fault,
+                         where=where_of(config), kinds=Fault,
                          breaker_errors=config.breaker_errors, breaker_cooldown_s=config.breaker_cooldown_s)
         self._bucket = config.bucket
         self._prefix = rank_prefix(config, namespace, self._fmt)
         self._fixed_s = config.connect_timeout_s + 2 * config.timeout_s  # connect, send, answer
+        self._request_s = request_s(config)
+        self.refused: str | None = None
+        """Why the store is not one (the start-up check); then every job fails at once, for good."""
         self._owns_client = client is None  # a caller's client is the caller's to close
         self._client = client if client is not None else connect(config, pool_size=2 * config.io_threads)
         self._requests = {True: ThreadPoolExecutor(config.io_threads, "kvoffload-object-put"),
@@ -95,16 +110,26 @@ class ObjectHandler(LanedHandler[NamedBlock, _Job, Fault]):
         """Each PUT thread's staging buffer (``_staging``)."""
         self.requests = 0
         """Requests sent so far (PUT, GET and DELETE: each costs money on AWS)."""
-        self._start_up(config.breaker_cooldown_s)
+        self._start_up(config, config.breaker_cooldown_s)
 
-    def _start_up(self, cooldown_s: float) -> None:
-        """Ask for the bucket once: a store that is absent or refuses us switches the tier off for a cool-down."""
+    def _start_up(self, config: ObjectTierConfig, cooldown_s: float) -> None:
+        """The start-up check (``client.check_store``) within ``request_s``: a store that is absent, slow or refuses
+        us switches the tier off for a cool-down; one that is not a store, for good."""
+        at = time.monotonic() + self._request_s
         try:
-            self._client.head_bucket(Bucket=self._bucket)
+            future = self._requests[False].submit(check_store, self._client, self._bucket, base_prefix(config),
+                                                  where_of(config), at)
+            result_by(future, at, "the object tier's start-up check")
+        except NotAnObjectStore as e:
+            self.refused = str(e)
+            logger.error("%s (worker: every object job fails)", e)
         except Exception as e:
             self.breaker.trip()
             self.faults.note(classify(e), e, f"the object tier is off; every object job fails at once until it "
                                              f"is tried again in {cooldown_s:.0f} s")
+
+    def _allows(self, state: _Job) -> bool:
+        return self.refused is None and super()._allows(state)
 
     def _block(self, slot: int, key: OffloadKey, nbytes: int) -> NamedBlock:
         return NamedBlock(slot, key, self._prefix + self._fmt.name(key), nbytes)
@@ -165,7 +190,8 @@ class ObjectHandler(LanedHandler[NamedBlock, _Job, Fault]):
             seal_into(self._fmt, self._fingerprint, block.key, self._slots[block.slot, :block.nbytes].data,
                       memoryview(value))
         self._count_request()
-        self._client.put_object(Bucket=self._bucket, Key=block.name, Body=value)
+        with WATCHDOG.within(self._deadline(len(value)), f"a PUT of {block.name}"):
+            self._client.put_object(Bucket=self._bucket, Key=block.name, Body=value)
 
     def _get(self, state: _Job, block: NamedBlock) -> None:
         """Read ``block``'s object, at most one byte past its expected size; verify it into its slot.
@@ -177,7 +203,13 @@ class ObjectHandler(LanedHandler[NamedBlock, _Job, Fault]):
         expected = self._fmt.file_bytes(block.nbytes)
         self._count_request()
         try:
-            answer = self._client.get_object(Bucket=self._bucket, Key=block.name, Range=f"bytes=0-{expected}")
+            with WATCHDOG.within(self._deadline(expected), f"a GET of {block.name}"):
+                body = self._client.get_object(Bucket=self._bucket, Key=block.name,
+                                               Range=f"bytes=0-{expected}")["Body"]
+                try:
+                    data = body.read(expected + 1)  # an inclusive range: one byte more shows an object too long
+                finally:
+                    body.close()  # drops the connection of an answer too long: its rest is never read
         except Exception as e:
             if is_missing(e):
                 raise Miss() from None
@@ -185,11 +217,6 @@ class ObjectHandler(LanedHandler[NamedBlock, _Job, Fault]):
                 self._delete(block.name)
                 raise CorruptBlockError(f"object {block.name} is empty: deleted") from None
             raise
-        body = answer["Body"]
-        try:
-            data = body.read(expected + 1)  # an inclusive range: one byte more shows an object too long
-        finally:
-            body.close()  # never reads the rest of an object that is too long
         try:
             with self._owning(state):
                 slot = self._slots[block.slot, :block.nbytes].data
@@ -210,6 +237,11 @@ class ObjectHandler(LanedHandler[NamedBlock, _Job, Fault]):
             buffer = self._staged.buffer = bytearray(nbytes)
         return buffer
 
+    def _deadline(self, nbytes: int) -> float:
+        """When a request moving ``nbytes`` must have ended (monotonic seconds): ``request_s`` and its bytes at
+        ``MIN_RATE``."""
+        return time.monotonic() + self._request_s + nbytes / MIN_RATE
+
     def _count_request(self) -> None:
         with self._lock:  # request threads count at once
             self.requests += 1
@@ -218,6 +250,7 @@ class ObjectHandler(LanedHandler[NamedBlock, _Job, Fault]):
         """Delete a damaged object; a failure is noted as the fault it is (the job fails anyway)."""
         self._count_request()
         try:
-            self._client.delete_object(Bucket=self._bucket, Key=name)
+            with WATCHDOG.within(self._deadline(0), f"a DELETE of {name}"):
+                self._client.delete_object(Bucket=self._bucket, Key=name)
         except Exception as e:
             self.faults.note(classify(e), e, "a damaged object stays (its next load fails again)")

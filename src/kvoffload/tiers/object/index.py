@@ -20,7 +20,7 @@ from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.tiers.lower.block_format import BlockFormat
 from kvoffload.tiers.lower.breaker import CircuitBreaker
 from kvoffload.tiers.lower.probed_index import LOOKUP_CACHE_S, ProbedIndex
-from kvoffload.tiers.object.client import ObjectNames, connect
+from kvoffload.tiers.object.client import ObjectNames, connect, request_s, where_of
 from kvoffload.tiers.object.probe import ObjectProbe
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,8 @@ class ObjectIndex(ProbedIndex):
     @classmethod
     def create(cls, config: ObjectTierConfig, namespace: Namespace, object_bytes: int, *,
                client: Any | None = None) -> ObjectIndex:
-        """The scheduler's object index; one ``HeadBucket`` tells whether the store is there (if not: misses).
+        """The scheduler's object index; the start-up check (``ObjectProbe.check``) tells whether the store is there
+        and is one (if not: misses).
 
         Args:
             object_bytes: size of one object (the shared block encoding of the largest group's entry).
@@ -65,7 +66,7 @@ class ObjectIndex(ProbedIndex):
         breaker = CircuitBreaker(config.breaker_errors, config.breaker_cooldown_s, tier="object tier (scheduler)")
         client = client if client is not None else connect(config, pool_size=config.lookup_fanout * names.copies)
         probe = ObjectProbe(client, config.bucket, names, fanout=config.lookup_fanout, timeout_s=config.timeout_s,
-                            breaker=breaker)
+                            breaker=breaker, request_s=request_s(config), where=where_of(config))
         probe.check()
         logger.info("object tier: this engine may keep %d objects of %d bytes per rank in bucket %s", capacity,
                     object_bytes, config.bucket)

@@ -18,25 +18,31 @@ The answer assumes the stored keys are a prefix. Where they are not (a lifecycle
 a block inside the run), the run may count a key that is gone: its promotion fails in the worker, which reads
 every object and verifies it, and the engine recomputes those tokens. It never serves a wrong block.
 
-Failures are misses, never exceptions and never stalls: every request is bounded by the configured timeouts, a
-search by ``timeout_s`` over all its rounds; a timeout, a refusal (403) or throttling (503) switches the probe off
-at once for the cool-down (each further attempt would cost the scheduler the same wait, or add to the load of a
-throttling store), other errors count towards ``breaker_errors`` in a row.
+Failures are misses, never exceptions and never stalls: a search ends by ``timeout_s`` over all its rounds (its
+requests' sockets are shut down then, ``tiers.lower.deadline``), a delete or the start-up check by ``request_s``
+(connection included), whatever the server sends or how slowly; a timeout, a refusal (403) or throttling (503)
+switches the probe off at once for the cool-down (each further attempt would cost the scheduler the same wait, or
+add to the load of a throttling store), other errors count towards ``breaker_errors`` in a row. A store that is
+not one (the start-up check found an object nobody wrote) switches the probe off for good.
+
+Thread-safety: ``leading_run`` and ``delete`` may run at once on different threads (the index runs them in the
+background); the counters are kept under a lock, the client and the request pool are thread-safe.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as futures_timeout
 from typing import Any, NoReturn
 
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.lower.breaker import CircuitBreaker
-from kvoffload.tiers.object.client import ObjectNames
-from kvoffload.tiers.object.faults import classify, error_code, is_missing
+from kvoffload.tiers.lower.deadline import WATCHDOG, result_by
+from kvoffload.tiers.object.client import NotAnObjectStore, ObjectNames, check_store, exists
+from kvoffload.tiers.object.faults import classify
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +55,7 @@ class _Failed(Exception):
 
 
 class ObjectProbe:
-    """Prefix searches and deletes against the bucket, behind a breaker; used by the scheduler thread alone.
+    """Prefix searches and deletes against the bucket, behind a breaker; thread-safe.
 
     Args:
         client: a boto3 S3 client (thread-safe).
@@ -58,19 +64,27 @@ class ObjectProbe:
         fanout: existence requests in flight at once in a search round.
         timeout_s: the most one ``leading_run`` may take over all its rounds; a slower one is a timeout.
         breaker: switches the probe off after failures.
-        clock: monotonic seconds.
+        clock: monotonic seconds (for the search's timeout; the requests' own deadlines are on the real clock).
+        request_s: the most a delete request or the start-up check may take (None: ``timeout_s``).
+        where: the store, as logs name it (``client.where_of``).
     """
 
     def __init__(self, client: Any, bucket: str, names: ObjectNames, *, fanout: int, timeout_s: float,
-                 breaker: CircuitBreaker, clock: Callable[[], float] = time.monotonic) -> None:
+                 breaker: CircuitBreaker, clock: Callable[[], float] = time.monotonic,
+                 request_s: float | None = None, where: str = "") -> None:
         self._client = client
         self._bucket = bucket
         self.names = names
         self._fanout = max(1, fanout)
         self._timeout_s = timeout_s
+        self._request_s = request_s if request_s is not None else timeout_s
+        self._where = where or f"bucket {bucket}"
         self.breaker = breaker
         self._clock = clock
         self._pool = ThreadPoolExecutor(self._fanout * names.copies, "kvoffload-object-probe")
+        self._lock = threading.Lock()
+        self.refused: str | None = None
+        """Why the store is not one (the start-up check); then the probe is off for good."""
         self.requests = 0
         """Existence requests sent so far (for the bench and tests)."""
         self.rounds = 0
@@ -79,17 +93,24 @@ class ObjectProbe:
 
     @property
     def available(self) -> bool:
-        """Whether the store may be asked now (the breaker is closed, or its cool-down is over)."""
-        return self.breaker.allow()
+        """Whether the store may be asked now (it is one, and the breaker is closed or its cool-down is over)."""
+        return self.refused is None and self.breaker.allow()
 
     def check(self) -> bool:
-        """One ``HeadBucket`` (as the workers do at start-up); False when it failed: then the probe is off."""
+        """The start-up check (``client.check_store``, as the workers do), within ``request_s``; False when it
+        failed: then the probe is off, for the cool-down, or for good where the store is not one."""
+        at = time.monotonic() + self._request_s
         try:
-            self._client.head_bucket(Bucket=self._bucket)
+            future = self._pool.submit(check_store, self._client, self._bucket, self.names.base, self._where, at)
+            result_by(future, at, "the object tier's start-up check")
+        except NotAnObjectStore as e:
+            self.refused = str(e)
+            logger.error("%s (scheduler: every lookup is a miss)", e)
+            return False
         except Exception as e:
             self.breaker.trip()
-            logger.warning("object tier (scheduler): bucket %s does not answer (%s: %s); lookups are misses for now",
-                           self._bucket, classify(e).value, e)
+            logger.warning("object tier (scheduler): %s does not answer (%s: %s); lookups are misses for now",
+                           self._where, classify(e).value, e)
             return False
         return True
 
@@ -97,7 +118,7 @@ class ObjectProbe:
         """How many leading ``keys`` have every rank's object in the bucket; None: the store did not answer."""
         if not keys:
             return 0
-        if not self.breaker.allow():
+        if not self.available:
             return None
         started = self._clock()
         try:
@@ -122,24 +143,34 @@ class ObjectProbe:
         skipped. Deleting an object that is not there succeeds."""
         if not keys:
             return True
-        if not self.breaker.allow():
-            self.delete_errors += len(keys)
+        if not self.available:
+            self._count_delete_errors(len(keys))
             return False
         names = [name for key in keys for name in self.names.of(key)]
         try:
             for i in range(0, len(names), DELETE_BATCH):
-                batch = [{"Key": name} for name in names[i:i + DELETE_BATCH]]
-                answer = self._client.delete_objects(Bucket=self._bucket, Delete={"Objects": batch, "Quiet": True})
-                if answer.get("Errors"):
-                    raise RuntimeError(f"{len(answer['Errors'])} objects not deleted: {answer['Errors'][0]}")
+                at = time.monotonic() + self._request_s
+                future = self._pool.submit(self._delete_batch, names[i:i + DELETE_BATCH], at)
+                result_by(future, at, "a DeleteObjects request")
         except Exception as e:
             self._tell_breaker(e)
-            self.delete_errors += len(keys)
+            self._count_delete_errors(len(keys))
             return False
         return True
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
+
+    def _delete_batch(self, names: list[str], at: float) -> None:
+        batch = [{"Key": name} for name in names]
+        with WATCHDOG.within(at, "a DeleteObjects request"):
+            answer = self._client.delete_objects(Bucket=self._bucket, Delete={"Objects": batch, "Quiet": True})
+        if answer.get("Errors"):
+            raise RuntimeError(f"{len(answer['Errors'])} objects not deleted: {answer['Errors'][0]}")
+
+    def _count_delete_errors(self, n: int) -> None:
+        with self._lock:
+            self.delete_errors += n
 
     def _round(self, keys: Sequence[OffloadKey], probes: list[int], started: float) -> list[bool]:
         """Whether every rank's object of each probed key exists: one round of parallel requests."""
@@ -147,12 +178,14 @@ class ObjectProbe:
         if remaining <= 0:
             self._failed(TimeoutError(f"an existence search took longer than the {self._timeout_s:.3f} s timeout"))
         names = [(p, name) for p in probes for name in self.names.of(keys[p])]
-        futures = [self._pool.submit(self._exists, name) for _, name in names]
-        self.rounds += 1
-        self.requests += len(names)
+        at = time.monotonic() + remaining  # the requests' sockets are shut down when the search ends
+        futures = [self._pool.submit(self._exists, name, at) for _, name in names]
+        with self._lock:
+            self.rounds += 1
+            self.requests += len(names)
         try:
-            answers = [f.result(timeout=remaining) for f in futures]
-        except (TimeoutError, futures_timeout):  # one class from Python 3.11 on, two before
+            answers = [result_by(f, at) for f in futures]
+        except TimeoutError:
             self._failed(TimeoutError(f"an existence search took longer than the {self._timeout_s:.3f} s timeout"))
         errors = [a for a in answers if isinstance(a, BaseException)]
         if errors:
@@ -162,22 +195,12 @@ class ObjectProbe:
             exists[p] = exists[p] and answer is True
         return [exists[p] for p in probes]
 
-    def _exists(self, name: str) -> bool | BaseException:
-        """Whether object ``name`` exists, by a GET of its first byte; an error other than a miss is returned.
-
-        Not a ``HEAD``: a HEAD's error has no body, so a missing bucket answers the same 404 as a missing object
-        and a deleted bucket would look empty (a miss) instead of a fault. A one-byte GET costs a GET (priced as a
-        HEAD on AWS), and its error names ``NoSuchKey`` or ``NoSuchBucket``. An empty object (416) exists: the
-        worker's load finds it damaged and deletes it.
-        """
+    def _exists(self, name: str, at: float) -> bool | BaseException:
+        """``client.exists``, its error returned (not raised) for the round to tell the breaker."""
         try:
-            # Read, not closed unread: only a connection whose answer was read whole goes back to the pool.
-            self._client.get_object(Bucket=self._bucket, Key=name, Range="bytes=0-0")["Body"].read()
+            return exists(self._client, self._bucket, name, at)
         except Exception as e:
-            if is_missing(e):
-                return False
-            return True if error_code(e) == "InvalidRange" else e
-        return True
+            return e
 
     def _answered(self, run: int) -> int:
         self.breaker.record(True)
