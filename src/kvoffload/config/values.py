@@ -223,20 +223,21 @@ MAX_OBJECT_PREFIX = 512
 
 
 def object_url(v: Any) -> tuple[str, str]:
-    """``s3://bucket`` or ``s3://bucket/prefix``: returns ``(bucket, prefix)``, the prefix without slashes at its
-    ends ("" for none)."""
+    """``s3://bucket`` or ``s3://bucket/prefix``: returns ``(bucket, prefix)`` ("" for none). The prefix's parts
+    between slashes are never empty (no slash at its ends, none doubled), so that it names one place only."""
     if not isinstance(v, str) or not v.startswith("s3://"):
         raise ValueError("must be an s3://bucket or s3://bucket/prefix URL")
-    bucket, _, prefix = v[len("s3://"):].partition("/")
+    bucket, slash, prefix = v[len("s3://"):].partition("/")
     if "@" in bucket:
         raise ValueError("an object URL must not carry credentials (they come from the client's chain: "
                          "AWS_ACCESS_KEY_ID, shared files, instance roles)")
     if not _BUCKET.fullmatch(bucket) or ".." in bucket or re.fullmatch(r"[\d.]+", bucket):
         raise ValueError(f"bucket {bucket!r} is not a valid S3 bucket name (3-63 lower-case letters, digits, '.' "
                          f"and '-', starting and ending with a letter or digit)")
-    prefix = prefix.strip("/")
-    if len(prefix.encode()) > MAX_OBJECT_PREFIX or any(c.isspace() or not c.isprintable() for c in prefix) \
-            or "//" in prefix:
+    if slash and "" in prefix.split("/"):
+        raise ValueError(f"the prefix after the bucket has an empty part: no slash at its ends or doubled "
+                         f"(s3://{bucket} for no prefix)")
+    if len(prefix.encode()) > MAX_OBJECT_PREFIX or any(c.isspace() or not c.isprintable() for c in prefix):
         raise ValueError(f"the prefix after the bucket must be printable, without spaces or empty parts, and at "
                          f"most {MAX_OBJECT_PREFIX} bytes")
     return bucket, prefix
