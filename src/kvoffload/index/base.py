@@ -197,10 +197,17 @@ class LowerIndex(Protocol):
     """The index of a tier under host, as ``TieredIndex`` uses it (``DiskIndex``, ``RemoteIndex``).
 
     The methods mean what they mean on ``BlockIndex``, with the keys of one tier transfer at a time:
-    ``lookup`` counts the leading keys a promotion can read now (its ``pending`` is not used); ``prepare_load``
-    pins them for a promotion and returns the promotion's source spec (this tier's medium, one entry per key,
-    one group); ``prepare_store`` reserves room for a write. Like every index, none of them raises on a data-path
-    failure: an unreachable tier is a miss, or a store refused with None.
+    ``lookup`` counts the leading keys a promotion can read now; ``prepare_load`` pins them for a promotion and
+    returns the promotion's source spec (this tier's medium, one entry per key, one group); ``prepare_store``
+    reserves room for a write. Like every index, none of them raises on a data-path failure: an unreachable tier
+    is a miss, or a store refused with None.
+
+    A tier whose lookup crosses a network never answers it on the engine step: ``lookup`` answers ``pending``
+    (hits not used) while its answer is being found in the background, and the engine asks again at a later step
+    with the same keys, which takes the answer (``tiers.lower.probed_index``; such an index offers tests
+    ``wait_answers(timeout_s)``). Every other tier answers at once, ``pending`` only for a key whose store is in
+    flight. Either way ``TieredIndex`` promotes nothing and asks again later.
+    ``close`` releases its threads and connections when the engine stops.
     """
 
     @property
@@ -225,6 +232,8 @@ class LowerIndex(Protocol):
     def check_integrity(self) -> None: ...
 
     def usage(self) -> list[TierUsage]: ...
+
+    def close(self) -> None: ...
 
 
 class HostIndex(BlockIndex):

@@ -121,13 +121,16 @@ class TieredIndex(BlockIndex):
         if found.pending or found.hits == len(keys):
             return found
         runs = self._runs_below(keys, found.hits)
+        if runs is None:
+            return LookupResult(found.hits, pending=True)  # a tier's answer is on its way: nothing promoted yet
         # The host hits go along so that the promotion's evictions cannot take them (they are held).
         if runs and self._promote(keys[:runs[-1].end], runs):
             return LookupResult(found.hits, pending=True)
         return LookupResult(found.hits)
 
-    def _runs_below(self, keys: Sequence[OffloadKey], start: int) -> list[_Run]:
-        """The runs of ``keys[start:]``, each from the first lower tier that holds it, up to the first miss.
+    def _runs_below(self, keys: Sequence[OffloadKey], start: int) -> list[_Run] | None:
+        """The runs of ``keys[start:]``, each from the first lower tier that holds it, up to the first miss; None
+        when a tier asked has not answered yet (a store searched in the background: ask again later).
 
         A run a tier holds but would load slower than the engine recomputes it ends the hit: the engine computes
         it and what follows. The tier that held the previous run is not asked next: it misses that key.
@@ -136,7 +139,12 @@ class TieredIndex(BlockIndex):
         last = -1
         while start < len(keys):
             for i, tier in enumerate(self.lower_indexes):
-                hits = 0 if i == last else tier.lookup(keys[start:]).hits
+                if i == last:
+                    continue
+                found = tier.lookup(keys[start:])
+                if found.pending:
+                    return None
+                hits = found.hits
                 if hits:
                     break
             else:
@@ -178,6 +186,11 @@ class TieredIndex(BlockIndex):
             self._write_below(stored, len(self.lower_indexes))
 
     def take_transfers(self) -> list[TierTransfer]:
+        # Called every step: the host tier's own per-step work (the node pool settles what a busy lock left owed)
+        # runs there; a host tier queues no transfers of its own.
+        host_transfers = self.host.take_transfers()
+        if host_transfers:
+            raise IntegrityError(f"tiered: the host tier queued {len(host_transfers)} transfers of its own")
         queued, self._queued = self._queued, []
         return queued
 
@@ -243,6 +256,8 @@ class TieredIndex(BlockIndex):
 
     def close(self) -> None:
         self.host.close()
+        for tier in self.lower_indexes:
+            tier.close()
 
     def _promote(self, keys: Sequence[OffloadKey], runs: Sequence[_Run]) -> bool:
         """Queue a lower -> HOST copy per run of the keys not on the host (those are ready below).

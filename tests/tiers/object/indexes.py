@@ -14,6 +14,7 @@ from typing import Any
 from kvoffload.config import ObjectTierConfig
 from kvoffload.index.base import EventKind, OffloadEvent
 from kvoffload.keys import Namespace, OffloadKey, offload_key
+from kvoffload.testing.settled import Settled
 from kvoffload.tiers.lower.block_codec import encode_value
 from kvoffload.tiers.lower.block_format import BlockFormat
 from kvoffload.tiers.lower.breaker import CircuitBreaker
@@ -79,11 +80,17 @@ def tier(config: ObjectTierConfig, blocks: int = 8, **changes: Any) -> ObjectTie
     return dataclasses.replace(config, **{**settings, **changes})
 
 
+class SettledObjectIndex(Settled, ObjectIndex):
+    """Lookups answered and deletes done before each call returns (tests/tiers/lower/test_probed_index.py tests
+    the background itself)."""
+
+
 def make(config: ObjectTierConfig, blocks: int = 8, ns: Namespace = NS, client: Any = None, cache_s: float = 0.0,
          clock: Callable[[], float] | None = None, **changes: Any) -> ObjectIndex:
     """An index made as the scheduler makes it (``create``), asking the bucket every time unless ``cache_s``."""
     m = ObjectIndex.create(tier(config, blocks, **changes), ns, OBJECT, client=client)
-    return ObjectIndex(m.probe, m.capacity, cache_s=cache_s, clock=clock or time.monotonic)
+    m.close()
+    return SettledObjectIndex(m.probe, m.capacity, cache_s=cache_s, clock=clock or time.monotonic)
 
 
 def probe(config: ObjectTierConfig, ns: Namespace = NS, client: Any = None, fanout: int | None = None,

@@ -9,6 +9,7 @@ from typing import Any
 from kvoffload.config import RemoteTierConfig
 from kvoffload.index.base import EventKind, OffloadEvent
 from kvoffload.keys import Namespace, OffloadKey, offload_key
+from kvoffload.testing.settled import Settled
 from kvoffload.tiers.lower.block_format import PLAIN, BlockFormat
 from kvoffload.tiers.remote.client import value_name
 from kvoffload.tiers.remote.index import RemoteIndex
@@ -55,11 +56,17 @@ def config(url: str, blocks: int = 8, **changes: Any) -> RemoteTierConfig:
                                                 breaker_cooldown_s=60.0), **changes)
 
 
+class SettledRemoteIndex(Settled, RemoteIndex):
+    """Lookups answered and deletes done before each call returns (tests/tiers/lower/test_probed_index.py tests
+    the background itself)."""
+
+
 def make(url: str, blocks: int = 8, ns: Namespace = NS, client: Any = None, cache_s: float = 0.0,
          clock: Any = None, **changes: Any) -> RemoteIndex:
     m = RemoteIndex.create(config(url, blocks, **changes), ns, VALUE, client=client)
+    m.close()
     # ``create`` sets the production answer cache; most tests ask the server every time.
-    return RemoteIndex(m.probe, m.capacity, cache_s=cache_s, **({"clock": clock} if clock else {}))
+    return SettledRemoteIndex(m.probe, m.capacity, cache_s=cache_s, **({"clock": clock} if clock else {}))
 
 
 def write(client: Any, ks: list[OffloadKey], ns: Namespace = NS, ranks: range | None = None,

@@ -9,7 +9,20 @@ import random
 from typing import Any
 
 import pytest
-from tests.tiers.remote.indexes import NS, NS2, VALUE, Counting, config, exists, keys, make, removed, stored, write
+from tests.tiers.remote.indexes import (
+    NS,
+    NS2,
+    VALUE,
+    Counting,
+    SettledRemoteIndex,
+    config,
+    exists,
+    keys,
+    make,
+    removed,
+    stored,
+    write,
+)
 
 from kvoffload.auth import TierSecret
 from kvoffload.blocks import Medium, TierBlocks
@@ -302,7 +315,8 @@ def test_a_cluster_is_asked_and_cleaned_by_slot(caplog: pytest.LogCaptureFixture
     with cluster:
         made = RemoteIndex.create(dataclasses.replace(config(cluster.urls[0], blocks=4), urls=cluster.urls,
                                                             cluster=True), NS, VALUE)
-        m = RemoteIndex(made.probe, made.capacity, cache_s=0.0)
+        made.close()
+        m = SettledRemoteIndex(made.probe, made.capacity, cache_s=0.0)
         client = redis.RedisCluster.from_url(cluster.urls[0])
         ks = keys(300)
         write(client, ks[:200])  # spread over the three nodes' slots

@@ -3,23 +3,26 @@
 A store that many engines write, that evicts or expires on its own, cannot be indexed by any one engine. So an
 index of such a tier (``RemoteIndex``, ``ObjectIndex``):
 
-- asks the store on lookups (``StoreProbe.leading_run``: how many leading keys it holds, bounded by the probe's
-  timeout). A failed or slow answer is a miss, never an exception, never "pending". Answers are remembered for
-  ``cache_s`` (``LOOKUP_CACHE_S``), so the lookups of one step and of a request that waits for room cost one
+- asks the store on lookups (``StoreProbe.leading_run``: how many leading keys it holds), off the engine step
+  (``tiers.lower.background.Searches``): the first lookup of a prompt's keys starts the search and answers
+  ``pending`` (the engine asks again at a later step), a later lookup of the same keys takes the answer, and a
+  search past ``deadline_s`` is a miss. A failed answer is a miss too, never an exception. Answers are remembered
+  for ``cache_s`` (``LOOKUP_CACHE_S``), so the lookups of one step and of a request that waits for room cost one
   search. That is safe because a promotion is only ever a try: a block that vanished after it was seen fails its
   promotion (the worker verifies every block), the engine recomputes those tokens, and the failed keys are
   remembered as misses. A block written meanwhile by another engine is seen ``cache_s`` late: a recompute.
 - keeps this engine's own budget: an index (a ``SlotIndex`` over ``capacity_bytes // block size`` logical slots)
   of the blocks this engine wrote, with the configured eviction policy, pins and in-flight stores as on every tier.
   A key that leaves it (its victim, a failed load or store, a reset, a block found gone) has every rank's copy
-  deleted (``StoreProbe.delete``). Blocks other engines wrote are never in it, so this engine never deletes them: it
-  reads them (a promotion pins nothing of theirs) and leaves them to their writers and to the store's own expiry.
-  A block two engines wrote at once is in both budgets: whichever drops it first deletes it, and the other one's
-  next load of it is a recompute.
+  deleted (``StoreProbe.delete``), in the background and never waited for (``tiers.lower.background.Deletes``).
+  Blocks other engines wrote are never in it, so this engine never deletes them: it reads them (a promotion pins
+  nothing of theirs) and leaves them to their writers and to the store's own expiry. A block two engines wrote at
+  once is in both budgets: whichever drops it first deletes it, and the other one's next load of it is a recompute.
 - events (STORED / REMOVED, the tier's medium) are those of the own index: what this engine wrote and deleted, and
   its own blocks that a lookup found gone.
 
-Not thread-safe, like every index: the scheduler half calls it from one thread.
+Not thread-safe, like every index: the scheduler half calls it from one thread (the searches' and deletes' threads
+only call the probe).
 """
 
 from __future__ import annotations
@@ -41,15 +44,22 @@ from kvoffload.index.base import (
 )
 from kvoffload.index.slot_index import SlotIndex
 from kvoffload.keys import OffloadKey
+from kvoffload.tiers.lower.background import MAX_SEARCHES, Deletes, Searches
 
 LOOKUP_CACHE_S = 1.0
 """How long an answer of the store (a block exists, or not) is trusted without asking again."""
 SEEN_MAX = 1 << 16
 """Answers remembered at most, the oldest forgotten first."""
+SEARCH_DEADLINE_S = 3.0
+"""How long a search may take before its lookup is a miss (the tiers pass their connect and request timeouts)."""
 
 
 class StoreProbe(Protocol):
-    """The scheduler's questions to a shared store (``RemoteProbe``, ``ObjectProbe``); failures are answers."""
+    """The scheduler's questions to a shared store (``RemoteProbe``, ``ObjectProbe``); failures are answers.
+
+    ``leading_run`` and ``delete`` run on background threads, concurrently with each other and with ``available``
+    on the scheduler thread: they must be thread-safe, and each bounded by the store's timeouts.
+    """
 
     @property
     def available(self) -> bool:
@@ -73,6 +83,7 @@ class ProbedIndex(BlockIndex):
         policy: eviction policy among this engine's ready, unpinned blocks.
         cache_s: how long an answer is trusted (0: ask every time).
         clock: monotonic seconds.
+        deadline_s: how long a search may take before its lookup is a miss.
     Raises:
         ValueError: ``capacity_blocks`` is not positive.
     """
@@ -80,8 +91,10 @@ class ProbedIndex(BlockIndex):
     def __init__(self, probe: StoreProbe, capacity_blocks: int, medium: Medium,
                  spec_of: Callable[[Sequence[OffloadKey], Sequence[int]], BlockSpec],
                  policy: EvictionPolicy = EvictionPolicy.LRU, cache_s: float = LOOKUP_CACHE_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, deadline_s: float = SEARCH_DEADLINE_S) -> None:
         self.probe = probe
+        self.searches = Searches(probe, deadline_s, clock)
+        self.deletes = Deletes(probe, f"{medium.value} tier")
         self._medium = medium
         self._spec_of = spec_of
         self._own = SlotIndex(capacity_blocks, policy, medium, spec_of)
@@ -105,7 +118,10 @@ class ProbedIndex(BlockIndex):
         known = self._known_run(keys, now)
         if known == len(keys) or self._answer(keys[known], now) is False:
             return LookupResult(known)
-        run = self.probe.leading_run(keys[known:])
+        answer = self.searches.answer(keys[known:])
+        if answer is None:
+            return LookupResult(known, pending=True)
+        run = answer.run
         if run is None:
             return LookupResult(0)  # the server is failing: what it said a moment ago is worth nothing now
         hits = known + run
@@ -146,7 +162,7 @@ class ProbedIndex(BlockIndex):
         for key in keys:
             self._remember(key, success, now)
         if not success:
-            self.probe.delete(keys)  # the ranks that did write their copy must not keep an unindexed one
+            self.deletes.submit(keys)  # the ranks that did write their copy must not keep an unindexed one
         self._collect()
 
     def take_events(self) -> list[OffloadEvent]:
@@ -159,11 +175,25 @@ class ProbedIndex(BlockIndex):
         self._collect()
 
     def check_integrity(self) -> None:
-        """The own index's laws, and: no more answers remembered than ``SEEN_MAX``."""
+        """The own index's laws, and: no more answers remembered than ``SEEN_MAX``, no more searches open than
+        ``MAX_SEARCHES``."""
         self._own.check_integrity()
         if len(self._seen) > SEEN_MAX:
             raise IntegrityError(f"{self._medium.value} tier: {len(self._seen)} answers remembered, more than "
                                  f"{SEEN_MAX}")
+        if self.searches.open > MAX_SEARCHES:
+            raise IntegrityError(f"{self._medium.value} tier: {self.searches.open} searches open, more than "
+                                 f"{MAX_SEARCHES}")
+
+    def wait_answers(self, timeout_s: float) -> bool:
+        """Wait until every search started has its answer, for the next lookup to take (tests, benches); False if
+        ``timeout_s`` passed first."""
+        return self.searches.wait(timeout_s)
+
+    def close(self) -> None:
+        """Stop the search and delete threads (deletes queued are still sent; nothing waits for them)."""
+        self.searches.close()
+        self.deletes.close()
 
     def usage(self) -> list[TierUsage]:
         return self._own.usage()
@@ -200,7 +230,7 @@ class ProbedIndex(BlockIndex):
         """Forward the own index's events; a key that left it has its copies deleted."""
         for event in self._own.take_events():
             if event.kind is EventKind.REMOVED:
-                self.probe.delete(event.keys)
+                self.deletes.submit(event.keys)
                 now = self._clock()
                 for key in event.keys:
                     self._remember(key, False, now)
