@@ -66,7 +66,7 @@ class ObjectProbe:
         breaker: switches the probe off after failures.
         clock: monotonic seconds (for the search's timeout; the requests' own deadlines are on the real clock).
         request_s: the most a delete request or the start-up check may take (None: ``timeout_s``).
-        where: the store, as logs name it (``client.where_of``).
+        where: the store, as logs name it (``client.where_of``; "": the client's endpoint and ``bucket``).
     """
 
     def __init__(self, client: Any, bucket: str, names: ObjectNames, *, fanout: int, timeout_s: float,
@@ -78,7 +78,7 @@ class ObjectProbe:
         self._fanout = max(1, fanout)
         self._timeout_s = timeout_s
         self._request_s = request_s if request_s is not None else timeout_s
-        self._where = where or f"bucket {bucket}"
+        self._where = where or f"{getattr(getattr(client, 'meta', None), 'endpoint_url', 'S3')} bucket {bucket}"
         self.breaker = breaker
         self._clock = clock
         self._pool = ThreadPoolExecutor(self._fanout * names.copies, "kvoffload-object-probe")
