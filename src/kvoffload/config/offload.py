@@ -159,7 +159,7 @@ KEYS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "object_region": (text, "the bucket's region (default: the client chain's, else us-east-1)"),
     "object_path_style": (flag, "path-style addressing (default: true with object_endpoint, false on AWS)"),
     "object_connect_timeout_ms": (_REMOTE_TIMEOUT_MS, "connecting to the object store slower than this fails"),
-    "object_timeout_ms": (_REMOTE_TIMEOUT_MS, "an object request waiting longer than this for bytes fails"),
+    "object_timeout_ms": (_REMOTE_TIMEOUT_MS, "an object request not answered whole within this fails"),
     "object_bytes": (_BYTES, "bytes this engine may have stored in the object tier (default 64 GiB)"),
     "object_gib": (_GIB, "the same in GiB; alternative to object_bytes"),
     "object_io_threads": (_THREADS, "object requests in flight at once per direction in each worker"),

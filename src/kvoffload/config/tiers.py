@@ -95,7 +95,9 @@ class ObjectTierConfig:
     """Path-style addressing (``endpoint/bucket/name``); None: path-style with an ``endpoint``, virtual-host on AWS."""
     connect_timeout_s: float = 1.0
     timeout_s: float = 2.0
-    """Per socket read; a slower answer is a failed job (a miss, or a skipped store)."""
+    """A request's wall-clock deadline past its connect (a load's or store's also grows with its bytes:
+    tiers/lower/deadline.py), however the server trickles; a slower answer is a failed job (a miss, or a skipped
+    store)."""
     capacity_bytes: int = 64 * GIB
     """What this engine may have written there at once; lifecycle rules bound the whole bucket."""
     policy: EvictionPolicy = EvictionPolicy.LRU

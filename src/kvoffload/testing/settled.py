@@ -27,6 +27,7 @@ class Settled(ProbedIndex):
         result = super().lookup(keys)
         for _ in range(4):  # a lookup past a cached run starts one more search at most; 4 asks are plenty
             if not result.pending:
+                self._settle()  # an own block found gone is deleted
                 return result
             if not self.wait_answers(SETTLE_S):
                 raise AssertionError(f"a search had no answer within {SETTLE_S} s")

@@ -10,6 +10,7 @@ A tier's test (ours under tests/tiers/, or a third party's) builds an engine wit
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,7 +21,7 @@ from kvoffload.testing.sim import HookOrder, SimEngine
 LayoutFactory = Callable[..., layouts.Made]
 """A layout of ``testing.layouts`` (or one of the same shape): takes ``num_blocks`` and ``block_size``."""
 
-__all__ = ["LayoutFactory", "make_engine", "run_checked", "tokens"]
+__all__ = ["LayoutFactory", "make_engine", "pushed_out", "run_checked", "run_timed", "tokens"]
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -71,3 +72,41 @@ def make_engine(layout: LayoutFactory = layouts.attention_layout, *, block_size:
     raw = {"offload_block_tokens": factor * block_size, "host_bytes": host_blocks * slot, **config}
     return SimEngine(made, make_kv, OffloadConfig.from_dict(raw), block_size=block_size, num_workers=workers,
                      sliding_windows=sliding_windows, clock=clock, hook_order=hook_order)
+
+
+def run_timed(engine: SimEngine, *, checked: bool = True, max_steps: int = 200_000) -> list[float]:
+    """Step ``engine`` until its requests finished and its jobs completed, as ``SimEngine.run``; returns each step's
+    wall-clock seconds (``engine.step`` alone, not the checks). ``checked``: ``SimEngine.check_all`` after every
+    step, as ``run_checked``.
+
+    Raises:
+        AssertionError: a block's bytes were wrong, the null block was written, or the requests did not finish in
+            ``max_steps`` steps.
+    """
+    times: list[float] = []
+    for _ in range(max_steps):
+        quiet = not engine.has_work and engine.scheduler.num_pending_jobs == 0
+        started = time.perf_counter()
+        idle = engine.step().idle
+        times.append(time.perf_counter() - started)
+        if checked:
+            engine.check_all()
+        if quiet and idle:
+            return times
+    raise AssertionError(f"requests unfinished after {max_steps} steps")
+
+
+def pushed_out(engine: SimEngine, seed: int, *, host_blocks: int = 4, checked: bool = True) -> list[int]:
+    """A 16-token prompt run through ``engine`` (built with ``block_size`` 4 and ``host_blocks``), written through to
+    its lower tiers, then pushed out of the host by other prompts and out of the device cache: a prompt only the
+    tiers below host hold. Returns the prompt."""
+    prompt = tokens(16, seed=seed)
+    engine.add_request(f"stored{seed}", prompt)
+    run_timed(engine, checked=checked)
+    engine.step()  # ships the write-through the last store queued
+    run_timed(engine, checked=checked)
+    for i in range(host_blocks // 4 + 2):
+        engine.add_request(f"filler{seed}.{i}", tokens(16, seed=1000 + 10 * seed + i))
+        run_timed(engine, checked=checked)
+    engine.pool.drop_cache()
+    return prompt

@@ -21,7 +21,7 @@ from kvoffload.testing import sim_workload
 from kvoffload.testing.fault_proxy import Fault, FaultProxy
 from kvoffload.testing.redis_server import RedisServer, RedisServerUnavailable
 from kvoffload.testing.sim import SimEngine, Status
-from kvoffload.testing.sim_workload import tokens
+from kvoffload.testing.sim_workload import pushed_out, run_timed, tokens
 
 TIMEOUT_MS = 800
 """The tier's connect and request timeouts here."""
@@ -29,7 +29,6 @@ STEP_BOUND_S = TIMEOUT_MS / 1000 / 4
 """The longest step allowed under any fault: well under one timeout."""
 COOLDOWN_S = 1.0
 """The breaker's cool-down, after which the store is asked again."""
-MAX_STEPS = 200_000
 FAULTS = [Fault.TRICKLE, Fault.FREEZE, Fault.SILENT, Fault.BLACKHOLE]
 
 
@@ -51,50 +50,22 @@ def redis_proxy() -> Iterator[FaultProxy]:
         yield proxy
 
 
-def steps_until_done(engine: SimEngine) -> list[float]:
-    """Step until every request finished and every job completed; each step's seconds."""
-    times: list[float] = []
-    for _ in range(MAX_STEPS):
-        quiet = not engine.has_work and engine.scheduler.num_pending_jobs == 0
-        started = time.perf_counter()
-        idle = engine.step().idle
-        times.append(time.perf_counter() - started)
-        engine.check_all()
-        if quiet and idle:
-            return times
-    raise AssertionError(f"requests unfinished after {MAX_STEPS} steps")
-
-
-def stored_and_pushed_out(engine: SimEngine, seed: int = 1) -> list[int]:
-    """A prompt the store holds and the host and device do not."""
-    prompt = tokens(16, seed=seed)
-    engine.add_request(f"stored{seed}", prompt)
-    steps_until_done(engine)
-    engine.step()  # ships the write-through
-    steps_until_done(engine)
-    for i in range(3):  # fill the host (4 blocks) and drop the device cache: the prompt is in the store only
-        engine.add_request(f"filler{seed}.{i}", tokens(16, seed=100 + 10 * seed + i))
-        steps_until_done(engine)
-    engine.pool.drop_cache()
-    return prompt
-
-
 def serves_again(engine: SimEngine) -> None:
     """After the fault and the breaker's cool-down, a prompt stored anew comes back from the store."""
     time.sleep(COOLDOWN_S)  # the engine's tiers run on the real clock
-    prompt = stored_and_pushed_out(engine, seed=2)
+    prompt = pushed_out(engine, 2)
     again = engine.add_request("again", [*prompt, 8])
-    steps_until_done(engine)
+    run_timed(engine)
     assert again.status is Status.FINISHED and again.loaded_tokens == 16 and engine.corrupt_blocks == []
 
 
 def run_under(engine: SimEngine, proxy: FaultProxy, fault: Fault) -> None:
-    prompt = stored_and_pushed_out(engine)
+    prompt = pushed_out(engine, 1)
     proxy.set(fault)
     hit = engine.add_request("hit", [*prompt, 7])
     new = engine.add_request("new", tokens(16, seed=50))
-    local = engine.add_request("local", tokens(16, seed=112))  # the last filler's prefix: the host has it
-    times = steps_until_done(engine)
+    local = engine.add_request("local", tokens(16, seed=1012))  # the last filler's prefix: the host has it
+    times = run_timed(engine)
     assert {r.status for r in (hit, new, local)} == {Status.FINISHED}
     assert engine.corrupt_blocks == []
     assert max(times) < STEP_BOUND_S, f"a step took {max(times):.3f} s under {fault.name}"
@@ -112,7 +83,7 @@ def test_no_step_waits_on_a_faulty_remote_store_and_every_request_finishes(redis
 def test_control_the_step_bound_catches_a_step_that_waits_on_the_store(redis_proxy: FaultProxy) -> None:
     """The control: an index that waits for its search's answer on the step (as lookups did before) is caught."""
     engine = remote_engine(redis_proxy)
-    prompt = stored_and_pushed_out(engine)
+    prompt = pushed_out(engine, 1)
     index = engine.scheduler.index.lower_indexes[0]
     lookup = index.lookup
 
@@ -128,6 +99,6 @@ def test_control_the_step_bound_catches_a_step_that_waits_on_the_store(redis_pro
     engine.add_request("hit", [*prompt, 7])
     engine.add_request("new", tokens(16, seed=50))  # not remembered: its lookup searches the store
     with pytest.raises(AssertionError, match="a step took"):
-        times = steps_until_done(engine)
+        times = run_timed(engine)
         assert max(times) < STEP_BOUND_S, f"a step took {max(times):.3f} s under FREEZE"
     redis_proxy.set(Fault.PASS)
