@@ -21,8 +21,9 @@ PREFIX = "kvoffload"
 
 
 def connect(config: RemoteTierConfig, values_in_place: bool = False) -> Any:
-    """A redis-py client for ``config`` (lazy: it connects at the first command, within the timeouts), with
-    retries off (``without_retries``).
+    """A redis-py client for ``config`` (lazy: it connects at the first command), with retries off
+    (``without_retries``) and a total deadline per command (``tiers.remote.connection``): ``timeout_s``, plus
+    ``connect_timeout_s`` for a command that must connect first.
 
     ``values_in_place``: the client sends large arguments as they are, straight from the caller's buffer, instead of
     copying every command into one buffer first (``in_place_connection``); for the workers, whose ``SET`` values are
@@ -34,23 +35,21 @@ def connect(config: RemoteTierConfig, values_in_place: bool = False) -> Any:
     import redis
     from redis.cluster import ClusterNode, RedisCluster
 
+    from kvoffload.tiers.remote.connection import deadline_connection
+
     password = None if config.password is None else config.password.value.decode()
+    scheme = config.urls[0].partition("://")[0]
     common: dict[str, Any] = {"username": config.username, "password": password,
                               "socket_connect_timeout": config.connect_timeout_s,
-                              "socket_timeout": config.timeout_s}
-    scheme = config.urls[0].partition("://")[0]
+                              "socket_timeout": config.timeout_s,
+                              "connection_class": deadline_connection(scheme, values_in_place)}
     if config.cluster:
         startup = [ClusterNode(*_node(url)) for url in config.urls]
-        if not values_in_place:
-            return without_retries(RedisCluster(startup_nodes=startup, ssl=scheme == "rediss", **common))
         # The cluster client passes a connection class on to its nodes' pools only when it is given a URL (its
         # ``url`` argument). TLS then comes from the class itself (an SSLConnection): a rediss:// URL or
         # ssl=True would put redis-py's own class back.
         first = "redis://" + config.urls[0].partition("://")[2]
-        return without_retries(RedisCluster(url=first, startup_nodes=startup[1:],
-                                            connection_class=in_place_connection(scheme), **common))
-    if values_in_place:
-        common["connection_class"] = in_place_connection(scheme)
+        return without_retries(RedisCluster(url=first, startup_nodes=startup[1:], **common))
     return without_retries(redis.Redis.from_url(config.urls[0], **common))
 
 

@@ -24,8 +24,10 @@ each kind is logged once per outage (which only the answer to a job begun after 
 lane reports first: ``_note_answer``). Server faults open ``breaker`` (jobs then fail at once, without I/O, for
 the cool-down); an out-of-memory server opens ``store_breaker`` only, since it still serves loads. A server that is
 down when the handler is made opens ``breaker`` at once. A job that has not finished ``connect_timeout_s + 2 *
-timeout_s`` after it started fails then (``get_finished``, ``wait`` and ``shutdown`` check), and no slot is
-read or written for a job after that (``_owning``); ``shutdown`` waits ``SHUTDOWN_GRACE_S`` at most.
+timeout_s`` after it started fails then (``get_finished``, ``wait`` and ``shutdown`` check), and so does every
+command it has in flight (``tiers.remote.connection.within``: the lane is free again by then, however slowly the
+server answers); no slot is read or written for a job after that (``_owning``); ``shutdown`` waits
+``SHUTDOWN_GRACE_S`` at most.
 
 A store that failed after its ``SET`` reached the server (a timeout on the reply) may leave a value that is not
 indexed; the scheduler half never loads it, and the server's eviction or the TTL removes it.
@@ -48,6 +50,7 @@ from kvoffload.tiers.lower.breaker import CircuitBreaker
 from kvoffload.tiers.lower.handler import SHUTDOWN_GRACE_S, LowerJob
 from kvoffload.tiers.lower.laned import QUEUED_POLL_S, LanedHandler, Miss, NamedBlock
 from kvoffload.tiers.remote.client import rank_prefix
+from kvoffload.tiers.remote.connection import within
 from kvoffload.tiers.remote.faults import Fault, classify, delete_quietly, raise_first_error
 from kvoffload.tiers.remote.link import RemoteLink
 from kvoffload.tiers.remote.reads import read_bounded
@@ -156,7 +159,9 @@ class RemoteHandler(LanedHandler[NamedBlock, _Job, Fault]):
             self.store_breaker.record(True)
 
     def _io(self, state: _Job) -> None:
-        self._store(state) if state.is_store else self._load(state)
+        # Every command of the job ends by its budget, so the lane is free when the job is written off.
+        with within(self._budget_s):
+            self._store(state) if state.is_store else self._load(state)
 
     def _store(self, state: _Job) -> None:
         """Seal and send the job's values, one pipeline of ``SET NX`` per batch.

@@ -67,7 +67,8 @@ class RemoteIndex(ProbedIndex):
         names = ValueNames(namespace, BlockFormat.of(config.secret))
         breaker = CircuitBreaker(config.breaker_errors, config.breaker_cooldown_s, tier="remote tier (scheduler)")
         probe = RemoteProbe((lambda: client) if client is not None else (lambda: connect(config)), names,
-                            cluster=config.cluster, timeout_s=config.timeout_s, breaker=breaker)
+                            cluster=config.cluster, timeout_s=config.timeout_s, breaker=breaker,
+                            connect_timeout_s=config.connect_timeout_s)
         if not probe.check():
             logger.warning("remote tier (scheduler): %s does not answer; lookups are misses until it is asked "
                            "again in %.0f s", ", ".join(config.urls), config.breaker_cooldown_s)

@@ -13,13 +13,17 @@ prefix, and the second count confirms it; windows grow from ``FIRST_WINDOW`` so 
 one small command. After ``MAX_ROUNDS`` without an answer, or against a cluster (whose client splits a multi-key
 command into one command per hash slot anyway), one pipeline of single ``EXISTS`` per value gives it exactly.
 
-Failures are misses, never exceptions and never stalls: redis-py's retries are off (every command is bounded by
-the configured timeouts), a timeout or a refused login switches the probe off at once for the cool-down (each
-further attempt would cost the scheduler the same wait), other errors count towards ``breaker_errors`` in a row.
+Failures are misses, never exceptions and never stalls: redis-py's retries are off, and a lookup (all its rounds
+together) or the start-up ``PING`` ends within ``connect_timeout_s + timeout_s`` however slowly the server answers
+(``tiers.remote.connection.within``), each ``DEL`` of a delete within ``timeout_s`` on an open connection (a reset
+sends one per ``DELETE_BATCH`` names). A timeout or a refused login switches the probe off at once for the
+cool-down (each further attempt would cost the scheduler the same wait), other errors count towards
+``breaker_errors`` in a row.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -31,6 +35,7 @@ from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.tiers.lower.block_format import BlockFormat
 from kvoffload.tiers.lower.breaker import CircuitBreaker
 from kvoffload.tiers.remote.client import rank_prefix, without_retries
+from kvoffload.tiers.remote.connection import within
 
 FIRST_WINDOW = 64
 GROWTH = 8
@@ -85,15 +90,18 @@ class RemoteProbe:
         timeout_s: the most one ``leading_run`` may take over all its rounds; a slower one is a timeout.
         breaker: switches the probe off after failures.
         clock: monotonic seconds.
+        connect_timeout_s: what a call may take on top of ``timeout_s`` when it must connect first.
     """
 
     def __init__(self, connect: Callable[[], Any], names: ValueNames, *, cluster: bool, timeout_s: float,
-                 breaker: CircuitBreaker, clock: Callable[[], float] = time.monotonic) -> None:
+                 breaker: CircuitBreaker, clock: Callable[[], float] = time.monotonic,
+                 connect_timeout_s: float = 0.0) -> None:
         self._connect = connect
         self._client: Any | None = None
         self.names = names
         self._cluster = cluster
         self._timeout_s = timeout_s
+        self._call_s = connect_timeout_s + timeout_s
         self.breaker = breaker
         self._clock = clock
         self.delete_errors = 0
@@ -105,7 +113,7 @@ class RemoteProbe:
 
     def check(self) -> bool:
         """One ``PING`` (as the workers do at start-up); False when it failed: then the probe is off for now."""
-        if self._call(lambda client: client.ping()) is not None:
+        if self._call(lambda client: client.ping(), self._call_s) is not None:
             return True
         self.breaker.trip()
         return False
@@ -116,7 +124,7 @@ class RemoteProbe:
             return 0
         started = self._clock()
         exact = self._exact if self._cluster else self._counting
-        run: int | None = self._call(lambda client: exact(client, keys, started))
+        run: int | None = self._call(lambda client: exact(client, keys, started), self._call_s)
         return run
 
     def delete(self, keys: Sequence[OffloadKey]) -> bool:
@@ -135,14 +143,15 @@ class RemoteProbe:
             return False
         return True
 
-    def _call(self, command: Callable[[Any], Any]) -> Any | None:
-        """``command(client)``, its failure a None (the breaker is told either way)."""
+    def _call(self, command: Callable[[Any], Any], total_s: float = math.inf) -> Any | None:
+        """``command(client)`` within ``total_s``, its failure a None (the breaker is told either way)."""
         if not self.breaker.allow():
             return None
         try:
-            if self._client is None:
-                self._client = without_retries(self._connect())
-            result = command(self._client)
+            with within(total_s):  # a cluster client's connect is in its constructor
+                if self._client is None:
+                    self._client = without_retries(self._connect())
+                result = command(self._client)
         except _FAILURES as e:
             self.breaker.fail(e, at_once=isinstance(e, _AT_ONCE))
             return None
