@@ -25,6 +25,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "node": ("kvoffload.tools.bench.node", "loads from the node pool engines share beside a private host pool"),
     "remote": ("kvoffload.tools.bench.remote", "host<->Redis GB/s beside raw redis-py pipelines of the same bytes"),
     "object": ("kvoffload.tools.bench.object", "host<->S3 GB/s beside boto3's own PUT/GET, lookup round trips"),
+    "faults": ("kvoffload.tools.bench.faults", "longest engine step under store faults, lookups off vs on the step"),
     "manager": ("kvoffload.tools.bench.manager", "scheduler-side operations per second beside vLLM's manager"),
     "overhead": ("kvoffload.tools.bench.overhead", "connector time per engine step on the miss path"),
     "e2e": ("kvoffload.tools.bench.e2e", "the vLLM demo's TTFT figures"),

@@ -59,9 +59,9 @@ def test_searches_open_at_once_are_bounded(monkeypatch: pytest.MonkeyPatch) -> N
 def test_a_probe_that_raises_is_a_store_not_answering() -> None:
     probe, clock = GatedProbe(run=2), Clock()
     probe.raises = True
-    probe.gate.set()
     searches = Searches(probe, deadline_s=2.0, clock=clock)
     assert searches.answer(keys(2)) is None
+    probe.gate.set()
     assert searches.wait(10.0)
     assert searches.answer(keys(2)) == SearchAnswer(None)
     searches.close()

@@ -44,10 +44,10 @@ def test_a_lookup_answers_pending_at_once_and_a_later_one_takes_the_answer() -> 
 def test_with_no_answer_cache_the_answer_is_still_taken_once() -> None:
     """``cache_s`` 0 (ask every time) must not leave a lookup pending for ever: the search's own answer counts."""
     probe, clock = GatedProbe(run=2), Clock()
-    probe.gate.set()
     m = index(probe, clock, cache_s=0.0)
     ks = keys(4)
     assert m.lookup(ks).pending
+    probe.gate.set()
     assert m.wait_answers(10.0)
     assert m.lookup(ks) == LookupResult(2)
     m.close()
@@ -94,3 +94,11 @@ def test_tiered_promotes_nothing_until_the_lower_tier_answers() -> None:
     m.check_integrity()
     m.close()
 
+
+def test_a_store_that_answers_at_once_is_answered_on_the_ask_that_starts_the_search() -> None:
+    """A healthy store's search is waited for a moment (``background.INLINE_WAIT_S``): no step goes by."""
+    probe, clock = GatedProbe(run=3), Clock()
+    probe.gate.set()
+    m = index(probe, clock)
+    assert m.lookup(keys(5)) == LookupResult(3)
+    m.close()
