@@ -1,35 +1,24 @@
-"""No engine step waits on a shared store: a simulated engine over the remote tier (a real redis-server) or the object
-tier (a real Ceph RGW), each behind a ``FaultProxy`` that trickles, freezes, stays silent or black-holes connects.
-
-Each run stores a prompt, pushes it out of the host, switches the fault on, and sends requests that need the store
-(a hit on the stored prompt, a new prompt) among requests that do not. Every request must finish with the right
-bytes (``SimEngine.check_all`` after each step), and no step may take longer than ``STEP_BOUND_S``, a quarter of
-the tier's request timeout (``TIMEOUT_MS``): before lookups and deletes left the step, a lookup alone held a step
-for the whole timeout (the control below shows that bound catching a step that waits). After the fault the store
-serves again.
-"""
+"""No engine step waits on the remote tier's store: a simulated engine over a real redis-server behind a
+``FaultProxy`` that trickles, freezes, stays silent or black-holes connects (tests/tiers/lower/store_faults.py says
+what each run checks; tests/tiers/object/test_sim_store_faults.py runs the same over a Ceph RGW)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
+from tests.tiers.lower.store_faults import (
+    COOLDOWN_S,
+    TIMEOUT_MS,
+    check_the_bound_catches_a_waiting_step,
+    run_under,
+    serves_again,
+)
 
 from kvoffload.testing import sim_workload
 from kvoffload.testing.fault_proxy import Fault, FaultProxy
 from kvoffload.testing.redis_server import RedisServer, RedisServerUnavailable
-from kvoffload.testing.sim import SimEngine, Status
-from kvoffload.testing.sim_workload import pushed_out, run_timed, tokens
-
-TIMEOUT_MS = 800
-"""The tier's connect and request timeouts here."""
-STEP_BOUND_S = TIMEOUT_MS / 1000 / 4
-"""The longest step allowed under any fault: well under one timeout."""
-COOLDOWN_S = 1.0
-"""The breaker's cool-down, after which the store is asked again."""
-FAULTS = [Fault.TRICKLE, Fault.FREEZE, Fault.SILENT, Fault.BLACKHOLE]
+from kvoffload.testing.sim import SimEngine
 
 
 def remote_engine(proxy: FaultProxy) -> SimEngine:
@@ -50,29 +39,8 @@ def redis_proxy() -> Iterator[FaultProxy]:
         yield proxy
 
 
-def serves_again(engine: SimEngine) -> None:
-    """After the fault and the breaker's cool-down, a prompt stored anew comes back from the store."""
-    time.sleep(COOLDOWN_S)  # the engine's tiers run on the real clock
-    prompt = pushed_out(engine, 2)
-    again = engine.add_request("again", [*prompt, 8])
-    run_timed(engine)
-    assert again.status is Status.FINISHED and again.loaded_tokens == 16 and engine.corrupt_blocks == []
-
-
-def run_under(engine: SimEngine, proxy: FaultProxy, fault: Fault) -> None:
-    prompt = pushed_out(engine, 1)
-    proxy.set(fault)
-    hit = engine.add_request("hit", [*prompt, 7])
-    new = engine.add_request("new", tokens(16, seed=50))
-    local = engine.add_request("local", tokens(16, seed=1012))  # the last filler's prefix: the host has it
-    times = run_timed(engine)
-    assert {r.status for r in (hit, new, local)} == {Status.FINISHED}
-    assert engine.corrupt_blocks == []
-    assert max(times) < STEP_BOUND_S, f"a step took {max(times):.3f} s under {fault.name}"
-    proxy.set(Fault.PASS)
-
-
-@pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.name.lower())
+@pytest.mark.parametrize("fault", [Fault.TRICKLE, Fault.FREEZE, Fault.SILENT, Fault.BLACKHOLE],
+                         ids=lambda f: f.name.lower())
 def test_no_step_waits_on_a_faulty_remote_store_and_every_request_finishes(redis_proxy: FaultProxy,
                                                                            fault: Fault) -> None:
     engine = remote_engine(redis_proxy)
@@ -81,24 +49,4 @@ def test_no_step_waits_on_a_faulty_remote_store_and_every_request_finishes(redis
 
 
 def test_control_the_step_bound_catches_a_step_that_waits_on_the_store(redis_proxy: FaultProxy) -> None:
-    """The control: an index that waits for its search's answer on the step (as lookups did before) is caught."""
-    engine = remote_engine(redis_proxy)
-    prompt = pushed_out(engine, 1)
-    index = engine.scheduler.index.lower_indexes[0]
-    lookup = index.lookup
-
-    def waiting_lookup(keys: Any) -> Any:
-        result = lookup(keys)
-        if result.pending:
-            index.wait_answers(10.0)
-            result = lookup(keys)
-        return result
-
-    index.lookup = waiting_lookup
-    redis_proxy.set(Fault.FREEZE)
-    engine.add_request("hit", [*prompt, 7])
-    engine.add_request("new", tokens(16, seed=50))  # not remembered: its lookup searches the store
-    with pytest.raises(AssertionError, match="a step took"):
-        times = run_timed(engine)
-        assert max(times) < STEP_BOUND_S, f"a step took {max(times):.3f} s under FREEZE"
-    redis_proxy.set(Fault.PASS)
+    check_the_bound_catches_a_waiting_step(remote_engine(redis_proxy), redis_proxy)
