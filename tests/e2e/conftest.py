@@ -21,7 +21,8 @@ from __future__ import annotations
 import gc
 import os
 import random
-from collections.abc import Iterator, Sequence
+import subprocess
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,15 @@ def prefixes() -> list[list[int]]:
 def prompts(tail: Sequence[int]) -> list[list[int]]:
     """One prompt per shared prefix; every call with another tail is a new request on the same prefixes."""
     return [p + list(tail) for p in prefixes()]
+
+
+def resume(engine: subprocess.Popen[str], line: str, first: Callable[[], None] = lambda: None) -> None:
+    """Wait for a tier engine (tests/e2e/tier_engine.py) to print ``line``, run ``first``, then let it go on."""
+    assert engine.stdin is not None and engine.stdout is not None
+    assert engine.stdout.readline() == line, f"the engine exited before {line.strip()!r} (see its log)"
+    first()
+    engine.stdin.write("go\n")
+    engine.stdin.flush()
 
 
 def generate(llm: vllm.LLM, prompt_ids: list[list[int]]) -> list[Result]:

@@ -7,6 +7,11 @@ the outputs equal plain vLLM's (the baseline carries its sensitivity control). E
 zeroed (``inject_load_corruption``): exactly that request differs from plain vLLM's, so the comparison of B's
 outputs would catch a wrong load from the bucket.
 
+B reaches the server through a ``FaultProxy``, which freezes before B serves the first round's prompts too: its
+host tier (12 blocks, half the first round's) keeps only part of the prefixes, so those requests need the frozen
+server. vLLM skips them while their lookups wait for it, a search past its deadline is a miss, and every request
+finishes with plain vLLM's outputs.
+
 The engines find the server's keys where boto3's chain looks first (``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``), and nothing of this machine's own AWS set-up.
 """
@@ -18,9 +23,10 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
+from urllib.parse import urlsplit
 
 import pytest
 from tests.e2e.conftest import (
@@ -31,10 +37,12 @@ from tests.e2e.conftest import (
     Baseline,
     Result,
     assert_same_outputs,
+    resume,
 )
 from tests.tiers.object.conftest import admin_client, empty_bucket
 
 from kvoffload.testing.ceph_rgw import CephRGW
+from kvoffload.testing.fault_proxy import Fault, FaultProxy
 from kvoffload.testing.outputs import TOLERANCE, divergence
 from kvoffload.tools.vllm.model import TinyShape
 
@@ -70,20 +78,22 @@ def engine_environ(server: CephRGW) -> dict[str, str]:
 
 
 def start_engine(model_dir: Path, server: CephRGW, bucket: str, rounds: list[tuple[int, ...]], log: IO[str],
-                 *, faults: dict[str, int] | None = None, **spec: Any) -> subprocess.Popen[str]:
-    extra = {"host_bytes": HOST_SLOTS * BLOCK_BYTES, "object_url": f"s3://{bucket}/{PREFIX}",
-             "object_endpoint": server.endpoint, "object_region": server.region, **(faults or {})}
+                 *, faults: dict[str, int] | None = None, host_slots: int = HOST_SLOTS, endpoint: str | None = None,
+                 **spec: Any) -> subprocess.Popen[str]:
+    extra = {"host_bytes": host_slots * BLOCK_BYTES, "object_url": f"s3://{bucket}/{PREFIX}",
+             "object_endpoint": endpoint or server.endpoint, "object_region": server.region, **(faults or {})}
     request = {"extra_config": extra, "rounds": rounds, **spec}
     return subprocess.Popen([sys.executable, "-m", "tests.e2e.tier_engine", str(model_dir), json.dumps(request)],
                             cwd=ROOT, env=engine_environ(server), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=log, text=True)
 
 
-def serve(engine: subprocess.Popen[str]) -> dict[str, Any]:
-    """Let a held engine serve; its result line, once it exited cleanly."""
-    assert engine.stdin is not None and engine.stdout is not None
-    assert engine.stdout.readline() == "serving\n", "the engine exited before serving (see its log)"
-    engine.stdin.write("go\n")
+def serve(engine: subprocess.Popen[str], before_round_1: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Let a held engine serve (calling ``before_round_1`` when it holds before its second round); its result
+    line, once it exited cleanly."""
+    resume(engine, "serving\n")
+    if before_round_1 is not None:
+        resume(engine, "round 1\n", before_round_1)
     return finish(engine)
 
 
@@ -111,16 +121,20 @@ def served(model_dir: Path, baseline: Baseline, ceph_rgw: CephRGW, bucket: str,
            tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """A serves the first round; then B, then C (the corrupted), the second round. Their results, and the bucket's
     objects as A left them."""
-    with open(tmp_path_factory.mktemp("object-e2e") / "engines.log", "w") as log:
+    where = urlsplit(ceph_rgw.endpoint)
+    with open(tmp_path_factory.mktemp("object-e2e") / "engines.log", "w") as log, \
+            FaultProxy(where.hostname or "127.0.0.1", where.port or 80) as proxy:
         a_engine = start_engine(model_dir, ceph_rgw, bucket, [ROUNDS["first"]], log)
         # B and C start beside A (the start-ups overlap) and serve one after the other once A is done.
-        b_engine = start_engine(model_dir, ceph_rgw, bucket, [ROUNDS["second"]], log, announce=True, hold=True)
+        b_engine = start_engine(model_dir, ceph_rgw, bucket, [ROUNDS["second"], ROUNDS["first"]], log,
+                                host_slots=12, endpoint=f"http://{proxy.url_host}", announce=True, hold=True,
+                                hold_before=[1])
         c_engine = start_engine(model_dir, ceph_rgw, bucket, [ROUNDS["second"]], log,
                                 faults={"inject_load_corruption": 1}, announce=True, hold=True)
         try:
             a = finish(a_engine)
             stored = objects(ceph_rgw, bucket)
-            b = serve(b_engine)
+            b = serve(b_engine, lambda: proxy.set(Fault.FREEZE))
             c = serve(c_engine)
         finally:
             for engine in (a_engine, b_engine, c_engine):
@@ -146,10 +160,19 @@ def test_engine_b_loads_engine_a_prefixes_from_the_bucket_with_plain_vllm_output
     second = results(served["b"]["rounds"][0])
     assert_same_outputs(second, baseline["second"])
     assert [r.cached_tokens for r in second] == [HIT_TOKENS] * len(second)  # every prefix came from A
-    counters = served["b"]["counters"]
+    counters = served["b"]["round_counters"][0]
     assert counters["object_to_host"] == STORED_BLOCKS * BLOCK_BYTES  # each object loaded once
     assert counters["hit_tokens"] == HIT_TOKENS * len(second)
     assert counters["failed_jobs"] == 0
+
+
+def test_a_frozen_server_costs_engine_b_recomputes_and_every_request_finishes_with_plain_vllm_outputs(
+        served: dict[str, Any], baseline: Baseline) -> None:
+    frozen = results(served["b"]["rounds"][1])  # every request finished, though the server answered nothing
+    assert_same_outputs(frozen, baseline["first"])
+    assert min(r.cached_tokens for r in frozen) < HIT_TOKENS  # the host alone could not serve it: the server was asked
+    before, after = served["b"]["round_counters"]
+    assert after["object_to_host"] == before["object_to_host"]
 
 
 def test_a_zeroed_block_loaded_from_the_bucket_makes_exactly_its_request_differ_from_plain_vllm(

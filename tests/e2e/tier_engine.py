@@ -7,8 +7,10 @@ a time, the device prefix cache reset before each round), and prints one JSON li
 tokens, top logprobs and cached tokens of each prompt, and kvoffload's counters. With ``"announce": true`` it
 prints ``serving`` first, once the engine is up; with ``"hold": true`` too, it then waits for a line on its stdin
 before serving (so a test starts it beside another engine, overlapping the start-ups, and lets it serve when the
-other is done); with ``"loop": true`` it then serves its rounds again and again (loads, pins and stores without end)
-until it is killed.
+other is done); with ``"hold_before": [i, ...]`` it prints ``round i`` before round ``i`` and waits for a line
+(so a test can break the store between rounds); with ``"loop": true`` it then serves its rounds again and again
+(loads, pins and stores without end) until it is killed. ``counters`` are kvoffload's counters at the end,
+``round_counters`` the same after each round.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import sys
 from pathlib import Path
 
+import vllm
 from tests.e2e.conftest import close, generate, make_llm, metric, prompts
 
 
@@ -31,23 +34,32 @@ def main(model_dir: str, request: str) -> None:
     if spec.get("hold"):
         sys.stdin.readline()
     rounds = []
-    for tail in spec["rounds"]:
+    round_counters = []
+    for i, tail in enumerate(spec["rounds"]):
+        if i in spec.get("hold_before", ()):
+            os.write(result_fd, f"round {i}\n".encode())
+            sys.stdin.readline()
         assert llm.reset_prefix_cache()
         rounds.append([{"tokens": r.tokens, "logprobs": [list(p.items()) for p in r.logprobs],
                         "cached": r.cached_tokens} for r in generate(llm, prompts(tail))])
-    counters = {"hit_tokens": metric(llm, "vllm:kvoffload_hit_tokens"),
-                "remote_to_host": metric(llm, "vllm:kvoffload_transfer_bytes", direction="remote_to_host"),
-                "host_to_remote": metric(llm, "vllm:kvoffload_transfer_bytes", direction="host_to_remote"),
-                "object_to_host": metric(llm, "vllm:kvoffload_transfer_bytes", direction="object_to_host"),
-                "host_to_object": metric(llm, "vllm:kvoffload_transfer_bytes", direction="host_to_object"),
-                "failed_jobs": metric(llm, "vllm:kvoffload_transfer_failed_jobs"),
-                "node_cross_hits": metric(llm, "vllm:kvoffload_node_pool", counter="cross_hits")}
-    os.write(result_fd, (json.dumps({"rounds": rounds, "counters": counters}) + "\n").encode())
+        round_counters.append(counters(llm))
+    os.write(result_fd, (json.dumps({"rounds": rounds, "counters": round_counters[-1],
+                                     "round_counters": round_counters}) + "\n").encode())
     while spec.get("loop"):
         for tail in spec["rounds"]:
             assert llm.reset_prefix_cache()
             generate(llm, prompts(tail))
     close(llm)
+
+
+def counters(llm: vllm.LLM) -> dict[str, float]:
+    return {"hit_tokens": metric(llm, "vllm:kvoffload_hit_tokens"),
+            "remote_to_host": metric(llm, "vllm:kvoffload_transfer_bytes", direction="remote_to_host"),
+            "host_to_remote": metric(llm, "vllm:kvoffload_transfer_bytes", direction="host_to_remote"),
+            "object_to_host": metric(llm, "vllm:kvoffload_transfer_bytes", direction="object_to_host"),
+            "host_to_object": metric(llm, "vllm:kvoffload_transfer_bytes", direction="host_to_object"),
+            "failed_jobs": metric(llm, "vllm:kvoffload_transfer_failed_jobs"),
+            "node_cross_hits": metric(llm, "vllm:kvoffload_node_pool", counter="cross_hits")}
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""A shared store's index whose every call settles before it returns: for tests of *what* it asks and deletes.
+"""A shared store's index whose every call settles before it returns: for tests of *what* it asks and deletes; and
+``wait_on_the_step``, the index made to wait for its searches on the step as lookups did before (the controls of
+the no-step-waits tests, ``kvoffload bench faults``).
 
 ``ProbedIndex`` (remote, object, and third-party tiers built on it) answers lookups later and deletes in the
 background, so that no engine step waits on a network. A test of its searches or its budget wants the answer and
@@ -54,3 +56,18 @@ class Settled(ProbedIndex):
     def _settle(self) -> None:
         if not self.deletes.wait_idle(SETTLE_S):
             raise AssertionError(f"deletes still queued after {SETTLE_S} s")
+
+
+def wait_on_the_step(index: ProbedIndex) -> None:
+    """Make ``index``'s lookups wait for their search's answer on the caller's thread, as they did before they
+    left the engine step."""
+    lookup = index.lookup
+
+    def waiting(keys: Sequence[OffloadKey]) -> LookupResult:
+        found = lookup(keys)
+        if found.pending:
+            index.wait_answers(SETTLE_S)
+            found = lookup(keys)
+        return found
+
+    index.lookup = waiting  # type: ignore[method-assign]

@@ -13,11 +13,11 @@ cool-down, a prompt stored anew comes back from the store.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import pytest
 
 from kvoffload.testing.fault_proxy import Fault, FaultProxy
+from kvoffload.testing.settled import wait_on_the_step
 from kvoffload.testing.sim import SimEngine, Status
 from kvoffload.testing.sim_workload import pushed_out, run_timed, tokens
 
@@ -55,17 +55,7 @@ def serves_again(engine: SimEngine) -> None:
 def check_the_bound_catches_a_waiting_step(engine: SimEngine, proxy: FaultProxy) -> None:
     """The control: an index that waits for its search's answer on the step (as lookups did before) is caught."""
     prompt = pushed_out(engine, 1)
-    index = engine.scheduler.index.lower_indexes[0]
-    lookup = index.lookup
-
-    def waiting_lookup(keys: Any) -> Any:
-        result = lookup(keys)
-        if result.pending:
-            index.wait_answers(10.0)
-            result = lookup(keys)
-        return result
-
-    index.lookup = waiting_lookup
+    wait_on_the_step(engine.scheduler.index.lower_indexes[0])
     proxy.set(Fault.FREEZE)
     engine.add_request("hit", [*prompt, 7])
     engine.add_request("new", tokens(16, seed=50))  # not remembered: its lookup searches the store

@@ -124,25 +124,12 @@ def _object_store() -> Iterator[tuple[EngineMaker, Any]]:
             server.stop()
 
 
-def _on_the_step(engine: Any) -> None:
-    """Make the engine's store index wait on the step for each search's answer, as lookups did before."""
-    index = engine.scheduler.index.lower_indexes[0]
-    lookup = index.lookup
-
-    def waiting(keys: Any) -> Any:
-        found = lookup(keys)
-        if found.pending:
-            index.wait_answers(60.0)
-            found = lookup(keys)
-        return found
-
-    index.lookup = waiting
-
-
 def _engine(make_engine: EngineMaker, side: str) -> Any:
+    from kvoffload.testing.settled import wait_on_the_step
+
     engine = make_engine()
     if side == "on the step":
-        _on_the_step(engine)
+        wait_on_the_step(engine.scheduler.index.lower_indexes[0])
     return engine
 
 
