@@ -33,6 +33,8 @@ PLUGIN_SURFACE: dict[str, str] = {
     "LowerIndex": "kvoffload.index.base", "LookupResult": "kvoffload.index.base",
     "PrepareStoreOutput": "kvoffload.index.base", "OffloadEvent": "kvoffload.index.base",
     "EventKind": "kvoffload.index.base", "TierUsage": "kvoffload.index.base", "SlotIndex": "kvoffload.index.slot_index",
+    # a store only its server knows the contents of, asked off the engine step
+    "ProbedIndex": "kvoffload.tiers.lower.probed_index", "StoreProbe": "kvoffload.tiers.lower.probed_index",
     # the worker side: the handler
     "TransferHandler": "kvoffload.transfer.base", "TransferResult": "kvoffload.transfer.base",
     "HandlerWrapper": "kvoffload.transfer.base", "HostPool": "kvoffload.transfer.host_pool",
@@ -41,8 +43,8 @@ PLUGIN_SURFACE: dict[str, str] = {
 
 __all__ = ["BlockSpec", "ConfigError", "EventKind", "EvictionPolicy", "HandlerWrapper", "HostBlocks", "HostPool",
            "JobId", "LookupResult", "LowerIndex", "Medium", "OffloadEvent", "OffloadKey", "PrepareStoreOutput",
-           "SlotIndex", "TierBlocks", "TierContext", "TierSpec", "TierUsage", "TransferHandler", "TransferJob",
-           "TransferResult"]  # PLUGIN_SURFACE's names
+           "ProbedIndex", "SlotIndex", "StoreProbe", "TierBlocks", "TierContext", "TierSpec", "TierUsage",
+           "TransferHandler", "TransferJob", "TransferResult"]  # PLUGIN_SURFACE's names
 
 
 def __getattr__(name: str) -> Any:
@@ -67,6 +69,7 @@ if TYPE_CHECKING:
     )
     from kvoffload.index.slot_index import SlotIndex
     from kvoffload.keys import OffloadKey
+    from kvoffload.tiers.lower.probed_index import ProbedIndex, StoreProbe
     from kvoffload.tiers.spec import TierContext, TierSpec
     from kvoffload.transfer.base import HandlerWrapper, TransferHandler, TransferResult
     from kvoffload.transfer.host_pool import HostPool
