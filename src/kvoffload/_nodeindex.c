@@ -4,7 +4,8 @@
  * Concurrency without a server:
  * - Writers (reserve, complete, pin, unpin, release, reset) hold the index's lock, an OFD lock on a byte of the
  *   namespace's engines file (tiers/node/liveness.py), whose descriptor each takes as ``lock_fd``; they wait for
- *   it at most ``wait_ms`` (``Busy`` after: an engine frozen holding it costs the others hits, never steps). Each
+ *   it at most ``wait_ms``, once per outage (``Busy`` after: an engine frozen holding it costs the others hits,
+ *   never steps; ``outage``). Each
  *   bumps a sequence counter to odd before changing the table and back to even after, so lookups (the hot path:
  *   a whole prompt's keys every scheduler step) read without the lock and retry when a writer overlapped them;
  *   they only wait on a writer after a few retries. One engine's lookup thus never waits on another's eviction.
@@ -53,7 +54,13 @@
 enum { FREE = 0, IN_FLIGHT = 1, READY = 2, LOST = 3 };
 
 static PyObject *Busy, *Damaged;
-static long wait_ms = 200;
+#define WAIT_MS 20
+static long wait_ms = WAIT_MS;
+/* The engines files (by descriptor) whose lock this process gave up on: while one is not had again, its lock is
+ * tried once and not waited for, so an engine frozen holding it costs each other engine one wait per outage, not
+ * one per operation (every step has several). A descriptor past OUTAGE_FDS always waits. */
+#define OUTAGE_FDS 4096
+static unsigned char outage[OUTAGE_FDS];
 
 typedef struct {
     uint64_t pid;
@@ -345,11 +352,13 @@ static int try_lock(int fd, short type) {
     return (errno == EAGAIN || errno == EACCES) ? 0 : -1;
 }
 
-/* Lock the segment for attachment ``a``, waiting at most wait_ms (polled: an OFD lock has no timed wait); 0 with
- * Busy (not had in time) or OSError set. A holder that died mid-change left ``holder`` set (or the sequence
- * counter odd): the new holder repairs first. */
+/* Lock the segment for attachment ``a``, waiting at most wait_ms (polled: an OFD lock has no timed wait; not at
+ * all during an outage, see ``outage``); 0 with Busy (not had in time) or OSError set. A holder that died
+ * mid-change left ``holder`` set (or the sequence counter odd): the new holder repairs first. */
 static int lock(Seg *s, int a) {
     int got, rc = 0;
+    int in_outage = s->fd >= 0 && s->fd < OUTAGE_FDS && outage[s->fd];
+    long limit = in_outage ? 0 : wait_ms;
     Py_BEGIN_ALLOW_THREADS
     struct timespec start, now, pause = {0, 20000};
     clock_gettime(CLOCK_MONOTONIC, &start);
@@ -357,7 +366,7 @@ static int lock(Seg *s, int a) {
         got = try_lock(s->fd, F_WRLCK);
         if (got != 0) break;
         clock_gettime(CLOCK_MONOTONIC, &now);
-        if ((now.tv_sec - start.tv_sec) * 1000L + (now.tv_nsec - start.tv_nsec) / 1000000L >= wait_ms) break;
+        if ((now.tv_sec - start.tv_sec) * 1000L + (now.tv_nsec - start.tv_nsec) / 1000000L >= limit) break;
         nanosleep(&pause, NULL);
         if (pause.tv_nsec < 1000000) pause.tv_nsec *= 2;
     }
@@ -369,9 +378,11 @@ static int lock(Seg *s, int a) {
     }
     if (got == 0) {
         __atomic_add_fetch(&s->h->busy, 1, __ATOMIC_RELAXED);
+        if (s->fd >= 0 && s->fd < OUTAGE_FDS) outage[s->fd] = 1;
         PyErr_Format(Busy, "node index: another engine held its lock for over %ld ms", wait_ms);
         return 0;
     }
+    if (in_outage) outage[s->fd] = 0;
     if (s->h->holder != -1 || (s->h->seq & 1)) repair_now(s);
     s->h->holder = a < 0 ? MAX_ATTACH : a;
     return 1;
@@ -447,7 +458,8 @@ static PyObject *py_size(PyObject *self, PyObject *args) {
     return PyLong_FromSize_t(segment_size(num_slots, table_size));
 }
 
-/* set_wait_ms(ms): how long this process waits for the index's lock before an operation gives up (Busy). */
+/* set_wait_ms(ms): how long this process waits for the index's lock before an operation gives up (Busy); it ends
+ * an outage, so the next operation waits again. */
 static PyObject *py_set_wait_ms(PyObject *self, PyObject *args) {
     long ms;
     if (!PyArg_ParseTuple(args, "l", &ms)) return NULL;
@@ -456,6 +468,7 @@ static PyObject *py_set_wait_ms(PyObject *self, PyObject *args) {
         return NULL;
     }
     wait_ms = ms;
+    memset(outage, 0, sizeof outage);
     Py_RETURN_NONE;
 }
 
@@ -1090,6 +1103,7 @@ PyMODINIT_FUNC PyInit__nodeindex(void) {
     if (!Busy || !Damaged || PyModule_AddObjectRef(m, "Busy", Busy) < 0 ||
         PyModule_AddObjectRef(m, "Damaged", Damaged) < 0 ||
         PyModule_AddIntConstant(m, "MAX_ATTACH", MAX_ATTACH) < 0 ||
+        PyModule_AddIntConstant(m, "WAIT_MS", WAIT_MS) < 0 ||
         PyModule_AddIntConstant(m, "MAX_RANKS", MAX_RANKS) < 0 ||
         PyModule_AddIntConstant(m, "VERSION", VERSION) < 0 ||
         PyModule_AddIntConstant(m, "READY", READY) < 0 || PyModule_AddIntConstant(m, "IN_FLIGHT", IN_FLIGHT) < 0 ||

@@ -173,7 +173,7 @@ def test_an_engine_frozen_holding_the_lock_costs_hits_not_steps(node_path: Path)
         assert a.prepare_store(keys(1)) is not None
         a.check_integrity()
     finally:
-        _nodeindex.set_wait_ms(200)
+        _nodeindex.set_wait_ms(_nodeindex.WAIT_MS)
 
 
 def test_a_holder_killed_mid_change_is_repaired_by_the_next(node_path: Path) -> None:

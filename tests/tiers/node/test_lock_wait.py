@@ -13,18 +13,20 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvoffload import _nodeindex
+from kvoffload.keys import offload_key
 from kvoffload.testing import sim_workload
 from kvoffload.testing.sim import SimEngine, SimRequest, Status
 from kvoffload.testing.sim_workload import tokens
 
-WAIT_MS = 20
-"""Each engine's wait for the lock (200 ms in an engine): shorter, so the test's steps are short."""
+WAIT_MS = _nodeindex.WAIT_MS
+"""Each engine's wait for the lock, as in an engine."""
 HOLD_STEPS = 12
 """Engine steps the other process holds the lock for (about a second at ``WAIT_MS``)."""
 SETTLE_STEPS = 6
@@ -51,7 +53,7 @@ HOLDER = textwrap.dedent(f"""
 def short_wait() -> Iterator[None]:
     _nodeindex.set_wait_ms(WAIT_MS)
     yield
-    _nodeindex.set_wait_ms(200)
+    _nodeindex.set_wait_ms(_nodeindex.WAIT_MS)
 
 
 def make_engine(node_path: Path) -> SimEngine:
@@ -137,3 +139,51 @@ def test_every_request_finishes_once_the_index_lock_is_free_again(node_path: Pat
     counters = a.scheduler.pool_counters()
     assert counters["busy"] > 0  # the engines did give waits up
     assert counters["repairs"] == (1 if kill else 0)  # the next holder rebuilt the table first
+
+
+def test_an_engine_waits_for_a_held_lock_once_per_outage_not_once_per_operation(node_path: Path) -> None:
+    """While another process holds the lock, each engine waits for it once (``set_wait_ms``); later operations
+    try it without waiting until they have it again, so a frozen holder costs one slow step, not every step.
+    The control: the same steps with the outage forgotten before each one (what every operation did before)
+    are slow every time."""
+    wait_s = 0.2
+    _nodeindex.set_wait_ms(int(wait_s * 1000))
+    a, b = make_engine(node_path), make_engine(node_path)
+    try:
+        holder = hold_lock(node_path)
+        try:
+            slow = slow_steps([a, b], wait_s, steps=6)
+            assert slow <= 2, f"{slow} of 12 steps waited for the held lock (one per engine at most)"
+            control = slow_steps([a, b], wait_s, steps=3, forget_outage=True)
+            assert control >= 4, f"the control waited in only {control} of 6 steps"
+        finally:
+            release(holder, kill=False)
+        steps_until_finished([a, b], [r for e in (a, b) for r in e.requests.values()], SETTLE_STEPS)
+    finally:
+        _nodeindex.set_wait_ms(_nodeindex.WAIT_MS)
+
+
+def slow_steps(engines: list[SimEngine], wait_s: float, steps: int, forget_outage: bool = False) -> int:
+    """Steps (of every engine, each given a new prompt to store) that took at least ``wait_s``."""
+    slow = 0
+    for i in range(steps):
+        for engine in engines:
+            engine.add_request(f"r{id(engine)}.{i}.{forget_outage}", tokens(16, seed=700 + i + 100 * forget_outage))
+            if forget_outage:
+                _nodeindex.set_wait_ms(int(wait_s * 1000))  # ends the outage: the next operation waits again
+            started = time.perf_counter()
+            engine.step()
+            slow += time.perf_counter() - started >= wait_s
+    return slow
+
+
+def test_what_is_owed_is_dropped_without_an_error_once_the_engine_left_the_pool(node_path: Path) -> None:
+    """An engine that left the pool (damage, a replaced file) while it owed work drops what it owes at its next
+    operation. The chaos loop caught the settling loop taking an item off a list that leaving had emptied: an
+    IndexError out of the engine step."""
+    engine = make_engine(node_path)
+    index = engine.scheduler.index
+    index._owed.append((lambda: None, ()))  # an unpin the lock was busy for
+    index.detached = "the test made it leave"
+    assert index.prepare_store([offload_key(b"owed" * 4, 0)]) is None  # no pool: stores skipped
+    assert index._owed == []

@@ -302,8 +302,11 @@ class NodeIndex(HostIndex):
         return True
 
     def _settle(self) -> None:
-        while self._owed and self._run(*self._owed[0]):
-            self._owed.pop(0)
+        while self._owed:
+            owed = self._owed.pop(0)  # taken first: a run that leaves the pool clears what is owed
+            if not self._run(*owed):
+                self._owed.insert(0, owed)  # the lock is busy: it stays first, in order
+                return
 
     def _settled(self) -> bool:
         """Settle what is owed; whether nothing is owed now (False: the lock was busy past the wait)."""
