@@ -3,7 +3,7 @@
 A socket timeout bounds each read, not a request: a server that sends one byte a little faster than the timeout
 holds a request, and the thread that sent it, for as long as it likes. Here a request runs ``within`` its deadline
 on the thread that sends it; the connection it uses tells the watchdog its socket (``watch``) when it connects and
-when it sends; one daemon thread per process (``WATCHDOG``) shuts down (``SHUT_RDWR``) the sockets of a request
+when it sends; the watchdog (``WATCHDOG``, rung by ``ALARMS``) shuts down (``SHUT_RDWR``) the sockets of a request
 past its deadline, so that the blocked read fails at once, the thread is free and the server sees the connection
 closed. ``within`` then raises ``TimeoutError``, whatever the broken read raised.
 
@@ -13,28 +13,79 @@ the caller bounds: the request runs on another thread and the caller waits on it
 
 Each watched socket is a duplicate (``os.dup``) the watchdog owns until the request ends: shutting it down reaches
 the connection, and its number can never be reused meanwhile by a socket that another thread opened.
+
+The watchdog's clock is ``ALARMS``, the process's one thread that runs callbacks at their time, which the remote
+tier's connections (``tiers.remote.connection``) use for their own deadlines too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import itertools
+import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+logger = logging.getLogger(__name__)
+
 TICK_S = 0.005
-"""How late a deadline may be enforced: the watchdog wakes once for every deadline due within a tick."""
-COMPACT = 1024
-"""Finished deadlines kept in the watchdog's heap before it is rebuilt without them."""
+"""How late an alarm may ring: the alarm thread wakes once for every alarm due within a tick."""
+
+
+class Alarms:
+    """One daemon thread that runs each callback at its time (monotonic seconds), earliest first; thread-safe.
+    ``ALARMS`` is the process's one. A callback runs on that thread and must be short; one that raises is logged."""
+
+    def __init__(self, tick_s: float = TICK_S) -> None:
+        self._tick_s = tick_s
+        self._reset()
+
+    def _reset(self) -> None:
+        """A fresh state (also in a forked child, which has none of its parent's threads)."""
+        self._wake = threading.Condition()
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._order = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def at(self, when: float, callback: Callable[[], None]) -> None:
+        """Run ``callback`` at ``when`` (or at once, if it has passed)."""
+        with self._wake:
+            heapq.heappush(self._heap, (when, next(self._order), callback))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvoffload-alarms", daemon=True)
+                self._thread.start()
+            elif self._heap[0][2] is callback:
+                self._wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                now = time.monotonic()
+                due = []
+                while self._heap and self._heap[0][0] <= now:
+                    due.append(heapq.heappop(self._heap)[2])
+                if not due:
+                    self._wake.wait(self._heap[0][0] - now + self._tick_s if self._heap else None)
+                    continue
+            for callback in due:
+                try:
+                    callback()
+                except Exception:  # the thread rings every other alarm of the process
+                    logger.exception("an alarm's callback raised")
+
+
+ALARMS = Alarms()
+os.register_at_fork(after_in_child=ALARMS._reset)
 
 
 class Deadline:
@@ -56,21 +107,17 @@ _local = threading.local()
 
 
 class Watchdog:
-    """Shuts down the sockets of requests past their deadline; thread-safe. ``WATCHDOG`` is the process's one."""
+    """Shuts down the sockets of requests past their deadline (``ALARMS`` rings it); thread-safe. ``WATCHDOG`` is
+    the process's one."""
 
-    def __init__(self, tick_s: float = TICK_S) -> None:
-        self._tick_s = tick_s
+    def __init__(self, alarms: Alarms) -> None:
+        self._alarms = alarms
         self._reset()
 
     def _reset(self) -> None:
         """A fresh state (also in a forked child, which has none of its parent's threads)."""
         self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._heap: list[tuple[float, int, Deadline]] = []
-        self._live = 0
         self._owners: dict[Any, Deadline] = {}
-        self._order = itertools.count()
-        self._thread: threading.Thread | None = None
         self.expired = 0
         """Deadlines that passed before their request ended (for tests)."""
 
@@ -122,41 +169,27 @@ class Watchdog:
 
     def _start(self, at: float) -> Deadline:
         deadline = Deadline(at)
-        with self._lock:
-            heapq.heappush(self._heap, (at, next(self._order), deadline))
-            self._live += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kvoffload-deadlines", daemon=True)
-                self._thread.start()
-            elif self._heap[0][2] is deadline:
-                self._wake.notify()
+        self._alarms.at(at, functools.partial(self._expire, deadline))
         return deadline
+
+    def _expire(self, deadline: Deadline) -> None:
+        """On the alarm thread, at the deadline: shut its request's sockets down, if it still runs."""
+        with self._lock:
+            if deadline.finished:
+                return
+            deadline.expired = True
+            self.expired += 1
+            for _, duplicate in deadline.sockets.values():
+                _shut(duplicate)
 
     def _finish(self, deadline: Deadline) -> None:
         with self._lock:
             deadline.finished = True
-            self._live -= 1
             for connection, pair in deadline.sockets.items():
                 _close(pair)
                 if self._owners.get(connection) is deadline:
                     del self._owners[connection]
             deadline.sockets.clear()
-            if len(self._heap) > 2 * self._live + COMPACT:
-                self._heap = [entry for entry in self._heap if not entry[2].finished]
-                heapq.heapify(self._heap)
-
-    def _run(self) -> None:
-        with self._lock:
-            while True:
-                now = time.monotonic()
-                while self._heap and self._heap[0][0] <= now:
-                    deadline = heapq.heappop(self._heap)[2]
-                    if not deadline.finished:
-                        deadline.expired = True
-                        self.expired += 1
-                        for _, duplicate in deadline.sockets.values():
-                            _shut(duplicate)
-                self._wake.wait(self._heap[0][0] - now + self._tick_s if self._heap else None)
 
 
 def _shut(sock: socket.socket) -> None:
@@ -186,5 +219,5 @@ def result_by(future: Future[T], at: float, what: str = "a request") -> T:
         raise TimeoutError(f"{what} did not end by its deadline") from None
 
 
-WATCHDOG = Watchdog()
+WATCHDOG = Watchdog(ALARMS)
 os.register_at_fork(after_in_child=WATCHDOG._reset)

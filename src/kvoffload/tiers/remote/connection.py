@@ -18,7 +18,8 @@ How (``deadline_connection(scheme, in_place)``: redis-py's connection class for 
   it: ``socket_timeout`` from then, plus ``socket_connect_timeout`` when the connection must connect first (the
   TCP connect, TLS and the handshake included). A pipeline is one command. A caller may shorten every deadline
   it arms on this thread (``within``: a lookup's rounds share one, a worker's job its budget).
-- One watchdog thread per process: when a deadline passes while its connection is inside a socket call
+- The process's one alarm thread (``tiers.lower.deadline.ALARMS``, which the object tier's deadlines use too):
+  when a deadline passes while its connection is inside a socket call
   (connecting, sending, reading), it shuts that socket down (``shutdown(SHUT_RDWR)``, which on Linux also aborts a
   connect still in SYN-SENT). The blocked call returns at once and the connection raises redis-py's
   ``TimeoutError``; redis-py drops the connection, so no later command reads the rest of a cut reply. A connection
@@ -27,16 +28,14 @@ How (``deadline_connection(scheme, in_place)``: redis-py's connection class for 
   it gives shares one ``socket_connect_timeout``.
 - No retries of its own.
 
-Cost: a lock, a heap push and two counter updates per command (about 2 us), one thread per process.
+Cost: a lock, a heap push and two counter updates per command (about 2 us).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import heapq
 import ipaddress
-import itertools
 import math
 import socket
 import threading
@@ -50,6 +49,8 @@ from redis._parsers import Encoder
 from redis.backoff import NoBackoff
 from redis.connection import Connection, PythonRespSerializer, SSLConnection, UnixDomainSocketConnection
 from redis.retry import Retry
+
+from kvoffload.tiers.lower.deadline import ALARMS
 
 BUFFER_CUTOFF = 6000
 """Arguments above this many bytes are sent on their own (redis-py's own cut-off for its Python packer)."""
@@ -67,36 +68,6 @@ def within(seconds: float) -> Iterator[None]:
         _WITHIN.reset(token)
 
 
-class _Watchdog:
-    """Cuts each connection whose deadline passes inside a socket call (``_Deadline._cut_if_due``)."""
-
-    def __init__(self) -> None:
-        self._due: list[tuple[float, int, _Deadline]] = []
-        self._order = itertools.count()
-        self._changed = threading.Condition()
-        self._thread: threading.Thread | None = None
-
-    def watch(self, connection: _Deadline, deadline: float) -> None:
-        with self._changed:
-            heapq.heappush(self._due, (deadline, next(self._order), connection))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True, name="kvoffload-remote-watchdog")
-                self._thread.start()
-            if self._due[0][2] is connection:
-                self._changed.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._changed:
-                while not self._due or self._due[0][0] > time.monotonic():
-                    self._changed.wait(self._due[0][0] - time.monotonic() if self._due else None)
-                connection = heapq.heappop(self._due)[2]
-            connection._cut_if_due()
-
-
-_WATCHDOG = _Watchdog()
-
-
 class _Deadline:
     """The deadline half of a connection class (mixed in before redis-py's class; see the module docstring)."""
 
@@ -108,7 +79,7 @@ class _Deadline:
 
     def __init__(self, **kwargs: Any) -> None:
         self._guard = threading.Lock()
-        """Held while the watchdog cuts a socket and while the owner closes one, so a closed one is never cut."""
+        """Held while the alarm cuts a socket and while the owner closes one, so a closed one is never cut."""
         self._deadline = math.inf
         self._budget = 0.0
         self._calls = 0
@@ -130,7 +101,7 @@ class _Deadline:
             self._deadline, self._cut = min(now + budget, _WITHIN.get()), False
             self._budget = self._deadline - now
         if self._deadline < math.inf:
-            _WATCHDOG.watch(self, self._deadline)
+            ALARMS.at(self._deadline, self._cut_if_due)
         self._bounded(super().connect)  # type: ignore[misc]
 
     def connect_check_health(self, *args: Any, **kwargs: Any) -> None:
@@ -170,7 +141,7 @@ class _Deadline:
                 self._calls -= 1
 
     def _cut_if_due(self) -> None:
-        """On the watchdog's thread: shut the socket down if a call still runs past the deadline."""
+        """On the alarm thread: shut the socket down if a call still runs past the deadline."""
         with self._guard:
             sock = self._sock or self._connecting
             if self._calls == 0 or time.monotonic() < self._deadline or sock is None:
