@@ -85,7 +85,7 @@ def test_every_series_is_listed_at_zero_before_the_first_event(tmp_path) -> None
     text = _registered({"disk_path": str(tmp_path), "disk_bytes": 1 << 30})
     labels = 'engine="0",model_name="tiny"'
     for name in ("hit_tokens", "miss_tokens", "failed_load_tokens", "skipped_slow_hit_tokens",
-                 "store_admitted_blocks", "store_declined_blocks"):
+                 "store_admitted_blocks", "store_declined_blocks", "unanswered_lookups", "undeleted_blocks"):
         assert f"vllm:kvoffload_{name}_total{{{labels}}} 0.0" in text
     for direction in ("device_to_host", "host_to_device", "host_to_disk", "disk_to_host"):
         for name in ("transfer_bytes", "transfer_seconds", "transfer_jobs", "transfer_failed_jobs"):

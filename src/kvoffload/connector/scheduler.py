@@ -28,7 +28,7 @@ from kvoffload.connector.requests import EngineRequest, RequestState, StepSchedu
 from kvoffload.connector.stats import SchedulerStats
 from kvoffload.connector.stores import StoreAdmitter, StoreScan
 from kvoffload.index.admission import make_admission
-from kvoffload.index.base import BlockIndex, OffloadEvent, TierUsage
+from kvoffload.index.base import BlockIndex, OffloadEvent, StoreCounts, TierUsage
 from kvoffload.keys import Namespace
 from kvoffload.layout import KVCacheLayout
 from kvoffload.tiers.sizing import host_slot_bytes, offload_factor
@@ -65,6 +65,7 @@ class ConnectorScheduler:
         self.index.set_load_cost(self.load_cost)
         self._clock = clock
         self._skipped_reported = 0
+        self._store_reported = StoreCounts()
         self._last_meta: tuple[float, int] | None = None
         self._root = namespace.chain_root()
         self._requests: dict[str, RequestState] = {}
@@ -211,8 +212,9 @@ class ConnectorScheduler:
         return moved
 
     def has_stats(self) -> bool:
-        """Whether ``take_stats`` would return anything counted (asked every step: allocates nothing)."""
-        return self.load_cost.skipped_blocks != self._skipped_reported or not self._stats.is_empty()
+        """Whether ``take_stats`` would return anything counted (asked every step)."""
+        return (self.load_cost.skipped_blocks != self._skipped_reported or not self._stats.is_empty()
+                or self.index.store_counts() != self._store_reported)
 
     def take_stats(self) -> SchedulerStats:
         """What was counted since the last call (the caller owns it)."""
@@ -220,6 +222,10 @@ class ConnectorScheduler:
         stats = self._stats.take()
         stats.skipped_slow_tokens = (skipped - self._skipped_reported) * self.offload_tokens
         self._skipped_reported = skipped
+        counts, reported = self.index.store_counts(), self._store_reported
+        stats.unanswered_lookups = counts.unanswered_lookups - reported.unanswered_lookups
+        stats.undeleted_blocks = counts.undeleted_blocks - reported.undeleted_blocks
+        self._store_reported = counts
         return stats
 
     def usage(self) -> list[TierUsage]:

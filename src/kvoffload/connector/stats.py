@@ -74,6 +74,13 @@ class SchedulerStats:
     holds); every one with ``store_admission: all``. Counted per block of tokens, not per KV-cache group."""
     declined_blocks: int = 0
     """Offload blocks a request computed that store admission declined: not stored."""
+    unanswered_lookups: int = 0
+    """Lookups of a shared store (remote, object) that were misses because it did not answer: it failed or timed
+    out, the search passed its deadline or was refused while too many were open, or the tier was switched off
+    after failures (its breaker)."""
+    undeleted_blocks: int = 0
+    """Blocks of this engine's a shared store was asked to delete but did not (the delete failed, or was dropped
+    while too many waited): the store's own expiry removes them."""
 
     @property
     def miss_tokens(self) -> int:
@@ -83,15 +90,18 @@ class SchedulerStats:
         """Nothing counted: a step without lookups may still count failed loads, skipped slow hits or stores."""
         # Spelled out: every decode step asks, and a loop over dataclasses.fields() costs microseconds.
         return not (self.requests or self.query_tokens or self.hit_tokens or self.failed_load_tokens
-                    or self.skipped_slow_tokens or self.admitted_blocks or self.declined_blocks)
+                    or self.skipped_slow_tokens or self.admitted_blocks or self.declined_blocks
+                    or self.unanswered_lookups or self.undeleted_blocks)
 
     def take(self) -> SchedulerStats:
         """What was counted, moved into a new object (the caller owns it); this one starts again from zero and
         stays the one that the scheduler half's parts count into."""
         taken = SchedulerStats(self.requests, self.query_tokens, self.hit_tokens, self.failed_load_tokens,
-                               self.skipped_slow_tokens, self.admitted_blocks, self.declined_blocks)
+                               self.skipped_slow_tokens, self.admitted_blocks, self.declined_blocks,
+                               self.unanswered_lookups, self.undeleted_blocks)
         self.requests = self.query_tokens = self.hit_tokens = self.failed_load_tokens = 0
         self.skipped_slow_tokens = self.admitted_blocks = self.declined_blocks = 0
+        self.unanswered_lookups = self.undeleted_blocks = 0
         return taken
 
     def aggregate(self, other: SchedulerStats) -> SchedulerStats:
@@ -100,4 +110,6 @@ class SchedulerStats:
                               self.failed_load_tokens + other.failed_load_tokens,
                               self.skipped_slow_tokens + other.skipped_slow_tokens,
                               self.admitted_blocks + other.admitted_blocks,
-                              self.declined_blocks + other.declined_blocks)
+                              self.declined_blocks + other.declined_blocks,
+                              self.unanswered_lookups + other.unanswered_lookups,
+                              self.undeleted_blocks + other.undeleted_blocks)

@@ -87,6 +87,20 @@ class TierUsage:
     capacity_blocks: int
 
 
+@dataclass(frozen=True)
+class StoreCounts:
+    """What a shared store's background work gave up since its index was made (``tiers.lower.background``):
+    lookups that were misses because the store did not answer (a failure, a timeout, a search too late or
+    refused, the tier switched off after failures), and blocks whose delete failed or was dropped."""
+
+    unanswered_lookups: int = 0
+    undeleted_blocks: int = 0
+
+    def __add__(self, other: StoreCounts) -> StoreCounts:
+        return StoreCounts(self.unanswered_lookups + other.unanswered_lookups,
+                           self.undeleted_blocks + other.undeleted_blocks)
+
+
 class LoadAdvisor(Protocol):
     """Says whether loading blocks from a tier below host beats recomputing them (connector.load_cost)."""
 
@@ -189,6 +203,10 @@ class BlockIndex(ABC):
         the engine's /metrics; None when it shares none."""
         return None
 
+    def store_counts(self) -> StoreCounts:
+        """What a shared store's background work gave up so far (none for a tier this process answers itself)."""
+        return StoreCounts()
+
     def close(self) -> None:  # noqa: B027 (a hook: an index of this process's memory holds nothing to release)
         """The engine stops: release what this index holds outside the process (the node tier's attachment)."""
 
@@ -232,6 +250,8 @@ class LowerIndex(Protocol):
     def check_integrity(self) -> None: ...
 
     def usage(self) -> list[TierUsage]: ...
+
+    def store_counts(self) -> StoreCounts: ...
 
     def close(self) -> None: ...
 

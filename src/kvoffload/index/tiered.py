@@ -48,6 +48,7 @@ from kvoffload.index.base import (
     LowerIndex,
     OffloadEvent,
     PrepareStoreOutput,
+    StoreCounts,
     TierTransfer,
     TierUsage,
 )
@@ -250,6 +251,12 @@ class TieredIndex(BlockIndex):
 
     def pool_counters(self) -> dict[str, int]:
         return self.host.pool_counters()
+
+    def store_counts(self) -> StoreCounts:
+        counts = StoreCounts()
+        for tier in self.lower_indexes:
+            counts += tier.store_counts()
+        return counts
 
     def pool_directory(self) -> str | None:
         return self.host.pool_directory()

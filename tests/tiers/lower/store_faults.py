@@ -36,10 +36,13 @@ def run_under(engine: SimEngine, proxy: FaultProxy, fault: Fault) -> None:
     hit = engine.add_request("hit", [*prompt, 7])
     new = engine.add_request("new", tokens(16, seed=50))
     local = engine.add_request("local", tokens(16, seed=1012))  # the last filler's prefix: the host has it
+    engine.scheduler.take_stats()
     times = run_timed(engine)
     assert {r.status for r in (hit, new, local)} == {Status.FINISHED}
     assert engine.corrupt_blocks == []
     assert max(times) < STEP_BOUND_S, f"a step took {max(times):.3f} s under {fault.name}"
+    if fault in (Fault.FREEZE, Fault.SILENT, Fault.BLACKHOLE):  # (a trickled short answer may still come in time)
+        assert engine.scheduler.take_stats().unanswered_lookups >= 1  # the new prompt's search: counted, a miss
     proxy.set(Fault.PASS)
 
 

@@ -17,6 +17,10 @@ the counters that a vLLM server shows on ``/metrics``:
     vllm:kvoffload_skipped_slow_hit_tokens_total       lower-tier hits recomputed as faster than loading them
     vllm:kvoffload_store_admitted_blocks_total         computed blocks store admission let through
     vllm:kvoffload_store_declined_blocks_total         computed blocks store admission declined (not stored)
+    vllm:kvoffload_unanswered_lookups_total            lookups of a shared store (remote, object) that were
+                                                       misses as it did not answer (failed, timed out)
+    vllm:kvoffload_undeleted_blocks_total              blocks a shared store was asked to delete and did not
+                                                       (the delete failed, or was dropped: too many waited)
     vllm:kvoffload_host_used_bytes                     host tier bytes in use, all ranks (gauge)
     vllm:kvoffload_node_pool{counter}                  host_scope node: the shared pool's counters, the same in
                                                        every engine sharing it (gauges: capacity, used (blocks),
@@ -63,7 +67,7 @@ NODE_POOL_PATH = "node_pool_path"
 SCRAPE_CACHE_S = 1.0
 """A scrape reads the pool once for all its gauges."""
 _LOOKUP_FIELDS = ("requests", "query_tokens", "hit_tokens", "failed_load_tokens", "skipped_slow_tokens",
-                  "admitted_blocks", "declined_blocks")
+                  "admitted_blocks", "declined_blocks", "unanswered_lookups", "undeleted_blocks")
 
 
 @dataclass
@@ -126,6 +130,9 @@ class KVOffloadStats(KVConnectorStats):
         if lookups.declined_blocks:
             out["declined_blocks"] = lookups.declined_blocks
             out["admitted_blocks"] = lookups.admitted_blocks
+        for name in ("unanswered_lookups", "undeleted_blocks"):
+            if getattr(lookups, name):
+                out[name] = getattr(lookups, name)
         if HOST_USED_BYTES in self.data:
             out[HOST_USED_BYTES] = self.data[HOST_USED_BYTES]
         for name, value in self.data.get(NODE_POOL, {}).items():
@@ -152,6 +159,10 @@ _TOKEN_COUNTERS = {
                         "Computed offload blocks that kvoffload's store admission let through."),
     "declined_blocks": ("vllm:kvoffload_store_declined_blocks",
                         "Computed offload blocks that kvoffload's store admission declined (not stored)."),
+    "unanswered_lookups": ("vllm:kvoffload_unanswered_lookups",
+                           "Lookups of a shared store that were misses because it did not answer."),
+    "undeleted_blocks": ("vllm:kvoffload_undeleted_blocks",
+                         "Blocks a shared store was asked to delete and did not (failed, or dropped)."),
 }
 
 

@@ -105,6 +105,8 @@ class Searches:
         """Searches given up at their deadline: misses."""
         self.refused = 0
         """Lookups answered a miss because ``MAX_SEARCHES`` searches were open."""
+        self.unanswered = 0
+        """Answers without a run: the store failed or timed out, the search was late or refused (misses)."""
 
     def answer(self, keys: Sequence[OffloadKey]) -> SearchAnswer | None:
         """The answer of the search of ``keys``, started now if there is none; None while it runs (ask again).
@@ -117,16 +119,21 @@ class Searches:
         if search is None:
             search = self._start(sid, keys, now)
             if search is None:
-                return SearchAnswer(None)  # refused: too many open
+                return self._unanswered(SearchAnswer(None))  # refused: too many open
             self._budget.wait(search.future)
         if search.future.done():
             del self._open[sid]
-            return SearchAnswer(_result(search.future))
+            answer = SearchAnswer(_result(search.future))
+            return answer if answer.run is not None else self._unanswered(answer)
         if now < search.deadline:
             return None
         del self._open[sid]  # its thread may still be held by the store: its result is dropped
         self.late += 1
-        return SearchAnswer(None, late=True)
+        return self._unanswered(SearchAnswer(None, late=True))
+
+    def _unanswered(self, answer: SearchAnswer) -> SearchAnswer:
+        self.unanswered += 1
+        return answer
 
     @property
     def open(self) -> int:

@@ -40,6 +40,7 @@ from kvoffload.index.base import (
     LookupResult,
     OffloadEvent,
     PrepareStoreOutput,
+    StoreCounts,
     TierUsage,
 )
 from kvoffload.index.slot_index import SlotIndex
@@ -94,6 +95,7 @@ class ProbedIndex(BlockIndex):
                  clock: Callable[[], float] = time.monotonic, deadline_s: float = SEARCH_DEADLINE_S) -> None:
         self.probe = probe
         self.searches = Searches(probe, deadline_s, clock)
+        self._switched_off = 0  # lookups answered a miss while the store's breaker was open
         self.deletes = Deletes(probe, f"{medium.value} tier")
         self._medium = medium
         self._spec_of = spec_of
@@ -112,7 +114,10 @@ class ProbedIndex(BlockIndex):
         return self._own.capacity
 
     def lookup(self, keys: Sequence[OffloadKey]) -> LookupResult:
-        if not keys or not self.probe.available:
+        if not keys:
+            return LookupResult(0)
+        if not self.probe.available:
+            self._switched_off += 1
             return LookupResult(0)
         now = self._clock()
         known = self._known_run(keys, now)
@@ -184,6 +189,10 @@ class ProbedIndex(BlockIndex):
         if self.searches.open > MAX_SEARCHES:
             raise IntegrityError(f"{self._medium.value} tier: {self.searches.open} searches open, more than "
                                  f"{MAX_SEARCHES}")
+
+    def store_counts(self) -> StoreCounts:
+        searches, deletes = self.searches, self.deletes
+        return StoreCounts(searches.unanswered + self._switched_off, deletes.failed + deletes.dropped)
 
     def wait_answers(self, timeout_s: float) -> bool:
         """Wait until every search started has its answer, for the next lookup to take (tests, benches); False if
