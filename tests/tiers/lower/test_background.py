@@ -22,7 +22,7 @@ def test_a_search_answers_later_and_the_caller_never_waits() -> None:
     probe.gate.set()
     assert searches.wait(10.0)
     assert searches.answer(ks) == SearchAnswer(3)
-    assert searches.started == 1 and probe.searched == [tuple(ks)]
+    assert searches.started == 1 and probe.searched == [tuple(ks)] and searches.unanswered == 0
     assert searches.answer(ks) is None and searches.started == 2  # an answer is given once: a new search
     searches.close()
 
@@ -36,7 +36,7 @@ def test_a_search_past_its_deadline_is_a_miss_whatever_its_thread_does() -> None
     assert searches.answer(ks) is None
     clock.now = 2.0
     assert searches.answer(ks) == SearchAnswer(None, late=True)  # the store still holds the thread
-    assert searches.late == 1 and searches.open == 0
+    assert searches.late == 1 and searches.unanswered == 1 and searches.open == 0
     probe.gate.set()  # its late answer is dropped: the next ask starts anew
     assert searches.answer(ks) is None and searches.started == 2
     searches.close()
@@ -49,7 +49,7 @@ def test_searches_open_at_once_are_bounded(monkeypatch: pytest.MonkeyPatch) -> N
     for salt in range(3):
         assert searches.answer(keys(2, salt)) is None
     assert searches.answer(keys(2, 9)) == SearchAnswer(None)  # a stuck store cannot pile up searches
-    assert searches.refused == 1 and searches.open == 3
+    assert searches.refused == 1 and searches.unanswered == 1 and searches.open == 3
     clock.now = 2.0 + background.KEEP_ANSWER_S  # nobody asked again: the stale ones go to make room
     assert searches.answer(keys(2, 9)) is None and searches.open == 1
     probe.gate.set()
