@@ -145,7 +145,7 @@ KEYS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "remote_password_env": (password_env, "environment variable holding the ACL password"),
     "remote_password_file": (password_file, "file holding the ACL password"),
     "remote_connect_timeout_ms": (_REMOTE_TIMEOUT_MS, "connecting to a remote server slower than this fails"),
-    "remote_timeout_ms": (_REMOTE_TIMEOUT_MS, "a remote command slower than this fails (a miss or a skipped store)"),
+    "remote_timeout_ms": (_REMOTE_TIMEOUT_MS, "a remote command not answered whole within this fails"),
     "remote_ttl_s": (IntRange(1, 315_360_000, "10 years"),
                      "expire remote values this long after they are written (default: never)"),
     "remote_bytes": (_BYTES, "bytes this engine may have stored in the remote tier (default 16 GiB)"),

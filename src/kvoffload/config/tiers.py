@@ -67,7 +67,8 @@ class RemoteTierConfig:
     """The ACL password (hidden from ``repr``, never logged)."""
     connect_timeout_s: float = 0.5
     timeout_s: float = 1.0
-    """Per command; a slower answer is a failed job (a miss, or a skipped store)."""
+    """A command's wall-clock deadline (plus ``connect_timeout_s`` when it must connect), however the server
+    trickles: tiers/remote/connection.py; a slower answer is a failed job (a miss, or a skipped store)."""
     ttl_s: int | None = None
     capacity_bytes: int = 16 * GIB
     """What this engine may have written there at once; the server's own ``maxmemory`` bounds the whole store."""
