@@ -4,6 +4,10 @@ Engine A serves the workload's first round and goes on serving it (loading, pinn
 fresh process, serves the second round on the same prefixes: they load from the pool A filled, and B's outputs
 equal plain vLLM's (the baseline carries its sensitivity control). A is killed with SIGKILL as B starts serving:
 B finishes with plain vLLM's outputs, and A started again attaches, releases what the dead A held, and hits.
+
+Then B serves the first round's prompts while another process holds the pool's index lock (an engine frozen
+holding it): B's pins and stores give up (one wait per outage), its loads fail and are recomputed, and every
+request finishes with plain vLLM's outputs.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import pytest
-from tests.e2e.conftest import BLOCK_SIZE, PREFIX_TOKENS, ROUNDS, Baseline, Result, assert_same_outputs
+from tests.e2e.conftest import BLOCK_SIZE, PREFIX_TOKENS, ROUNDS, Baseline, Result, assert_same_outputs, resume
+from tests.tiers.node.test_lock_wait import hold_lock, release
 
 from kvoffload import _nodeindex
 from kvoffload.tiers.disk.tree import Access
@@ -65,7 +70,8 @@ def test_engine_b_loads_engine_a_prefixes_from_the_node_pool_and_survives_a_kill
     with open(tmp_path / "engines.log", "w") as log:
         a = start_engine(model_dir, node_path, log, [ROUNDS["first"]], loop=True)
         # B starts beside A (the start-ups overlap) and serves once A has served its first round.
-        b = start_engine(model_dir, node_path, log, [ROUNDS["second"]], announce=True, hold=True)
+        b = start_engine(model_dir, node_path, log, [ROUNDS["second"], ROUNDS["first"]], announce=True, hold=True,
+                         hold_before=[1])
         try:
             first = results(read_result(a)["rounds"][0])
             assert_same_outputs(first, baseline["first"])
@@ -75,13 +81,18 @@ def test_engine_b_loads_engine_a_prefixes_from_the_node_pool_and_survives_a_kill
             a.wait()
             b.stdin.write("go\n")
             b.stdin.flush()
+            holders = []
+            resume(b, "round 1\n", lambda: holders.append(hold_lock(node_path)))  # the lock held for round 1
             b_result = read_result(b)
-            second = results(b_result["rounds"][0])
+            second, locked_out = results(b_result["rounds"][0]), results(b_result["rounds"][1])
             assert b.wait(timeout=300) == 0
         finally:
             a.kill()
             b.kill()  # once it has exited (checked above), a no-op
+            for holder in holders:
+                release(holder, kill=False)
         assert_same_outputs(second, baseline["second"])
+        assert_same_outputs(locked_out, baseline["first"])  # every request finished, under the held lock
         assert sum(r.cached_tokens for r in second) > 0  # B loaded what A stored, in B's fresh process
         assert b_result["counters"]["node_cross_hits"] > 0  # and its /metrics says so
 

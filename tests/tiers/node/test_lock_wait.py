@@ -187,3 +187,28 @@ def test_what_is_owed_is_dropped_without_an_error_once_the_engine_left_the_pool(
     index.detached = "the test made it leave"
     assert index.prepare_store([offload_key(b"owed" * 4, 0)]) is None  # no pool: stores skipped
     assert index._owed == []
+
+
+def test_a_hit_on_a_ready_block_finishes_while_the_lock_is_held(node_path: Path, short_wait: None) -> None:
+    """A block ready in the pool is a hit for a lookup (which reads without the lock), but its load cannot be
+    pinned while another process holds the lock. While its wait is given up the engine's lookups are misses: the
+    request is computed and finishes. (Before, a real vLLM engine hit, failed the load, asked again and hit
+    again for as long as the lock was held: 846,731 load failures in tests/e2e/test_node_tier.py's held round,
+    which never ended. The simulated engine recomputes a failed load at once and did not loop: that e2e is the
+    control.)"""
+    a, b = make_engine(node_path), make_engine(node_path)
+    prefix = tokens(16, seed=43)
+    a.add_request("stored", [*prefix, 1])
+    steps_until_finished([a], list(a.requests.values()), 50)
+    step_all([a], 3)  # the store completes: ready in the pool
+    holder = hold_lock(node_path)
+    try:
+        hit = b.add_request("hit", [*prefix, 2])
+        steps_until_finished([b], [hit], SETTLE_STEPS + 4)
+        assert hit.loaded_tokens == 0 and b.corrupt_blocks == []
+    finally:
+        release(holder, kill=False)
+    forget_device_prefixes(b)
+    later = b.add_request("later", [*prefix, 3])
+    steps_until_finished([b], [later], SETTLE_STEPS)
+    assert later.loaded_tokens == len(prefix)  # the lock free again: the pool serves it

@@ -71,6 +71,10 @@ pool."""
 _T = TypeVar("_T")
 
 
+_LOCKING = frozenset({_nodeindex.pin, _nodeindex.unpin, _nodeindex.complete, _nodeindex.reserve, _nodeindex.reset,
+                      _nodeindex.release})
+"""The index's operations that take its lock (lookups read without it): one that returns had the lock."""
+
 class NodeIndex(HostIndex):
     """One engine's view of the node pool's shared index.
 
@@ -97,6 +101,7 @@ class NodeIndex(HostIndex):
         self._in_flight: dict[OffloadKey, tuple[int, int]] = {}  # this engine's stores: key -> (slot, epoch)
         self._events: list[OffloadEvent] = []
         self._owed: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []  # unpins and completions not yet had
+        self._locked_out = False  # a write gave its wait for the lock up, and none has had it since
         self.capacity: int = _nodeindex.stats(segment)["capacity"]
         self._last_reclaim = 0.0
         self.attachment: int = -1  # none yet: the reclaim below skips no one
@@ -151,6 +156,10 @@ class NodeIndex(HostIndex):
 
     def lookup(self, keys: Sequence[OffloadKey]) -> LookupResult:
         self._reclaim()
+        if not self._lock_free():
+            # A hit could not be pinned: its load would fail, and the engine would ask again, hit again and fail
+            # again for as long as the lock is held (a real engine looped so). A miss is computed instead.
+            return LookupResult(0)
         joined = b"".join(keys)
         hits, pending = self._call(_nodeindex.lookup, (0, False), *self._mine, joined)
         if pending and self._owed and self._settled():  # the store it waits for may be one whose completion is owed
@@ -279,18 +288,30 @@ class NodeIndex(HostIndex):
         empty: dict[str, int] = {}
         return dict(self._call(_nodeindex.stats, empty, self._segment))
 
+    def _lock_free(self) -> bool:
+        """Whether this engine may have the index's lock now: at once while no wait was given up; else one try
+        (no wait: the lock's outage, ``_nodeindex``), which ends the outage when it has the lock."""
+        if self._locked_out:
+            nothing: list[tuple[int, int]] = []
+            self._call(_nodeindex.pin, nothing, *self._mine, b"")  # locks, pins nothing
+        return not self._locked_out
+
     def _call(self, operation: Callable[..., _T], default: _T, *args: Any) -> _T:
         """``operation(*args)`` on the shared index; ``default`` when this engine left the pool, when the lock
         was busy past the wait, or when the index is found damaged past repair (then this engine leaves it)."""
         if self.detached is not None:
             return default
         try:
-            return operation(*args)
+            result = operation(*args)
         except _nodeindex.Busy:
+            self._locked_out = True
             return default
         except _nodeindex.Damaged as e:
             self._detach(str(e))
             return default
+        if operation in _LOCKING:
+            self._locked_out = False
+        return result
 
     def _owe(self, operation: Callable[..., None], *args: Any) -> bool:
         """Run an unpin or a completion now, or owe it (settled at the next operation) when the lock is busy:
@@ -322,12 +343,15 @@ class NodeIndex(HostIndex):
         try:
             operation(*args)
         except _nodeindex.Busy:
+            self._locked_out = True
             return False
         except _nodeindex.Damaged as e:
             self._detach(str(e))
         except Exception:
             logger.exception("node tier: an owed %s failed; dropped, so that what is owed after it settles",
                              getattr(operation, "__name__", operation))
+        else:
+            self._locked_out = False  # owed work is unpins and completions: it had the lock
         return True
 
     def _detach(self, reason: str) -> None:
