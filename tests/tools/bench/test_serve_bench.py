@@ -159,7 +159,7 @@ def test_a_small_run_serves_both_sides_with_hits_and_leaves_nothing_behind(tmp_p
     names = {series.partition("{")[0] for series in fresh}
     assert {"vllm:kvoffload_hit_tokens_total", "vllm:kvoffload_failed_load_tokens_total",
             "vllm:kvoffload_transfer_failed_jobs_total", "vllm:kvoffload_host_used_bytes"} <= names
-    assert len(fresh) == 6 + 4 * 2 + 1 and not any(fresh.values())  # tokens, per direction, host usage
+    assert len(fresh) == 8 + 4 * 2 + 1 and not any(fresh.values())  # tokens and store counts, per direction, host
     # kvoffload's lines in the server's log read like vLLM's own: level, time, logger name.
     log = (tmp_path / "kvoffload.log").read_text()
     assert re.search(r"\(\S+ pid=\d+\) INFO \d\d-\d\d [\d:]+ \[kvoffload\.integrations\.vllm\.connector:\d+\] "
