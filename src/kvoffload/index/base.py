@@ -15,7 +15,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvoffload.blocks import BlockSpec, Medium
 from kvoffload.keys import OffloadKey
@@ -59,13 +59,45 @@ class EventKind(enum.Enum):
     REMOVED = "removed"
 
 
+EngineHash = int | bytes
+"""An engine's own hash of one engine block, as its KV events publish it (vLLM: an unsigned 64-bit int, or the
+hash's bytes under ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockDescription:
+    """One offload block of one KV-cache group as a KV-aware router indexes it: what the engine's own KV events
+    say of the engine blocks it covers (``connector.announce``). Engine-neutral: the engine adapter fills it from
+    its request, and turns it into its events."""
+
+    block_hashes: tuple[EngineHash, ...]
+    """The engine's hash of each engine block the offload block covers, in order."""
+    parent_hash: EngineHash | None
+    """The engine's hash of the engine block before the first (None: the prefix's first block)."""
+    token_ids: tuple[int, ...]
+    """The offload block's tokens (``len(block_hashes) * block_size``; empty for a state group's block)."""
+    block_size: int
+    """Tokens per engine block (per hash)."""
+    group: int
+    """The KV-cache group."""
+    lora_id: int | None = None
+    lora_name: str | None = None
+    extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None
+    """What besides tokens went into each hash, one entry per hash, as the engine's events publish it."""
+
+
 @dataclass(frozen=True)
 class OffloadEvent:
-    """Keys that became loadable (``STORED``) or stopped being loadable (``REMOVED``) on ``medium``."""
+    """Keys that became loadable (``STORED``) or stopped being loadable (``REMOVED``) on ``medium``.
+
+    ``descriptions``: empty, or one per key (None where unknown) when the tier learned the keys from another engine
+    (the node pool's blocks other engines stored): this engine never saw their requests.
+    """
 
     kind: EventKind
     keys: tuple[OffloadKey, ...]
     medium: Medium
+    descriptions: tuple[BlockDescription | None, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -209,6 +241,13 @@ class BlockIndex(ABC):
 
     def close(self) -> None:  # noqa: B027 (a hook: an index of this process's memory holds nothing to release)
         """The engine stops: release what this index holds outside the process (the node tier's attachment)."""
+
+    def share_descriptions(self, medium: Medium,  # noqa: B027 (a hook: a private tier shares nothing)
+                           described: Sequence[tuple[OffloadKey, BlockDescription]]) -> None:
+        """This engine announced ``described`` keys as stored on ``medium``: a tier that other engines load from
+        passes them on, so that every engine attached announces the blocks (the node pool: ``tiers.node.announce``;
+        its index then reports other engines' blocks as events with ``descriptions``). Called once a step at
+        most, only when the engine publishes KV events."""
 
 
 class LowerIndex(Protocol):

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from kvoffload.blocks import BlockSpec, HostBlocks, Medium
 from kvoffload.config import WritePolicy
 from kvoffload.index.base import (
+    BlockDescription,
     BlockIndex,
     HostIndex,
     IntegrityError,
@@ -260,6 +261,10 @@ class TieredIndex(BlockIndex):
 
     def pool_directory(self) -> str | None:
         return self.host.pool_directory()
+
+    def share_descriptions(self, medium: Medium, described: Sequence[tuple[OffloadKey, BlockDescription]]) -> None:
+        if medium == self.host.medium:
+            self.host.share_descriptions(medium, described)
 
     def close(self) -> None:
         self.host.close()
