@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvoffload.blocks import NO_BLOCK, BlockSpec, DeviceBlocks, HostBlocks, TransferJob
+from kvoffload.connector.announce import Announcer
 from kvoffload.connector.jobs import JobBook, JobKind, regroup
 from kvoffload.connector.metadata import LoadJob
 from kvoffload.connector.requests import EngineRequest, PlannedLoad, RequestState
@@ -27,8 +28,11 @@ class LoadPlanner:
 
     def __init__(self, index: BlockIndex, jobs: JobBook, admission: StoreAdmitter, stats: SchedulerStats,
                  factor: int, engine_block_size: int, num_groups: int, state_groups: frozenset[int],
-                 null_block_id: int | None) -> None:
+                 null_block_id: int | None, announcer: Announcer | None = None) -> None:
+        """``announcer``: describes the blocks a lookup hits, for the router events (None: the engine publishes
+        none)."""
         self._index = index
+        self._announcer = announcer
         self._jobs = jobs
         self._admission = admission
         self._stats = stats
@@ -74,6 +78,12 @@ class LoadPlanner:
             if result.hits < hits:
                 # The group with the shortest run decides, and whether its next block is on its way.
                 hits, pending = result.hits, result.pending
+        if self._announcer is not None and (hits or pending):
+            # A hit or a promotion: their blocks may be announced on another tier soon (a promotion to the host,
+            # another engine's block in a shared tier), and only now is the request at hand to describe them.
+            end_described = end if pending else first + hits
+            for group in range(self._num_groups):
+                self._announcer.describe_run(state, state.keys(first, end_described, group), first, group)
         if pending:
             return None, False
         if self._state_groups:

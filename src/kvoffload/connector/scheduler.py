@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 from kvoffload.blocks import Medium
 from kvoffload.config import OffloadConfig
+from kvoffload.connector.announce import Announcement, Announcer, Describe
 from kvoffload.connector.jobs import JobBook
 from kvoffload.connector.load_cost import LoadCost
 from kvoffload.connector.loads import LoadPlanner
@@ -42,7 +43,7 @@ class ConnectorScheduler:
     def __init__(self, config: OffloadConfig, layout: KVCacheLayout, engine_block_size: int,
                  namespace: Namespace, index: BlockIndex | None = None,
                  null_block_id: int | None = None, flush_stores_next_step: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, describe: Describe | None = None) -> None:
         """``null_block_id``: the engine's placeholder block (vLLM's block 0 stands in for blocks a sliding-window
         group has dropped); offload blocks that contain it are never stored, and loads leave a hole (``NO_BLOCK``)
         where it stands, so they never write it.
@@ -52,6 +53,10 @@ class ConnectorScheduler:
         is flushed at the start of the next step, before the forward pass, instead of running beside it.
 
         ``clock``: monotonic seconds, for the timings behind cost-aware loading (tests drive a fake one).
+
+        ``describe``: the engine describes its blocks for KV-aware routers (``connector.announce``); then
+        ``take_announcements`` says what the tiers hold in the engine's own terms. None: the engine publishes no KV
+        events, and nothing is described.
         """
         self.factor = offload_factor(config, engine_block_size)
         self.engine_block_size = engine_block_size
@@ -79,12 +84,15 @@ class ConnectorScheduler:
                                                                          clock)
         host = next(u for u in self.index.usage() if u.medium == Medium.HOST)
         self.admission = make_admission(config.store_admission, host.capacity_blocks, self.index.host_policy)
+        capacity = sum(u.capacity_blocks for u in self.index.usage())
+        self.announcer = None if describe is None else Announcer(describe, self.index, max_blocks=capacity)
         self._jobs = JobBook(self.index, self._requests, self._stats, self.load_cost, namespace.world_size, clock)
         self._admitter = StoreAdmitter(self.admission, self._stats)
         self._loads = LoadPlanner(self.index, self._jobs, self._admitter, self._stats, self.factor,
-                                  engine_block_size, self.num_groups, self.state_groups, null_block_id)
+                                  engine_block_size, self.num_groups, self.state_groups, null_block_id,
+                                  self.announcer)
         self._stores = StoreScan(self.index, self._requests, self._jobs, self._admitter, self.factor,
-                                 self.num_groups, null_block_id)
+                                 self.num_groups, null_block_id, self.announcer)
 
     @property
     def null_block_id(self) -> int | None:
@@ -199,10 +207,21 @@ class ConnectorScheduler:
         self._admitter.forget(req_id)
 
     def take_events(self) -> list[OffloadEvent]:
+        """The tiers' events since the last call (as keys; ``take_announcements`` describes them)."""
         return self.index.take_events()
+
+    def take_announcements(self) -> list[Announcement]:
+        """The tiers' events since the last call, described for a KV-aware router (empty without ``describe``,
+        though the events are drained all the same)."""
+        events = self.index.take_events()
+        if self.announcer is None:
+            return []
+        return self.announcer.take(events)
 
     def reset(self) -> bool:
         self.index.reset()
+        if self.announcer is not None:
+            self.announcer.reset()
         self._usage_moved = True
         return True
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from kvoffload import _stepscan
 from kvoffload.blocks import DeviceBlocks, TransferJob
+from kvoffload.connector.announce import Announcer
 from kvoffload.connector.jobs import JobBook, JobKind, regroup
 from kvoffload.connector.requests import NEVER, RequestState, StepSchedule
 from kvoffload.connector.stats import SchedulerStats
@@ -36,16 +37,18 @@ DECLINED = -1
 
 @dataclass
 class FullBlocks:
-    """Offload blocks that became full this step, by group: their keys, their device blocks (``factor`` per key)
-    and the request of each key; the step's store job is made of them."""
+    """Offload blocks that became full this step, by group: their keys, their device blocks (``factor`` per key),
+    the request of each key and its place there (offload block index); the step's store job is made of them."""
 
     keys: list[list[OffloadKey]]
     device_blocks: list[list[int]]
     owners: list[list[RequestState]]
+    blocks: list[list[int]]
 
     @classmethod
     def empty(cls, num_groups: int) -> FullBlocks:
-        return cls([[] for _ in range(num_groups)], [[] for _ in range(num_groups)], [[] for _ in range(num_groups)])
+        return cls([[] for _ in range(num_groups)], [[] for _ in range(num_groups)], [[] for _ in range(num_groups)],
+                   [[] for _ in range(num_groups)])
 
     def count(self) -> int:
         return sum(len(keys) for keys in self.keys)
@@ -132,8 +135,11 @@ class StoreScan:
     """
 
     def __init__(self, index: BlockIndex, requests: dict[str, RequestState], jobs: JobBook,
-                 admission: StoreAdmitter, factor: int, num_groups: int, null_block_id: int | None) -> None:
+                 admission: StoreAdmitter, factor: int, num_groups: int, null_block_id: int | None,
+                 announcer: Announcer | None = None) -> None:
+        """``announcer``: describes each block stored, for the router events (None: the engine publishes none)."""
         self._index = index
+        self._announcer = announcer
         self._requests = requests
         self._jobs = jobs
         self._admission = admission
@@ -205,13 +211,16 @@ class StoreScan:
         for g in range(self._num_groups):
             keys = state.keys(first, end, g)
             device = state.block_ids[g][first * f:end * f]
+            blocks: Sequence[int] = range(first, end)
             if null in device:  # a window group dropped some: those blocks are not stored
                 kept = [i for i in range(len(keys)) if null not in device[i * f:(i + 1) * f]]
                 keys = [keys[i] for i in kept]
                 device = [b for i in kept for b in device[i * f:(i + 1) * f]]
+                blocks = [first + i for i in kept]
             out.keys[g] += keys
             out.device_blocks[g] += device
             out.owners[g] += [state] * len(keys)
+            out.blocks[g] += blocks
 
     def store_job(self, full: FullBlocks) -> TransferJob | None:
         """One store job per step for every request's new full blocks: one submit, one copy plan (None: nothing
@@ -227,12 +236,22 @@ class StoreScan:
         group_sizes = tuple(len(group) for group in full.keys)
         src = DeviceBlocks(tuple(b for group in full.device_blocks for b in group),
                            tuple(n * self._factor for n in group_sizes))
+        if self._announcer is not None:
+            self._describe(full)
         owners = {id(st): st for group in full.owners for st in group}
         job = self._jobs.new_job(JobKind.STORE, tuple(st.request.request_id for st in owners.values()),
                                  out.keys_to_store)
         for state in owners.values():
             state.jobs.add(job)
         return TransferJob(job, src, regroup(out.store_spec, group_sizes))
+
+
+    def _describe(self, full: FullBlocks) -> None:
+        """Describe the blocks about to be stored (the announcer keeps each until its store event)."""
+        describe = self._announcer.describe_block  # type: ignore[union-attr]
+        for g, keys in enumerate(full.keys):
+            for key, owner, block in zip(keys, full.owners[g], full.blocks[g], strict=True):
+                describe(owner, key, block, g)
 
 
 def _only(full: FullBlocks, chosen: set[OffloadKey], factor: int) -> FullBlocks:
@@ -245,6 +264,7 @@ def _only(full: FullBlocks, chosen: set[OffloadKey], factor: int) -> FullBlocks:
                 kept.keys[g].append(key)
                 kept.device_blocks[g] += full.device_blocks[g][i * factor:(i + 1) * factor]
                 kept.owners[g].append(full.owners[g][i])
+                kept.blocks[g].append(full.blocks[g][i])
     return kept
 
 

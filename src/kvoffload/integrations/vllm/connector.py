@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvoffload.config import OffloadConfig
 from kvoffload.integrations.vllm import adapters, compat, logs
+from kvoffload.integrations.vllm.events import GroupKinds
 from kvoffload.integrations.vllm.messages import KVOffloadMetadata, KVOffloadWorkerReport
 from kvoffload.integrations.vllm.metrics import KVOffloadPromMetrics, KVOffloadStats
 from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
@@ -72,7 +73,8 @@ class KVOffloadConnector(compat.VersionHooks, KVConnectorBase_V1, SupportsHMA):
             ns = adapters.namespace(vllm_config, layout, config, 0)
             self._scheduler = SchedulerSide(config, layout, block_size, ns, publish,
                                             adapters.blocks_change_while_running(kv_cache_config),
-                                            adapters.stores_prompt_blocks_only(kv_cache_config))
+                                            adapters.stores_prompt_blocks_only(kv_cache_config),
+                                            GroupKinds(kv_cache_config))
         else:
             rank = _worker_rank()
             self._worker = WorkerSide(config, layout, block_size,

@@ -20,12 +20,12 @@ from kvoffload.config import OffloadConfig
 from kvoffload.connector.scheduler import NO_JOBS as CORE_NO_JOBS
 from kvoffload.connector.scheduler import ConnectorScheduler
 from kvoffload.integrations.vllm import adapters, compat
-from kvoffload.integrations.vllm.events import kv_events
+from kvoffload.integrations.vllm.events import GroupKinds, VllmDescriber, kv_events
 from kvoffload.integrations.vllm.messages import KVOffloadMetadata, KVOffloadWorkerReport
 from kvoffload.integrations.vllm.metrics import KVOffloadStats
 from kvoffload.keys import Namespace
 from kvoffload.layout import KVCacheLayout
-from kvoffload.tiers.sizing import host_slot_bytes
+from kvoffload.tiers.sizing import host_slot_bytes, offload_factor
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -40,11 +40,18 @@ NO_JOBS = KVOffloadMetadata(CORE_NO_JOBS)
 
 class SchedulerSide:
     def __init__(self, config: OffloadConfig, layout: KVCacheLayout, block_size: int, namespace: Namespace,
-                 publish_events: bool, blocks_change_while_running: bool, prompt_blocks_only: bool = False) -> None:
-        """``prompt_blocks_only``: store no block past a request's prompt (``adapters.stores_prompt_blocks_only``)."""
+                 publish_events: bool, blocks_change_while_running: bool, prompt_blocks_only: bool = False,
+                 groups: GroupKinds | None = None) -> None:
+        """``prompt_blocks_only``: store no block past a request's prompt (``adapters.stores_prompt_blocks_only``).
+
+        ``publish_events``: vLLM publishes KV events; the blocks are then described for them (``events.py``),
+        with ``groups``' spec kinds."""
+        factor = offload_factor(config, block_size)
+        describe = VllmDescriber(factor, block_size, frozenset(layout.state_groups)) if publish_events else None
         # vLLM's block pool hands out block 0 as its null block (the placeholder for dropped window blocks).
         self.core = ConnectorScheduler(config, layout, block_size, namespace, null_block_id=0,
-                                       flush_stores_next_step=blocks_change_while_running)
+                                       flush_stores_next_step=blocks_change_while_running, describe=describe)
+        self.groups = groups
         self.prompt_blocks_only = prompt_blocks_only
         self.num_groups = len(layout.groups)
         self.block_tokens = self.core.offload_tokens
@@ -90,10 +97,10 @@ class SchedulerSide:
 
     def take_events(self) -> list[KVCacheEvent]:
         # Always drain the tiers' events, or they would pile up when vLLM does not publish KV events.
-        events = self.core.take_events()
         if not self.publish_events:
+            self.core.take_events()
             return []
-        return kv_events(events, self.block_tokens)
+        return kv_events(self.core.take_announcements(), self.groups)
 
     def reset(self) -> bool:
         return self.core.reset()

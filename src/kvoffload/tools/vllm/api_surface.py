@@ -120,6 +120,7 @@ def uses(use: Use, *entries: str) -> tuple[Member, ...]:
 _BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
 _METRICS = "vllm.distributed.kv_transfer.kv_connector.v1.metrics"
 _SPECS = "vllm.v1.kv_cache_interface"
+_UTILS = "vllm.v1.core.kv_cache_utils"
 _SCHED_OUTPUT = "vllm.v1.core.sched.output"
 
 CONNECTOR_BASE = ClassUse(_BASE, "KVConnectorBase_V1", every_hook=True, members=uses(
@@ -206,9 +207,18 @@ EVENTS = (
               names=("MEDIUM_CPU", "MEDIUM_STORAGE", "BlockRemoved", "BlockStored", "KVCacheEvent")),
     ClassUse("vllm.distributed.kv_events", "BlockStored", constructs=True, members=uses(
         Use.READ, "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-        "lora_name")),
+        "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality",
+        "ownership")),
     ClassUse("vllm.distributed.kv_events", "BlockRemoved", constructs=True,
-             members=uses(Use.READ, "block_hashes", "medium")),
+             members=uses(Use.READ, "block_hashes", "medium", "group_idx", "locality", "ownership")),
+    # events.py describes blocks as the device's events do: vLLM's hash conversion and extra keys.
+    ModuleUse(_UTILS, functions=uses(
+        Use.CALL, "generate_block_hash_extra_keys(request, start_token_idx, end_token_idx, start_mm_idx)",
+        "maybe_convert_block_hash(hash_bytes)", "to_event_extra_keys(extra_keys)")),
+    ModuleUse(_SPECS, functions=uses(
+        Use.CALL, "get_kv_cache_spec_kind(kv_cache_spec)", "get_kv_cache_spec_sliding_window(kv_cache_spec)")),
+    ClassUse("vllm.v1.request", "Request", members=uses(Use.READ, "block_hashes")),
+    ClassUse("vllm.lora.request", "LoRARequest", members=uses(Use.READ, "adapter_id", "name")),
 )
 
 KV_CACHE_SPECS = (
@@ -273,7 +283,6 @@ CONFIG = (
     ClassUse("vllm.config", "KVTransferConfig", members=uses(Use.READ, "kv_connector_extra_config")),
 )
 
-_UTILS = "vllm.v1.core.kv_cache_utils"
 _PLANNING = "vllm.v1.core.kv_cache_planning"
 
 KV_CACHE_PLANNING = (
