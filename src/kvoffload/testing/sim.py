@@ -29,6 +29,7 @@ import torch
 
 from kvoffload.canonical import CanonicalKV
 from kvoffload.config import OffloadConfig
+from kvoffload.connector.announce import Describe
 from kvoffload.connector.metadata import WorkerReport
 from kvoffload.connector.requests import ScheduledRequest, StepSchedule
 from kvoffload.connector.scheduler import ConnectorScheduler
@@ -55,13 +56,15 @@ class SimEngine:
 
     ``sliding_windows``: KV-cache group -> its sliding window in tokens, for the groups that have one; a state
     group's is one block. ``clock``: the scheduler half's (a fake one makes a tier slow without waiting).
-    ``hook_order``: where each step's stores are handed to the workers (``HookOrder``).
+    ``hook_order``: where each step's stores are handed to the workers (``HookOrder``). ``describe``: the engine
+    publishes router events (``sim_values.SimDescriber`` describes its blocks; ``scheduler.take_announcements``).
     """
 
     def __init__(self, layout: KVCacheLayout, make_kv_caches: Callable[[], KVCaches], config: OffloadConfig,
                  block_size: int = 16, num_workers: int = 1, max_batch_tokens: int = 8192,
                  vocab_size: int = 1000, sliding_windows: Mapping[int, int] | None = None,
-                 clock: Callable[[], float] | None = None, hook_order: HookOrder = HookOrder.SAVE_FIRST) -> None:
+                 clock: Callable[[], float] | None = None, hook_order: HookOrder = HookOrder.SAVE_FIRST,
+                 describe: Describe | None = None) -> None:
         self.layout = layout
         self.hook_order = hook_order
         self.block_size = block_size
@@ -77,7 +80,7 @@ class SimEngine:
         # Window blocks are freed while their request runs: stores must finish before the next forward pass.
         self.scheduler = ConnectorScheduler(config, layout, block_size, ns, null_block_id=NULL_BLOCK,
                                             flush_stores_next_step=bool(self.sliding_windows),
-                                            clock=clock or time.monotonic)
+                                            clock=clock or time.monotonic, describe=describe)
         self.workers = [ConnectorWorker(config, layout, block_size, dataclasses.replace(ns, rank=r))
                         for r in range(num_workers)]
         for worker in self.workers:

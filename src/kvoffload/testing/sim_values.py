@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvoffload.canonical import CanonicalKV
+from kvoffload.index.base import BlockDescription
 from kvoffload.keys import BlockHash, hash_block
 
 NULL_SENTINEL = 0x5A
@@ -50,6 +51,9 @@ class SimRequest:
     preemptions: int = 0
     first_token_step: int | None = None
     hashes: list[BlockHash] = field(default_factory=list)
+    engine_hashes: list[int] = field(default_factory=list)
+    """The simulated engine's own hash of each full engine block (``SimDescriber``), as its router events name
+    them: computed once, as blocks fill."""
 
     @property
     def num_new_tokens(self) -> int:
@@ -108,3 +112,43 @@ def block_matches(kv: CanonicalKV, group: int, block: int, seed: bytes, rank: in
             return False
         offset += ref.nbytes
     return True
+
+
+class SimDescriber:
+    """Describes the simulated engine's offload blocks for router events (``connector.announce.Describe``), as an
+    engine adapter does: the engine's own hash of each engine block an offload block covers (a 64-bit int chained
+    over the block's tokens and the request's extra keys, like vLLM's), its parent's, its tokens. ``calls`` counts
+    the descriptions made (the cost a lookup or a store pays)."""
+
+    def __init__(self, block_size: int, factor: int, state_groups: frozenset[int] = frozenset()) -> None:
+        self.block_size = block_size
+        self.factor = factor
+        self.state_groups = state_groups
+        self.calls = 0
+
+    def __call__(self, request: object, block: int, group: int) -> BlockDescription | None:
+        if not isinstance(request, SimRequest):
+            return None
+        self.calls += 1
+        first, end = block * self.factor, (block + 1) * self.factor
+        hashes = self.engine_hashes(request, end)
+        if len(hashes) < end:
+            return None
+        parent = hashes[first - 1] if first else None
+        if group in self.state_groups:
+            return BlockDescription((hashes[end - 1],), hashes[end - 2] if end - first > 1 else parent, (),
+                                    self.block_size, group)
+        size = self.block_size
+        return BlockDescription(tuple(hashes[first:end]), parent, tuple(request.all_token_ids[first * size:end * size]),
+                                size, group, extra_keys=(tuple(request.extra_keys),) * self.factor
+                                if request.extra_keys else None)
+
+    def engine_hashes(self, request: SimRequest, blocks: int) -> list[int]:
+        """The engine's hashes of ``request``'s first ``blocks`` engine blocks (fewer when fewer are full)."""
+        known, size = request.engine_hashes, self.block_size
+        full = min(blocks, len(request.all_token_ids) // size)
+        for b in range(len(known), full):
+            parent = known[-1].to_bytes(8, "big") if known else b"sim-root"
+            digest = hash_block(parent, request.all_token_ids[b * size:(b + 1) * size], request.extra_keys)
+            known.append(int.from_bytes(digest[:8], "big"))
+        return known[:blocks]

@@ -17,6 +17,7 @@ from typing import Any
 from kvoffload.config import OffloadConfig
 from kvoffload.testing import layouts
 from kvoffload.testing.sim import HookOrder, SimEngine
+from kvoffload.testing.sim_values import SimDescriber
 
 LayoutFactory = Callable[..., layouts.Made]
 """A layout of ``testing.layouts`` (or one of the same shape): takes ``num_blocks`` and ``block_size``."""
@@ -51,7 +52,8 @@ def run_checked(engine: SimEngine, *, ship_write_through: bool = False) -> None:
 def make_engine(layout: LayoutFactory = layouts.attention_layout, *, block_size: int = 4, num_blocks: int = 48,
                 host_blocks: int = 16, factor: int = 1, workers: int = 1,
                 sliding_windows: Mapping[int, int] | None = None, clock: Callable[[], float] | None = None,
-                hook_order: HookOrder = HookOrder.SAVE_FIRST, **config: Any) -> SimEngine:
+                hook_order: HookOrder = HookOrder.SAVE_FIRST, describe_blocks: bool = False,
+                **config: Any) -> SimEngine:
     """A simulated engine over ``layout(num_blocks=num_blocks, block_size=block_size)`` with a host tier of
     ``host_blocks`` offload blocks, each ``factor`` engine blocks.
 
@@ -63,6 +65,8 @@ def make_engine(layout: LayoutFactory = layouts.attention_layout, *, block_size:
         factor: engine blocks per offload block (``offload_block_tokens`` is ``factor * block_size``).
         workers: worker halves, one per tensor-parallel rank.
         sliding_windows, clock, hook_order: as ``SimEngine`` takes them.
+        describe_blocks: publish router events, the blocks described by a ``SimDescriber`` (``SimEngine``'s
+            ``describe``).
         **config: further keys of ``OffloadConfig.from_dict`` (a tier's, a policy's), which win over the above.
     Raises:
         ConfigError: a key or value of ``config`` is not valid.
@@ -70,8 +74,9 @@ def make_engine(layout: LayoutFactory = layouts.attention_layout, *, block_size:
     made, make_kv = layout(num_blocks=num_blocks, block_size=block_size)
     slot = factor * max(made.group_block_bytes(g) for g in range(len(made.groups)))
     raw = {"offload_block_tokens": factor * block_size, "host_bytes": host_blocks * slot, **config}
+    describe = SimDescriber(block_size, factor, frozenset(made.state_groups)) if describe_blocks else None
     return SimEngine(made, make_kv, OffloadConfig.from_dict(raw), block_size=block_size, num_workers=workers,
-                     sliding_windows=sliding_windows, clock=clock, hook_order=hook_order)
+                     sliding_windows=sliding_windows, clock=clock, hook_order=hook_order, describe=describe)
 
 
 def run_timed(engine: SimEngine, *, checked: bool = True, max_steps: int = 200_000) -> list[float]:
