@@ -29,7 +29,7 @@ import torch
 
 from kvoffload.canonical import CanonicalKV
 from kvoffload.config import OffloadConfig
-from kvoffload.connector.announce import Describe
+from kvoffload.connector.announce import Announcement, Describe
 from kvoffload.connector.metadata import WorkerReport
 from kvoffload.connector.requests import ScheduledRequest, StepSchedule
 from kvoffload.connector.scheduler import ConnectorScheduler
@@ -100,6 +100,8 @@ class SimEngine:
         self._work: list[tuple[SimRequest, int, int]] = []
         self.computed_tokens = 0
         self.verified_blocks = 0
+        self.announcements: list[Announcement] = []
+        """With ``describe``: what the steps announced to routers, oldest first (the caller drains it)."""
         self.corrupt_blocks: list[tuple[str, int]] = []
         """(request id, engine block index) of loaded blocks whose bytes were wrong; must stay empty."""
 
@@ -166,6 +168,8 @@ class SimEngine:
             if self.hook_order is HookOrder.REPORT_FIRST:
                 worker.prepare_store_kv(meta)
         self.scheduler.update_connector_output(report)
+        if self.scheduler.announcer is not None:  # as vLLM asks for the connector's events after each step
+            self.announcements += self.scheduler.take_announcements()
         self._sample()
         self._complete_loads()
         finished = self._finish_requests()

@@ -105,3 +105,14 @@ def test_vs_vllm_refuses_a_run_where_one_side_stored_less() -> None:
         _check_same_work(sides, 8)
     sides[1].stored_blocks = 8
     _check_same_work(sides, 8)
+
+
+def test_events_sides_are_measured_in_one_run_with_the_bytes_an_announced_block_keeps(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.run(_args("--json", "--events")) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {(r["events"], r["step_kind"]) for r in doc["rows"]} == {
+        (side, kind) for side in bench.EVENT_SIDES.values() for kind in ("admission", "decode", "finish")}
+    published = [r for r in doc["rows"] if r["events"] == "published" and r["step_kind"] == "admission"]
+    assert published[0]["mean_us_by_call"]["take_announcements"] > 0
+    assert any("announced blocks keep" in note and "bytes each" in note for note in doc["notes"])

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -84,11 +85,17 @@ class StepSample:
     by_call: dict[str, float]
 
 
-def build_engine(requests: int, prompt_tokens: int, block_size: int, decode_steps: int) -> tuple[Any, CallTimer]:
-    """A SimEngine sized for ``requests`` running at once, its connector calls wrapped by a ``CallTimer``."""
+def build_engine(requests: int, prompt_tokens: int, block_size: int, decode_steps: int,
+                 events: bool | None = None) -> tuple[Any, CallTimer]:
+    """A SimEngine sized for ``requests`` running at once, its connector calls wrapped by a ``CallTimer``.
+
+    ``events``: None, the engine asks for no KV events (the figures before router events existed); False, it asks
+    for the tiers' events each step and publishes none (vLLM without ``--kv-events-config``); True, it publishes
+    them, each block described (``connector.announce``)."""
     from kvoffload.config import OffloadConfig
     from kvoffload.testing.layouts import attention_layout
     from kvoffload.testing.sim import SimEngine
+    from kvoffload.testing.sim_values import SimDescriber
 
     blocks_per_request = -(-(prompt_tokens + decode_steps + 2) // block_size)
     num_blocks = requests * blocks_per_request + 16
@@ -97,9 +104,11 @@ def build_engine(requests: int, prompt_tokens: int, block_size: int, decode_step
     config = OffloadConfig.from_dict({"host_bytes": 2 * num_blocks * slot_bytes, "copy_threads": 1})
     # An admission step takes a quarter of the requests, so admission is spread over several steps.
     engine = SimEngine(layout, make_kv, config, block_size=block_size,
-                       max_batch_tokens=max(prompt_tokens, requests * prompt_tokens // 4))
+                       max_batch_tokens=max(prompt_tokens, requests * prompt_tokens // 4),
+                       describe=SimDescriber(block_size, 1) if events else None)
     timer = CallTimer()
-    for name in SCHEDULER_CALLS:
+    calls = SCHEDULER_CALLS + (() if events is None else ("take_announcements",) if events else ("take_events",))
+    for name in calls:
         timer.wrap(engine.scheduler, name)
     for worker in engine.workers:
         for name in WORKER_CALLS:
@@ -108,9 +117,10 @@ def build_engine(requests: int, prompt_tokens: int, block_size: int, decode_step
 
 
 def run_steps(requests: int, prompt_tokens: int, block_size: int, decode_steps: int, seed: int = 0,
-              progress: Progress | None = None) -> list[StepSample]:
-    """Admit ``requests`` distinct prompts, decode ``decode_steps`` tokens each, finish; one sample per step."""
-    engine, timer = build_engine(requests, prompt_tokens, block_size, decode_steps)
+              progress: Progress | None = None, events: bool | None = None) -> list[StepSample]:
+    """Admit ``requests`` distinct prompts, decode ``decode_steps`` tokens each, finish; one sample per step
+    (``events``: as ``build_engine``)."""
+    engine, timer = build_engine(requests, prompt_tokens, block_size, decode_steps, events)
     rng = random.Random(seed)
     for i in range(requests):
         engine.add_request(f"r{i}", [rng.randrange(1000) for _ in range(prompt_tokens)],
@@ -121,6 +131,8 @@ def run_steps(requests: int, prompt_tokens: int, block_size: int, decode_steps: 
             kind = "admission" if engine.waiting else "decode"
             start = time.perf_counter()
             report = engine.step()
+            if events is False:
+                engine.scheduler.take_events()  # vLLM asks every step, whether or not it publishes
             step_s = time.perf_counter() - start
             connector_s, by_call = timer.take()
             samples.append(StepSample("finish" if report.finished else kind, connector_s, step_s, by_call))
@@ -174,6 +186,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--vs-vllm: rounds of admission, decode and finish per request count (default 5)")
     parser.add_argument("--prompt-tokens", type=positive_int, default=128, help="prompt length (default 128)")
     parser.add_argument("--block-size", type=positive_int, default=16, help="engine block size (default 16)")
+    parser.add_argument("--events", action="store_true",
+                        help="three sides in one run: no KV events asked for, events asked for and none published "
+                             "(vLLM without --kv-events-config), router events published (each block described); "
+                             "and the bytes each announced block keeps")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -184,30 +200,83 @@ def run(args: argparse.Namespace) -> int:
     # --runs is the number of timed decode steps; --warmup the decode steps left out before them. Requests admitted
     # early decode during the later admission steps, and finish early: ADMISSION_MARGIN keeps enough pure decode.
     decode_steps = args.runs + args.warmup + ADMISSION_MARGIN
-    progress = Progress("bench overhead", _expected_steps(args, decode_steps), enabled=not args.quiet)
-    samples = run_steps(args.requests, args.prompt_tokens, args.block_size, decode_steps, progress=progress)
+    sides: tuple[bool | None, ...] = (None, False, True) if args.events else (None,)
+    progress = Progress("bench overhead", len(sides) * _expected_steps(args, decode_steps), enabled=not args.quiet)
+    rows = []
+    for events in sides:
+        samples = run_steps(args.requests, args.prompt_tokens, args.block_size, decode_steps, progress=progress,
+                            events=events)
+        for row in summarize_steps(samples, args.warmup):
+            rows.append({"events": EVENT_SIDES[events], **row})
     progress.close()
-    rows = summarize_steps(samples, args.warmup)
-    emit(report(rows, args), args, plot=lambda path: _plot(path, rows))
+    extra = [] if not args.events else [announced_block_bytes(args.requests, args.prompt_tokens, args.block_size)]
+    emit(report(rows, args, extra), args, plot=lambda path: _plot(path, rows))
     return 0
+
+
+EVENT_SIDES = {None: "not asked", False: "asked, off", True: "published"}
+"""``--events``' sides: what the engine does with the tiers' events each step."""
+
+
+def announced_block_bytes(requests: int, prompt_tokens: int, block_size: int) -> str:
+    """The memory each announced block keeps (``Announcer``'s table), after ``requests`` prompts were stored:
+    every object it holds for the block (deep ``sys.getsizeof``, each object once, small ints too) and its share of
+    the table's slots."""
+    engine, _ = build_engine(requests, prompt_tokens, block_size, 1, events=True)
+    rng = random.Random(1)
+    for i in range(requests):
+        engine.add_request(f"m{i}", [rng.randrange(1000, 150_000) for _ in range(prompt_tokens)], max_new_tokens=2)
+    try:
+        engine.run()
+    finally:
+        for worker in engine.workers:
+            worker.shutdown()
+    announcer = engine.scheduler.announcer
+    table = announcer._announced
+    seen: set[int] = set()
+    total = sys.getsizeof(table)
+    for key, kept in table.items():
+        total += _deep_size(key, seen) + _deep_size(kept, seen)
+    blocks = len(table)
+    return (f"announced blocks keep {total / blocks:.0f} bytes each ({blocks} blocks of {block_size} tokens, "
+            f"one engine block each, token ids 1,000-150,000)")
+
+
+def _deep_size(obj: Any, seen: set[int]) -> int:
+    if id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    size = sys.getsizeof(obj)
+    if isinstance(obj, (tuple, list)):
+        size += sum(_deep_size(item, seen) for item in obj)
+    elif hasattr(obj, "__slots__"):
+        size += sum(_deep_size(getattr(obj, name), seen) for name in _slots(type(obj)) if hasattr(obj, name))
+    return size
+
+
+def _slots(cls: type) -> list[str]:
+    return [name for klass in cls.__mro__ for name in getattr(klass, "__slots__", ())]
 
 
 def _expected_steps(args: argparse.Namespace, decode_steps: int) -> int:
     return decode_steps + ADMISSION_MARGIN
 
 
-def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> Report:
+def report(rows: list[dict[str, Any]], args: argparse.Namespace, extra: list[str] | None = None) -> Report:
     table = format_table(
-        ("steps", "kind", "connector us/step", "min", "max", "whole step us", "share", "top calls (mean us)"),
-        [(r["steps"], r["step_kind"], r["connector"].median, r["connector"].min, r["connector"].max,
+        ("events", "steps", "kind", "connector us/step", "min", "max", "whole step us", "share",
+         "top calls (mean us)"),
+        [(r["events"], r["steps"], r["step_kind"], r["connector"].median, r["connector"].min, r["connector"].max,
           r["step"].median, f"{r['share']:.0%}", _top(r["mean_us_by_call"])) for r in rows])
     decode = next((r for r in rows if r["step_kind"] == "decode"), None)
     verdict = "" if decode is None else (
         f"decode target < {TARGET_US:.0f} us/step: {'met' if decode['connector'].median < TARGET_US else 'missed'}"
         f" ({decode['connector'].median:.0f} us)")
     notes = (f"{args.requests} requests, {args.prompt_tokens}-token distinct prompts (no hits), block size "
-             f"{args.block_size}; medians over steps; {args.warmup} decode steps of warm-up left out", verdict)
-    settings = {k: getattr(args, k) for k in ("runs", "warmup", "requests", "prompt_tokens", "block_size")}
+             f"{args.block_size}; medians over steps; {args.warmup} decode steps of warm-up left out", verdict,
+             *(extra or ()))
+    settings = {k: getattr(args, k) for k in ("runs", "warmup", "requests", "prompt_tokens", "block_size",
+                                              "events")}
     return Report("overhead", rows, table, notes, settings)
 
 
@@ -216,7 +285,7 @@ def _top(calls: dict[str, float], n: int = 3) -> str:
 
 
 def _plot(path: str, rows: list[dict[str, Any]]) -> None:
-    bar_plot(path, "connector time per engine step", [r["step_kind"] for r in rows],
+    bar_plot(path, "connector time per engine step", [f"{r['step_kind']} ({r['events']})" for r in rows],
              {"connector": [r["connector"].median for r in rows], "whole step": [r["step"].median for r in rows]},
              "us/step")
 
