@@ -1,5 +1,6 @@
 """A node pool's set of files, bound together: the ``index``, the ``engines`` file and each rank's ``pool.<rank>``
-in the namespace's directory (``segment.namespace_directory``).
+in the namespace's directory (``segment.namespace_directory``); beside them each engine that publishes KV events
+keeps ``announce.<attachment>`` (``announce``), which goes with the set.
 
 The index records the set it belongs to: a random generation (its epochs start from it), the inode of the
 ``engines`` file whose locks say which engines live (``liveness``), and the inode of each rank's pool file once
@@ -38,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 INDEX_NAME = "index"
 POOL_PREFIX = "pool."
+ANNOUNCE_PREFIX = "announce."
+"""Each engine's announcement log (``announce``): part of the set, removed with it."""
 MAGIC = 0x313065646F6E766B
 _HEADER = struct.Struct("<QII16sQQQQQQ")
 """magic, version, header bytes, namespace fingerprint, slots, slot bytes, table entries, total bytes, generation,
@@ -194,16 +197,17 @@ def _set_problem(directory: Path, index: mmap.mmap, inode: int, geometry: NodeGe
 
 def _unlink_set(directory: Path) -> None:
     for entry in os.scandir(directory):
-        if entry.name in (INDEX_NAME, ENGINES_NAME) or entry.name.startswith(POOL_PREFIX):
+        if entry.name in (INDEX_NAME, ENGINES_NAME) or entry.name.startswith((POOL_PREFIX, ANNOUNCE_PREFIX)):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(entry.path)
 
 
 def _make_set(directory: Path, fd: int, path: Path, geometry: NodeGeometry, access: Access) -> mmap.mmap:
-    """A new set: the pool files and the engines file of an older set go first (a new index never pairs with them:
-    engines of an older set may still lock bytes of its engines file), then the index is formatted."""
+    """A new set: the pool files, announcement logs and the engines file of an older set go first (a new index
+    never pairs with them: engines of an older set may still lock bytes of its engines file), then the index is
+    formatted."""
     for entry in os.scandir(directory):
-        if entry.name == ENGINES_NAME or entry.name.startswith(POOL_PREFIX):
+        if entry.name == ENGINES_NAME or entry.name.startswith((POOL_PREFIX, ANNOUNCE_PREFIX)):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(entry.path)
     engines = open_checked(directory / ENGINES_NAME, access, "node_path")
