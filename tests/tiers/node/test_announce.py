@@ -6,6 +6,7 @@ is refused and counted, never raised, and nothing is reported that the pool does
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -308,3 +309,34 @@ def test_a_new_set_of_the_pool_files_removes_the_logs(node_path: Path) -> None:
     os.unlink(log_of(a).parent / "index")  # a new set is made by the next engine
     engine(node_path)
     assert not log_of(a).exists()
+
+
+def test_a_reader_keeping_up_reads_every_record_in_order_across_many_wraps(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records of every size, so that the ring's end is padded, skipped (too short for a pad) and met exactly."""
+    monkeypatch.setattr(announce, "RING_BYTES", 1000)
+    writer = announce.LogWriter.create(tmp_path, 3, 1, announce.Access(tier="node"))
+    fd = os.open(tmp_path / log_name(3), os.O_RDONLY)
+    reader = announce.LogReader(fd, log_name(3), 0)
+    counts = announce.AnnounceCounts()
+    rng = random.Random(5)
+    written: list[tuple[int, bytes]] = []
+    read: list[tuple[int, bytes]] = []
+    for _ in range(300):
+        batch = [(announce._STORED, os.urandom(16), os.urandom(rng.randrange(0, 300)))
+                 for _ in range(rng.randrange(1, 3))]
+        writer.append(batch)
+        written += [(kind, payload) for kind, _, payload in batch]
+        read += [(r.kind, r.payload) for r in reader.read(1000, 1 << 20, counts)[0]]
+    assert read == written and counts == announce.AnnounceCounts()
+    writer.close()
+    reader.close()
+
+
+def test_a_log_others_may_write_is_not_read(node_path: Path) -> None:
+    a, b = engine(node_path), engine(node_path)
+    shared(a, keys(1))
+    os.chmod(log_of(a), 0o666)  # another user could plant descriptions in it
+    b.share_descriptions(Medium.HOST, [])
+    assert b.take_events() == []
+    assert b.announcements is not None and b.announcements.counts.refused == 1
