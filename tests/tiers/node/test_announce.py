@@ -18,8 +18,10 @@ from kvoffload.blocks import Medium
 from kvoffload.config import NodeTierConfig
 from kvoffload.index.base import BlockDescription, EventKind, OffloadEvent
 from kvoffload.keys import Namespace, OffloadKey
-from kvoffload.tiers.node import announce
-from kvoffload.tiers.node.announce import DescriptionError, decode, encode, log_name
+from kvoffload.tiers.lower.trust import Access
+from kvoffload.tiers.node import announce, announce_log
+from kvoffload.tiers.node.announce_log import DATA_AT, RECORD, STORED, AnnounceCounts, LogReader, LogWriter, log_name
+from kvoffload.tiers.node.describe import DescriptionError, decode, encode
 from kvoffload.tiers.node.files import open_index
 from kvoffload.tiers.node.index import NodeIndex
 from kvoffload.tiers.node.liveness import EngineLocks
@@ -166,6 +168,7 @@ def test_an_eviction_by_another_engine_store_is_announced_removed(node_path: Pat
     assert set(learned(b.take_events(), EventKind.STORED)) == set(first)
     out = a.prepare_store(keys(2))  # the pool is full: two of A's blocks go
     assert out is not None and len(out.evicted_keys) == 2
+    a.take_events()  # A's step ends: its evictions are logged
     removed = learned(b.take_events(), EventKind.REMOVED)
     assert set(removed) == set(out.evicted_keys) and set(removed.values()) == {None}
 
@@ -179,6 +182,7 @@ def test_an_eviction_of_this_engine_block_by_another_is_announced_removed(node_p
     a.share_descriptions(Medium.HOST, [])
     out = a.prepare_store(keys(2))  # A's store evicts B's blocks: only A's own events said so before
     assert out is not None and set(out.evicted_keys) == set(mine)
+    a.take_events()
     rescan(b)  # A's log is newer than B's last look for logs
     assert set(learned(b.take_events(), EventKind.REMOVED)) == set(mine)
 
@@ -206,6 +210,7 @@ def test_a_stored_record_no_longer_true_is_not_announced(node_path: Path) -> Non
     shared(a, first)
     out = a.prepare_store(keys(2))  # evicted before B read that A stored them
     assert out is not None and set(out.evicted_keys) == set(first)
+    a.take_events()
     events = b.take_events()
     assert learned(events, EventKind.STORED) == {}
     assert set(learned(events, EventKind.REMOVED)) == set(first)
@@ -217,6 +222,7 @@ def test_a_removed_record_no_longer_true_is_not_announced(node_path: Path) -> No
     first = keys(2)
     shared(a, first)
     a.complete_store(a.prepare_store(keys(2)).keys_to_store)  # type: ignore[union-attr]  # evicts them
+    a.take_events()
     shared(a, first)  # and stored again before B reads: held now
     events = b.take_events()
     assert not set(first) & set(learned(events, EventKind.REMOVED))
@@ -225,7 +231,7 @@ def test_a_removed_record_no_longer_true_is_not_announced(node_path: Path) -> No
 
 def test_a_reader_behind_by_more_than_the_ring_skips_to_the_oldest_and_counts_the_lost(
         node_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(announce, "RING_BYTES", 2048)  # 15 records of 133 bytes
+    monkeypatch.setattr(announce_log, "RING_BYTES", 2048)  # 15 records of 133 bytes
     a, b = engine(node_path), engine(node_path)
     b.share_descriptions(Medium.HOST, [])
     blocks = keys(4)
@@ -267,7 +273,7 @@ def test_a_damaged_record_is_refused_and_the_engine_goes_on(node_path: Path) -> 
     blocks = keys(2)
     shared(a, blocks)
     with open(log_of(a), "r+b") as f:  # a byte of the first record's description flipped
-        f.seek(announce._DATA_AT + announce._RECORD.size + 20)
+        f.seek(DATA_AT + RECORD.size + 20)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
@@ -286,7 +292,7 @@ def test_a_record_with_a_sound_check_but_no_description_is_refused(node_path: Pa
     assert a.announcements is None
     a.share_descriptions(Medium.HOST, [])
     assert a.announcements is not None and a.announcements._writer is not None
-    a.announcements._writer.append([(announce._STORED, bytes(block[0]), b"\x00garbage")])  # a writer's bug
+    a.announcements._writer.append([(STORED, bytes(block[0]), b"\x00garbage")])  # a writer's bug
     assert b.take_events() == []
     assert b.announcements is not None and b.announcements.counts.refused == 1
 
@@ -295,11 +301,14 @@ def test_a_log_that_is_not_one_is_refused(node_path: Path) -> None:
     a, b = engine(node_path), engine(node_path)
     assert a._files is not None
     directory = a._files.directory
-    (directory / "announce.40").write_bytes(b"\xff" * (announce._DATA_AT + announce.RING_BYTES))
+    (directory / "announce.40").write_bytes(b"\xff" * (DATA_AT + announce_log.RING_BYTES))
     os.symlink(directory / "index", directory / "announce.41")
     b.share_descriptions(Medium.HOST, [])
     assert b.take_events() == []
-    assert b.announcements is not None and b.announcements.counts.refused == 1  # the symlink is not even opened
+    assert b.announcements is not None and b.announcements.counts.refused == 2  # the symlink is not even followed
+    b.take_events()
+    rescan(b)
+    assert b.take_events() == [] and b.announcements.counts.refused == 2  # refused once, not at every look
 
 
 def test_a_new_set_of_the_pool_files_removes_the_logs(node_path: Path) -> None:
@@ -314,21 +323,21 @@ def test_a_new_set_of_the_pool_files_removes_the_logs(node_path: Path) -> None:
 def test_a_reader_keeping_up_reads_every_record_in_order_across_many_wraps(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Records of every size, so that the ring's end is padded, skipped (too short for a pad) and met exactly."""
-    monkeypatch.setattr(announce, "RING_BYTES", 1000)
-    writer = announce.LogWriter.create(tmp_path, 3, 1, announce.Access(tier="node"))
+    monkeypatch.setattr(announce_log, "RING_BYTES", 1000)
+    writer = LogWriter.create(tmp_path, 3, 1, Access(tier="node"))
     fd = os.open(tmp_path / log_name(3), os.O_RDONLY)
-    reader = announce.LogReader(fd, log_name(3), 0)
-    counts = announce.AnnounceCounts()
+    reader = LogReader(fd, log_name(3), 0)
+    counts = AnnounceCounts()
     rng = random.Random(5)
     written: list[tuple[int, bytes]] = []
     read: list[tuple[int, bytes]] = []
     for _ in range(300):
-        batch = [(announce._STORED, os.urandom(16), os.urandom(rng.randrange(0, 300)))
+        batch = [(STORED, os.urandom(16), os.urandom(rng.randrange(0, 300)))
                  for _ in range(rng.randrange(1, 3))]
         writer.append(batch)
         written += [(kind, payload) for kind, _, payload in batch]
         read += [(r.kind, r.payload) for r in reader.read(1000, 1 << 20, counts)[0]]
-    assert read == written and counts == announce.AnnounceCounts()
+    assert read == written and counts == AnnounceCounts()
     writer.close()
     reader.close()
 

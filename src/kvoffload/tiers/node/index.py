@@ -21,10 +21,7 @@ means the same, with what sharing adds:
   still in flight, and once a step (``take_transfers``, which the connector calls every step): an owed
   completion left until this engine's next lookup kept its blocks in flight (a miss for every engine, a wait
   for its own requests) for as long as it looked nothing up;
-- an engine that publishes KV events (the first ``share_descriptions`` says so) shares what it stores and evicts
-  in its announcement log, and ``take_events`` adds the other engines' records (``announce``): STORED with their
-  descriptions, and REMOVED, each only while the pool says it is true. An engine that never shares makes no log
-  and reads none: its events are its own, as before;
+- once it shares descriptions, an engine logs what it stores and evicts, and reports the others' (``announce``);
 - an index that is damaged past repair, or whose files were removed or replaced, is left: the engine logs once
   and goes on without the pool (every lookup a miss; a load in flight is still checked by its worker, and a
   damaged index fails it). It keeps its attachment and lock until it exits, so no other engine reuses slots its
@@ -46,7 +43,6 @@ from kvoffload import _nodeindex
 from kvoffload.blocks import HostBlocks, Medium
 from kvoffload.config import ConfigError
 from kvoffload.index.base import (
-    BlockDescription,
     EventKind,
     HostIndex,
     IntegrityError,
@@ -57,7 +53,7 @@ from kvoffload.index.base import (
     TierUsage,
 )
 from kvoffload.keys import KEY_BYTES, OffloadKey
-from kvoffload.tiers.node.announce import Announcements
+from kvoffload.tiers.node.announce import Announcements, Described
 from kvoffload.tiers.node.files import BoundFiles
 from kvoffload.tiers.node.liveness import EngineLocks
 from kvoffload.tiers.node.segment import MISSING_EPOCH, own_identity
@@ -112,8 +108,7 @@ class NodeIndex(HostIndex):
         self._last_reclaim = 0.0
         self.attachment: int = -1  # none yet: the reclaim below skips no one
         self._identity = (os.getpid(), own_identity()[0])
-        self.announcements: Announcements | None = None
-        """This engine's announcement log and its readers of the others' (None until it first shares)."""
+        self.announcements: Announcements | None = None  # made by the first share_descriptions
         try:
             self._attach()
         except BaseException:
@@ -224,8 +219,6 @@ class NodeIndex(HostIndex):
         evicted_keys = tuple(OffloadKey(evicted[i:i + KEY_BYTES]) for i in range(0, len(evicted), KEY_BYTES))
         if evicted_keys:
             self._emit(EventKind.REMOVED, evicted_keys)
-            if self.announcements is not None:
-                self.announcements.removed(evicted_keys)
         return PrepareStoreOutput(new, HostBlocks(tuple(slots), (len(slots),), epochs=tuple(epochs)), evicted_keys)
 
     def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
@@ -244,29 +237,15 @@ class NodeIndex(HostIndex):
         return stored
 
     def take_events(self) -> list[OffloadEvent]:
-        """This engine's own events, then (once it shares) those of other engines' records published since."""
         events, self._events = self._events, []
         if self.announcements is not None and self.detached is None:
-            events += self.announcements.learn(self._held, self.medium)
+            events += self.announcements.learn(self.medium, events)  # logs this engine's evictions first
         return events
 
-    def share_descriptions(self, medium: Medium, described: Sequence[tuple[OffloadKey, BlockDescription]]) -> None:
-        """Write ``described`` to this engine's announcement log; the first call (even with none) makes the log
-        and starts reading the others'. Nothing without the pool's directory (an index made without ``files``)."""
-        if medium != self.medium or self.detached is not None or self._files is None or self.attachment < 0:
-            return
-        if self.announcements is None:
-            generation = self._call(lambda segment: _nodeindex.files(segment)[0], None, self._segment)
-            if generation is None:
-                return
-            self.announcements = Announcements(self._files.directory, self.attachment, generation,
-                                               _nodeindex.MAX_ATTACH)
-        self.announcements.share(described)
-
-    def _held(self, key: OffloadKey) -> bool | None:
-        """Whether ``key`` is ready in the pool now (a lookup: no lock); None when that cannot be told now."""
-        hits, _ = self._call(_nodeindex.lookup, (-1, False), *self._mine, key)
-        return None if hits < 0 else hits == 1
+    def share_descriptions(self, medium: Medium, described: Described) -> None:
+        if medium == self.medium and self.detached is None and self._files is not None and self.attachment >= 0:
+            self.announcements = self.announcements or Announcements.start(self._files.directory, *self._mine)
+            self.announcements.share(described)  # the first call (even with none) starts reading the others'
 
     def take_transfers(self) -> list[TierTransfer]:
         """None (a single tier); called every step, so what is owed is settled even when no request comes."""
@@ -313,7 +292,6 @@ class NodeIndex(HostIndex):
         self.attachment = -1
         if self.announcements is not None:
             self.announcements.close()  # the log stays: a late joiner still learns the blocks it announced
-            self.announcements = None
         self._locks.close()  # after the release: a lock gone first would let another engine reclaim this one
 
     def _stats(self) -> dict[str, int]:
