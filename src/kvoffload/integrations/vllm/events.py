@@ -29,18 +29,22 @@ from kvoffload.integrations.vllm.adapters import VllmRequest
 
 LOCAL, REMOTE = "LOCAL", "REMOTE"
 """vLLM's ``Locality`` values (``vllm.v1.kv_offload.base``): where a tier's storage is from the publishing engine."""
+MEDIUM_REMOTE = "REMOTE"
+"""A store shared by every engine configured with it. vLLM names no such medium; Dynamo's indexer indexes it as
+its "external" tier, apart from the disk (a medium it does not know it drops, event by event)."""
 
 MEDIA: dict[Medium, tuple[str, str | None]] = {
     Medium.HOST: (MEDIUM_CPU, None),
     Medium.DISK: (MEDIUM_STORAGE, LOCAL),
-    Medium.REMOTE: (MEDIUM_STORAGE, REMOTE),
-    Medium.OBJECT: (MEDIUM_STORAGE, REMOTE),
+    Medium.REMOTE: (MEDIUM_REMOTE, REMOTE),
+    Medium.OBJECT: (MEDIUM_REMOTE, REMOTE),
 }
 """Each tier's ``medium`` and ``locality`` in vLLM's events. The host tier and the node pool are host memory
 (``CPU``, as vLLM's own offloading tier; no locality, as it sends none); the disk is this machine's storage; a
-remote or object store is storage elsewhere, shared by every engine configured with it. A tier from another
-package is ``STORAGE`` without locality. Tiers below the host name themselves in ``ownership`` (vLLM: "secondary
-offloading tier identifier"), so a consumer can tell them apart."""
+remote or object store is storage elsewhere, shared by every engine configured with it: ``REMOTE``, so that a
+router keeps it apart from the disk (one removal drops a router's entry for a hash on a medium, whichever tier
+sent it). A tier from another package is ``STORAGE`` without locality. Tiers below the host name themselves in
+``ownership`` (vLLM: "secondary offloading tier identifier"), so a consumer can tell them apart."""
 
 
 def medium_of(medium: Medium) -> tuple[str, str | None, str | None]:
