@@ -27,7 +27,15 @@ from typing import Any, NamedTuple
 
 import torch
 from vllm import SamplingParams
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVEventsConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.forward_context import get_forward_context, set_forward_context
 from vllm.utils.hashing import get_hash_fn_by_name
@@ -82,8 +90,9 @@ def write_model_config(directory: Path) -> Path:
 def make_vllm_config(model: Path, *, block_size: int = 16, num_blocks: int = 64, max_model_len: int = 256,
                      max_num_seqs: int = 8, max_num_batched_tokens: int = 64, host_bytes: int = 1 << 21,
                      extra: Mapping[str, Any] | None = None, speculative: Mapping[str, Any] | None = None,
-                     scheduler: Mapping[str, Any] | None = None) -> VllmConfig:
-    """A ``VllmConfig`` with kvoffload configured, built without an engine (``DeviceConfig("cpu")``)."""
+                     scheduler: Mapping[str, Any] | None = None, kv_events: bool = False) -> VllmConfig:
+    """A ``VllmConfig`` with kvoffload configured, built without an engine (``DeviceConfig("cpu")``);
+    ``kv_events``: vLLM's scheduler publishes KV events (to its "null" publisher; a test swaps in a recorder)."""
     model_config = ModelConfig(model=str(model), dtype="float32", max_model_len=max_model_len,
                                skip_tokenizer_init=True, seed=0)
     transfer = KVTransferConfig(kv_connector="KVOffloadConnector",
@@ -102,7 +111,9 @@ def make_vllm_config(model: Path, *, block_size: int = 16, num_blocks: int = 64,
     config = VllmConfig(model_config=model_config, scheduler_config=sched, device_config=DeviceConfig("cpu"),
                         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True,
                                                  num_gpu_blocks_override=num_blocks),
-                        kv_transfer_config=transfer, speculative_config=spec_config)
+                        kv_transfer_config=transfer, speculative_config=spec_config,
+                        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+                        if kv_events else None)
     config.cache_config.kv_cache_layout = "LBNHC"  # what the CPU backend resolves; no worker runs to resolve it
     return config
 
@@ -359,10 +370,11 @@ class Engine:
 
     # -- the client side --------------------------------------------------------------------------------------
 
-    def add_request(self, req_id: str, prompt: Sequence[int], max_tokens: int) -> Request:
+    def add_request(self, req_id: str, prompt: Sequence[int], max_tokens: int,
+                    cache_salt: str | None = None) -> Request:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
         request = Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=params,
-                          pooling_params=None, block_hasher=self.block_hasher)
+                          pooling_params=None, block_hasher=self.block_hasher, cache_salt=cache_salt)
         self.records[req_id] = RequestRecord(list(prompt), max_tokens)
         self.scheduler.add_request(request)
         return request
