@@ -44,6 +44,7 @@ P = prompt(1)
 WARM_UP = prompt(2, 2 * BLOCK_SIZE + 5)
 DEVICE_FILLERS = [prompt(s) for s in (3, 4, 5)]  # 18 blocks > 15 usable device blocks: P leaves the device
 HOST_FILLERS = [prompt(s) for s in range(6, 10)]  # 4 x 6 more blocks through a 16-slot host: P leaves the host
+POOL_FILLERS = [prompt(s) for s in range(10, 14)]
 
 
 class Engine:
@@ -179,11 +180,9 @@ def test_old_event_shape_is_not_decoded(indexer_for: Any) -> None:
         publisher.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason="B does not score P yet: measured on a tree with the node pool's announcements "
-                   "(484b897) in, B did not score P's 6 blocks within 30 s of a step of its own; remove once it does")
 def test_both_engines_on_a_node_pool_score_p(model_dir: Path, indexer_for: Any, node_path: Path,
                                              tmp_path: Path) -> None:
-    extra = {"host_bytes": 64 * SLOT_BYTES, "host_scope": "node", "node_path": str(node_path)}
+    extra = {"host_bytes": HOST_SLOTS * SLOT_BYTES, "host_scope": "node", "node_path": str(node_path)}
     figures: dict[str, dict[str, int]] = {}
     with open(tmp_path / "engines.log", "w") as log:
         a, b = Engine(model_dir, extra, log), Engine(model_dir, extra, log)
@@ -201,6 +200,18 @@ def test_both_engines_on_a_node_pool_score_p(model_dir: Path, indexer_for: Any, 
             s = indexer.wait_for_blocks(P, 2, FULL_BLOCKS, tier="cpu", timeout=EVENTS_TIMEOUT_S)
             figures["B after A ran P"] = blocks(s)
             assert s.gpu == 0  # B holds P in the pool only
+
+            for filler in HOST_FILLERS + POOL_FILLERS:  # A's stores push P out of the pool: both engines announce
+                a.run(filler)                               # the removal (the pool evicts by CLOCK: two rounds)
+            s = indexer.wait_for(lambda: (x := indexer.worker_score(P, 1)).cpu < FULL_BLOCKS * BLOCK_SIZE and x,
+                                 EVENTS_TIMEOUT_S, "P out of the pool, for A")
+            figures["A after P left the pool"] = blocks(s)
+            def b_dropped() -> WorkerScore | None:
+                b.run(WARM_UP)  # B reads the pool's announcements once a step
+                x = indexer.worker_score(P, 2)
+                return x if x.cpu < FULL_BLOCKS * BLOCK_SIZE else None
+            s = indexer.wait_for(b_dropped, EVENTS_TIMEOUT_S, "P out of the pool, for B")
+            figures["B after P left the pool"] = blocks(s)
             assert indexer.decode_failures() == 0, indexer.dropped_lines()
         finally:
             a.close()

@@ -83,6 +83,7 @@ class Announcer:
         self._waiting: dict[OffloadKey, BlockDescription] = {}
         self._announced: dict[OffloadKey, _Announced] = {}
         self._bits: dict[Medium, int] = {}
+        self._started = False
         self.undescribed = 0
         """Stored keys not announced: no description was found for them."""
         self.forgotten = 0
@@ -114,6 +115,11 @@ class Announcer:
         share them."""
         out: list[Announcement] = []
         shared: dict[Medium, list[tuple[OffloadKey, BlockDescription]]] = {}
+        if not self._started:
+            # The first share, empty or not, tells a shared host tier that this engine announces: it then reads
+            # what the other engines attached announce (an engine that stores nothing itself learns them too).
+            self._started = True
+            shared[Medium.HOST] = []
         for event in events:
             if event.kind is EventKind.STORED:
                 self._stored(event, out, shared)
