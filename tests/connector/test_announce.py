@@ -126,3 +126,12 @@ def test_without_a_describer_nothing_is_announced_and_the_events_are_drained() -
     run_checked(engine)
     assert engine.scheduler.take_announcements() == []
     assert engine.scheduler.take_events() == []
+
+
+def test_after_a_reset_a_block_stored_again_is_announced_again() -> None:
+    engine = make_engine()
+    first = run(engine, "a", tokens(17, seed=1))
+    engine.scheduler.reset()  # vLLM's prefix-cache reset: the router was told AllBlocksCleared
+    engine.pool.drop_cache()
+    again = run(engine, "a2", tokens(17, seed=1))
+    assert [a.description for a in again if a.kind is EventKind.STORED] == [a.description for a in first]

@@ -182,9 +182,11 @@ class Announcer:
         return bit
 
     def reset(self) -> None:
-        """The tiers forgot their blocks (``BlockIndex.reset`` announces what it dropped; what it did not is
-        dropped here)."""
+        """The tiers forgot their blocks (the engine's prefix cache reset: vLLM publishes ``AllBlocksCleared``,
+        which clears a router's every medium of this engine): nothing is announced any more, and a block stored
+        again is announced again."""
         self._waiting.clear()
+        self._announced.clear()
 
     @property
     def announced_blocks(self) -> int:
