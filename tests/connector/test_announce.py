@@ -128,8 +128,10 @@ def test_without_a_describer_nothing_is_announced_and_the_events_are_drained() -
     assert engine.scheduler.take_events() == []
 
 
-def test_after_a_reset_a_block_stored_again_is_announced_again() -> None:
-    engine = make_engine()
+def test_after_a_reset_a_block_stored_again_is_announced_again(node_path: Path) -> None:
+    # The node pool's reset drops this engine's blocks without an event for each (the private host's announces
+    # each removal, which alone would forget them).
+    engine = make_engine(host_scope="node", node_path=str(node_path))
     first = run(engine, "a", tokens(17, seed=1))
     engine.scheduler.reset()  # vLLM's prefix-cache reset: the router was told AllBlocksCleared
     engine.pool.drop_cache()
