@@ -197,6 +197,10 @@ SALTED = (Served("salted", tokens(2, 40), 30, "tenant-7"),)
 """Four full blocks, two of them decoded: the salt goes into the first block's hash only."""
 EVICTING = (*SALTED, *(Served(f"x{i}", tokens(10 + i, 60), 6) for i in range(3)))
 """4 + 4 + 4 + 4 blocks through a host tier of ``HOST_BLOCKS``: the last two requests evict."""
+HITTING = (*STORE, Served("b", STORE[0].prompt[:64] + tokens(3, 20), 6), *EVICTING[1:],
+           Served("again", STORE[0].prompt, 6))
+"""A hit on all four of the first request's blocks (a load), evictions after it, and its prompt again once they
+are gone: stored anew."""
 
 
 def serve(engine: Serving, requests: Sequence[Served]) -> None:
@@ -356,13 +360,15 @@ class VllmOffloading:
         meta = out.kv_connector_metadata
         assert isinstance(meta, OffloadingConnectorMetadata)
         done = OffloadingWorkerMetadata(completed_jobs=dict.fromkeys((*meta.load_jobs, *meta.store_jobs), 1))
+        loaded = {job.req_id for job in meta.load_jobs.values() if not getattr(job, "sync", False)}
         req_ids, sampled = list(out.num_scheduled_tokens), []
         for req_id in req_ids:
             request = self.scheduler.requests[req_id]
             samples = request.num_computed_tokens + out.num_scheduled_tokens[req_id] >= request.num_tokens
             sampled.append([self.outputs[req_id][request.num_output_tokens]] if samples else [])
         self.scheduler.update_from_output(
-            out, model_runner_output(req_ids, sampled, KVConnectorOutput(kv_connector_worker_meta=done)))
+            out, model_runner_output(req_ids, sampled, KVConnectorOutput(finished_recving=loaded or None,
+                                                                         kv_connector_worker_meta=done)))
 
     def run(self, max_steps: int = 10_000) -> None:
         for _ in range(max_steps):
@@ -410,12 +416,13 @@ def connector_mismatches(ours: Sequence[KVCacheEvent], theirs: Sequence[KVCacheE
     return problems
 
 
-def vllm_connector_events(build: Engines, model_dir: Path, factor: int) -> tuple[list[KVCacheEvent], ...]:
-    """The eviction workload through kvoffload and through vLLM's own connector: each one's events."""
-    engine, ours = kvoffload_events(build, EVICTING, host_bytes=HOST_BLOCKS * ENGINE_BLOCK_BYTES, **blocks_of(factor))
+def vllm_connector_events(build: Engines, model_dir: Path, factor: int,
+                          requests: Sequence[Served] = EVICTING) -> tuple[list[KVCacheEvent], ...]:
+    """``requests`` through kvoffload and through vLLM's own connector: each one's events."""
+    engine, ours = kvoffload_events(build, requests, host_bytes=HOST_BLOCKS * ENGINE_BLOCK_BYTES, **blocks_of(factor))
     vllm = VllmOffloading(model_dir, {r: engine.records[r].output for r in engine.records}, factor, HOST_BLOCKS)
     try:
-        serve(vllm, EVICTING)
+        serve(vllm, requests)
     finally:
         vllm.shutdown()
     theirs = vllm.recorder.events
@@ -445,6 +452,31 @@ def test_the_events_equal_vllms_own_offloading_connectors_field_by_field(build: 
     salted = [e for e in stored(ours, "CPU") if e.extra_keys is not None]
     assert [(e.block_hashes, e.extra_keys) for e in salted] == [
         (stored(ours, "GPU")[0].block_hashes[:factor], [("tenant-7",)] + [None] * (factor - 1))]
+
+
+@needs_self_describing
+def test_a_hit_and_the_evictions_after_it_are_published_as_vllms_connector_publishes_them(build: Engines,
+                                                                                         model_dir: Path) -> None:
+    """A hit (a load), the evictions after it and the prompt stored anew once its blocks are gone: the same
+    events overall (each step's evictions differ: the xfail below)."""
+    ours, theirs = vllm_connector_events(build, model_dir, 1, HITTING)
+    assert connector_mismatches(ours, theirs) == []
+    first = stored(ours, "CPU")[:4]
+    assert len(stored(ours, "CPU")) == 4 + 1 + 12 + 4  # b stores only its block after the four it loaded
+    assert [e.block_hashes for e in stored(ours, "CPU")[-4:]] == [e.block_hashes for e in first]  # stored anew
+    assert removal_mismatches(ours) == removal_mismatches(theirs) == []
+
+
+@needs_self_describing
+@pytest.mark.xfail(strict=True, reason=(
+    "kvoffload's host tier evicts a hit prefix (request a's four blocks) before the block the hitting request b "
+    "stored after it, which vLLM's connector evicts first (its CPU manager hands a request's loaded and stored "
+    "blocks to its policy together when the request finishes): the suffix block kvoffload keeps can never hit "
+    "without its prefix, and holds a slot. The events are right; the eviction order differs"))
+def test_after_a_hit_each_step_evicts_the_blocks_vllms_connector_evicts(build: Engines, model_dir: Path) -> None:
+    ours, theirs = vllm_connector_events(build, model_dir, 1, HITTING)
+    # vLLM 0.31 to 0.33 order a step's removals by a set: compared as sets.
+    assert [set(e.block_hashes) for e in removed(ours, "CPU")] == [set(e.block_hashes) for e in removed(theirs, "CPU")]
 
 
 @needs_self_describing
