@@ -1,9 +1,10 @@
 """What a KV-aware router learns from an engine with kvoffload: real vLLM engines publish their KV events over ZMQ
 (``--kv-events-config``) to NVIDIA Dynamo's real indexer (kvoffload.testing.router_indexer), issue 44.
 
-One engine with a private host tier: after prompt P, the indexer scores P's full blocks on the device and host; once
-other prompts pushed P off the device, it still scores them on host (CPU) and no longer on the device; once more
-prompts pushed P out of the host tier too, it scores nothing. Then two engines on one node pool: after A ran P, the
+One engine with a private host tier over a disk tier: after prompt P, the indexer scores P's full blocks on the
+device, host and disk; once other prompts pushed P off the device, it still scores them on host (CPU) and no longer
+on the device; once more prompts pushed P out of the host tier, on the disk (STORAGE) alone; once the disk evicted
+it too, nothing. Then two engines on one node pool: after A ran P, the
 indexer scores P on both (B through the pool's announcements). A control publishes the same engine's blocks in
 kvoffload's former event shape (16-byte keys, no token ids): the indexer fails to decode that batch.
 
@@ -32,6 +33,7 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 FULL_BLOCKS = PREFIX_TOKENS // BLOCK_SIZE  # 6 of P's 200 tokens' blocks are full
 HOST_SLOTS = 16
+DISK_SLOTS = 60  # every block up to the host fillers (50) fits; with the disk fillers (72 more) P leaves the disk
 SLOT_BYTES = 32 << 10
 EVENTS_TIMEOUT_S = 30.0
 
@@ -45,6 +47,7 @@ WARM_UP = prompt(2, 2 * BLOCK_SIZE + 5)
 DEVICE_FILLERS = [prompt(s) for s in (3, 4, 5)]  # 18 blocks > 15 usable device blocks: P leaves the device
 HOST_FILLERS = [prompt(s) for s in range(6, 10)]  # 4 x 6 more blocks through a 16-slot host: P leaves the host
 POOL_FILLERS = [prompt(s) for s in range(10, 14)]
+DISK_FILLERS = [prompt(s) for s in range(10, 22)]  # a disk block file is smaller than a host slot: more of them
 
 
 class Engine:
@@ -119,11 +122,14 @@ def heard(indexer: RouterIndexer, engine: Engine, worker: int) -> WorkerScore:
     return indexer.wait_for(lambda: scored() or None, EVENTS_TIMEOUT_S, f"worker {worker}'s warm-up scored")
 
 
-def test_the_host_tier_keeps_p_scored_after_the_device_drops_it(
+def test_the_host_then_the_disk_keep_p_scored_after_the_device_drops_it(
         model_dir: Path, indexer_for: Any, tmp_path: Path) -> None:
     figures: dict[str, dict[str, int]] = {}
+    full = FULL_BLOCKS * BLOCK_SIZE
+    extra = {"host_bytes": HOST_SLOTS * SLOT_BYTES, "disk_path": str(tmp_path / "disk"),
+             "disk_bytes": DISK_SLOTS * SLOT_BYTES}
     with open(tmp_path / "engine.log", "w") as log:
-        engine = Engine(model_dir, {"host_bytes": HOST_SLOTS * SLOT_BYTES}, log)
+        engine = Engine(model_dir, extra, log)
         try:
             engine.wait_serving()
             indexer = indexer_for({1: engine.endpoint})
@@ -132,26 +138,33 @@ def test_the_host_tier_keeps_p_scored_after_the_device_drops_it(
             engine.run(P)
             s = indexer.wait_for_blocks(P, 1, FULL_BLOCKS, tier="cpu", timeout=EVENTS_TIMEOUT_S)
             figures["after P"] = blocks(s)
-            assert s.gpu == s.cpu == FULL_BLOCKS * BLOCK_SIZE
+            assert s.gpu == s.cpu == s.disk == full
 
             for filler in DEVICE_FILLERS:
                 engine.run(filler)
             s = indexer.wait_for(lambda: (x := indexer.worker_score(P, 1)).gpu == 0 and x, EVENTS_TIMEOUT_S,
                                  "P off the device")
             figures["P pushed off the device"] = blocks(s)
-            assert (s.blocks, s.gpu, s.cpu) == (FULL_BLOCKS, 0, FULL_BLOCKS * BLOCK_SIZE)  # the host keeps it
+            assert (s.blocks, s.gpu, s.cpu) == (FULL_BLOCKS, 0, full)  # the host keeps it
 
             for filler in HOST_FILLERS:
                 engine.run(filler)
-            s = indexer.wait_for(lambda: (x := indexer.worker_score(P, 1)).cpu < FULL_BLOCKS * BLOCK_SIZE and x,
-                                 EVENTS_TIMEOUT_S, "P out of the host tier")
+            s = indexer.wait_for(lambda: (x := indexer.worker_score(P, 1)).cpu < full and x, EVENTS_TIMEOUT_S,
+                                 "P out of the host tier")
             figures["P pushed out of the host tier"] = blocks(s)
-            assert s.gpu == 0 and s.cpu < FULL_BLOCKS * BLOCK_SIZE
+            assert (s.blocks, s.gpu, s.disk) == (FULL_BLOCKS, 0, full)  # the disk keeps it: STORAGE
+
+            for filler in DISK_FILLERS:
+                engine.run(filler)
+            s = indexer.wait_for(lambda: (x := indexer.worker_score(P, 1)).disk < full and x, EVENTS_TIMEOUT_S,
+                                 "P off the disk")
+            figures["P pushed off the disk too"] = blocks(s)
+            assert s.gpu == 0 and s.cpu < full and s.disk < full
             assert indexer.decode_failures() == 0, indexer.dropped_lines()
-            assert engine.run(P) < FULL_BLOCKS * BLOCK_SIZE  # the engine agrees: P is no longer all held
+            assert engine.run(P) < full  # the engine agrees: P is no longer all held
         finally:
             engine.close()
-    report(figures, "one engine, private host tier")
+    report(figures, "one engine, private host tier over a disk tier")
 
 
 def test_old_event_shape_is_not_decoded(indexer_for: Any) -> None:

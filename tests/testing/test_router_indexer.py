@@ -273,3 +273,31 @@ def test_all_blocks_cleared_clears_every_medium_of_that_worker_only(engines: tup
     a.publish(AllBlocksCleared())
     assert a.score(tokens) == (0, 0, 0, 0)
     assert b.score(tokens) == (2, 0, 2, 2)
+
+
+@pytest.mark.parametrize(("medium", "locality", "expected"), [
+    ("CPU", None, (2, 0, 2, 2)),  # kvoffload's host tier and node pool
+    ("STORAGE", "LOCAL", (2, 0, 0, 2)),  # its disk tier
+    ("REMOTE", None, (2, 0, 0, 2)),  # its remote and object tiers
+    ("STORAGE", None, (2, 0, 0, 2)),  # a plug-in tier
+    # Locality REMOTE (vLLM: stored away from the publishing engine) is not indexed for the engine at all.
+    ("REMOTE", "REMOTE", (0, 0, 0, 0)),
+    ("STORAGE", "REMOTE", (0, 0, 0, 0)),
+])
+def test_kvoffloads_media_and_localities_are_scored_on_their_tier(
+        engine: Engine, medium: str, locality: str | None, expected: tuple[int, ...]) -> None:
+    tokens, hashes = prompt(2)
+    engine.publish(stored(hashes, tokens, medium, locality=locality, group_idx=0,
+                          kv_cache_spec_kind="full_attention"))
+    assert engine.score(tokens) == expected
+
+
+@pytest.mark.parametrize(("medium", "ownership"), [("CPU", "disk"), ("STORAGE", "disk"), ("REMOTE", "remote")])
+def test_a_store_with_an_ownership_is_dropped_silently(engine: Engine, medium: str, ownership: str) -> None:
+    """vLLM's field for a secondary tier's stores (its KVCR tiers): the indexer does not index them, so kvoffload
+    sends none (events.py)."""
+    tokens, hashes = prompt(2)
+    device_tokens, device_hashes = prompt(2)
+    engine.publish(stored(hashes, tokens, medium, ownership=ownership), stored(device_hashes, device_tokens, "GPU"))
+    assert engine.score(tokens) == (0, 0, 0, 0)
+    assert engine.score(device_tokens) == (2, 2, 2, 2)

@@ -27,8 +27,8 @@ from kvoffload.connector.requests import EngineRequest
 from kvoffload.index.base import BlockDescription, EngineHash, EventKind
 from kvoffload.integrations.vllm.adapters import VllmRequest
 
-LOCAL, REMOTE = "LOCAL", "REMOTE"
-"""vLLM's ``Locality`` values (``vllm.v1.kv_offload.base``): where a tier's storage is from the publishing engine."""
+LOCAL = "LOCAL"
+"""vLLM's ``Locality`` of a tier on the publishing engine's machine (``vllm.v1.kv_offload.base``)."""
 MEDIUM_REMOTE = "REMOTE"
 """A store shared by every engine configured with it. vLLM names no such medium; Dynamo's indexer indexes it as
 its "external" tier, apart from the disk (a medium it does not know it drops, event by event)."""
@@ -36,21 +36,22 @@ its "external" tier, apart from the disk (a medium it does not know it drops, ev
 MEDIA: dict[Medium, tuple[str, str | None]] = {
     Medium.HOST: (MEDIUM_CPU, None),
     Medium.DISK: (MEDIUM_STORAGE, LOCAL),
-    Medium.REMOTE: (MEDIUM_REMOTE, REMOTE),
-    Medium.OBJECT: (MEDIUM_REMOTE, REMOTE),
+    Medium.REMOTE: (MEDIUM_REMOTE, None),
+    Medium.OBJECT: (MEDIUM_REMOTE, None),
 }
 """Each tier's ``medium`` and ``locality`` in vLLM's events. The host tier and the node pool are host memory
 (``CPU``, as vLLM's own offloading tier; no locality, as it sends none); the disk is this machine's storage; a
 remote or object store is storage elsewhere, shared by every engine configured with it: ``REMOTE``, so that a
 router keeps it apart from the disk (one removal drops a router's entry for a hash on a medium, whichever tier
-sent it). A tier from another package is ``STORAGE`` without locality. Tiers below the host name themselves in
-``ownership`` (vLLM: "secondary offloading tier identifier"), so a consumer can tell them apart."""
+sent it), without locality: ``REMOTE`` (vLLM: stored away from the publishing engine) makes Dynamo's indexer
+leave the store out of this engine's blocks, though the engine loads it. A tier from another package is ``STORAGE``
+without locality. ``ownership`` is never set: vLLM fills it for its secondary tiers' stores, and Dynamo's indexer
+drops every store that has one."""
 
 
-def medium_of(medium: Medium) -> tuple[str, str | None, str | None]:
-    """``(medium, locality, ownership)`` of a tier's events."""
-    name, locality = MEDIA.get(medium, (MEDIUM_STORAGE, None))
-    return name, locality, None if medium is Medium.HOST else medium.value
+def medium_of(medium: Medium) -> tuple[str, str | None]:
+    """``(medium, locality)`` of a tier's events."""
+    return MEDIA.get(medium, (MEDIUM_STORAGE, None))
 
 
 class VllmDescriber:
@@ -118,20 +119,20 @@ def kv_events(announcements: Iterable[Announcement], groups: GroupKinds | None =
     out: list[KVCacheEvent] = []
     for a in announcements:
         d = a.description
-        medium, locality, ownership = medium_of(a.medium)
+        medium, locality = medium_of(a.medium)
         if a.kind is EventKind.STORED:
             kind, window = groups.of(d.group) if groups is not None else (None, None)
             out.append(BlockStored(
                 block_hashes=list(d.block_hashes), parent_block_hash=d.parent_hash, token_ids=list(d.token_ids),
                 block_size=d.block_size, lora_id=d.lora_id, medium=medium, lora_name=d.lora_name,
                 extra_keys=_as_lists(d.extra_keys), group_idx=d.group, kv_cache_spec_kind=kind,
-                kv_cache_spec_sliding_window=window, locality=locality, ownership=ownership))
+                kv_cache_spec_sliding_window=window, locality=locality))
         elif (last := out[-1] if out else None) is not None and type(last) is BlockRemoved and (
-                last.medium, last.group_idx, last.ownership) == (medium, d.group, ownership):
+                last.medium, last.group_idx, last.locality) == (medium, d.group, locality):
             last.block_hashes.extend(d.block_hashes)  # one removal per group and tier, as vLLM batches them
         else:
             out.append(BlockRemoved(block_hashes=list(d.block_hashes), medium=medium, group_idx=d.group,
-                                    locality=locality, ownership=ownership))
+                                    locality=locality))
     return out
 
 

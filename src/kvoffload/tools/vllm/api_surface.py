@@ -207,10 +207,9 @@ EVENTS = (
               names=("MEDIUM_CPU", "MEDIUM_STORAGE", "BlockRemoved", "BlockStored", "KVCacheEvent")),
     ClassUse("vllm.distributed.kv_events", "BlockStored", constructs=True, members=uses(
         Use.READ, "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-        "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality",
-        "ownership")),
+        "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality")),
     ClassUse("vllm.distributed.kv_events", "BlockRemoved", constructs=True,
-             members=uses(Use.READ, "block_hashes", "medium", "group_idx", "locality", "ownership")),
+             members=uses(Use.READ, "block_hashes", "medium", "group_idx", "locality")),
     # events.py describes blocks as the device's events do: vLLM's hash conversion and extra keys.
     ModuleUse(_UTILS, functions=uses(
         Use.CALL, "generate_block_hash_extra_keys(request, start_token_idx, end_token_idx, start_mm_idx)",
