@@ -210,7 +210,10 @@ EVENTS = (
         "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality")),
     ClassUse("vllm.distributed.kv_events", "BlockRemoved", constructs=True,
              members=uses(Use.READ, "block_hashes", "medium", "group_idx", "locality")),
-    # events.py describes blocks as the device's events do: vLLM's hash conversion and extra keys.
+    # events.py describes blocks as the device's events do: vLLM's hash conversion (and the variable that picks it)
+    # and extra keys.
+    ModuleUse("vllm", names=("envs",)),
+    ModuleUse("vllm.envs", names=("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES",)),
     ModuleUse(_UTILS, functions=uses(
         Use.CALL, "generate_block_hash_extra_keys(request, start_token_idx, end_token_idx, start_mm_idx)",
         "maybe_convert_block_hash(hash_bytes)", "to_event_extra_keys(extra_keys)")),
