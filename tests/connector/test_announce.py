@@ -37,7 +37,7 @@ def run(engine: SimEngine, req_id: str, prompt: list[int]) -> list[Announcement]
 def describer(engine: SimEngine) -> SimDescriber:
     announcer = engine.scheduler.announcer
     assert announcer is not None
-    describe = announcer._describe
+    describe = announcer.describe
     assert isinstance(describe, SimDescriber)
     return describe
 

@@ -77,7 +77,8 @@ class Announcer:
     """
 
     def __init__(self, describe: Describe, index: BlockIndex, max_blocks: int = MAX_BLOCKS) -> None:
-        self._describe = describe
+        self.describe = describe
+        """The engine adapter's describer."""
         self._index = index
         self.max_blocks = max(1, min(max_blocks, MAX_BLOCKS))
         self._waiting: dict[OffloadKey, BlockDescription] = {}
@@ -100,7 +101,7 @@ class Announcer:
     def describe_block(self, state: RequestState, key: OffloadKey, block: int, group: int) -> bool:
         """Describe ``key``, ``state``'s offload block ``block`` of ``group``, for its coming store event; False
         when the engine cannot describe it."""
-        description = self._describe(state.request, block, group)
+        description = self.describe(state.request, block, group)
         if description is None:
             return False
         waiting = self._waiting
