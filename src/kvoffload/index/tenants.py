@@ -29,10 +29,12 @@ Costs: ``victims`` is O(groups) per run of victims taken from one group, plus th
 methods add one dict operation per key. Bounds: at most ``MAX_TENANTS`` + 1 groups; the book maps only resident keys
 (at most the tier's capacity) and the store being prepared.
 
-Atomicity: inner policies are asked group by group; when a later group cannot give what the rule asks and no other
-may, the groups that gave keys get them back, first in their order. That is exact for LRU; the others keep the
-order of their resident keys but forget their history (ARC's ghosts, TinyLFU's counts) for those groups. It
-happens only when the store is refused anyway.
+Atomicity: inner policies are asked group by group, each atomic. A group that cannot give the run asked changes
+nothing and has offered every key it may give, so the rule then knows how many it can and asks for no more. Only
+when a later group falls short and no other group may give does an earlier group's run have to be undone: those
+groups get their keys back ahead of their other keys, in their order, in a fresh inner policy (their history, ARC's
+ghosts or TinyLFU's counts, is forgotten; keys ``can_evict`` refused move behind them). It happens only when the
+store is refused anyway, and never with one group (the policy conformance suite checks that case).
 
 An adaptive eviction policy is not steered inside tenants (phase 1): each tenant's stays LRU. Uses of keys that
 are not resident are not remembered (TinyLFU counts only resident keys' uses under tenants).
@@ -151,24 +153,28 @@ class TenantPolicy(Policy):
             return []
         used, storing = self._usage_with_store()
         taken: list[tuple[int, list[OffloadKey]]] = []
-        spent: set[int] = set()
-        """Groups with no key ``can_evict`` allows."""
-        careful: set[int] = set()
-        """Groups that could not give a run at once: asked one key at a time."""
+        avail: dict[int, int] = {}
+        """Groups that could not give what was asked: how many keys ``can_evict`` allowed there (0: none)."""
         left = n
         while left:
-            group, run = self._next(used, storing, spent, left)
+            group, run = self._next(used, storing, avail, left)
             if group is None:
                 self._give_back(taken)
                 return None
-            run = 1 if group in careful else run
-            got = self._inner[group].victims(run, can_evict)
+            allowed: set[OffloadKey] = set()
+            got = self._inner[group].victims(run, _counting(can_evict, allowed))
             if got is None:
-                (spent if run == 1 else careful).add(group)
+                # A refused call changes nothing and has offered every key it could give: now we know how many.
+                avail[group] = len(allowed) if len(allowed) < run else 0
+                if self._short(used, storing, avail, left):
+                    self._give_back(taken)
+                    return None
                 continue
             taken.append((group, got))
             used[group] -= run
             left -= run
+            if group in avail:
+                avail[group] -= run
         chosen = [key for _, got in taken for key in got]
         of = self.book.of
         for key in chosen:
@@ -219,19 +225,31 @@ class TenantPolicy(Policy):
             storing.add(self.book.shared)  # nobody assigned: the shared tenant's
         return used, storing
 
-    def _next(self, used: list[float], storing: set[int], spent: set[int], left: int) -> tuple[int | None, int]:
-        """The group the next victims come from by the rule, and how many in a row before the rule may change."""
+    def _next(self, used: list[float], storing: set[int], avail: dict[int, int], left: int
+              ) -> tuple[int | None, int]:
+        """The group the next victims come from by the rule, and how many in a row before the rule may change
+        (at most what ``avail`` says the group can give)."""
         quota = self._quota
         excess = [used[g] - quota[g] for g in range(len(quota))]
-        order = sorted((g for g in range(len(quota)) if g not in spent), key=lambda g: -excess[g])
+        order = sorted((g for g in range(len(quota)) if avail.get(g, 1) > 0), key=lambda g: -excess[g])
         over = [g for g in order if excess[g] > 0]
-        for candidates in ([g for g in over if g in storing], over):
+        mine = [g for g in order if g in storing]
+        for candidates in ([g for g in over if g in storing], over, mine):
             if candidates:
                 first = candidates[0]
-                after = excess[candidates[1]] if len(candidates) > 1 else 0.0
-                return first, min(left, max(1, math.ceil(excess[first] - max(after, 0.0))))
-        mine = [g for g in order if g in storing]
-        return (mine[0], left) if mine else (None, 0)
+                run = left
+                if any(g != first for g in (*over, *mine)) and candidates is not mine:
+                    # Another group may be next once this one is less over (or no longer over) its quota.
+                    after = excess[candidates[1]] if len(candidates) > 1 else 0.0
+                    run = min(left, max(1, math.ceil(excess[first] - max(after, 0.0))))
+                return first, min(run, avail.get(first, run))
+        return None, 0
+
+    def _short(self, used: list[float], storing: set[int], avail: dict[int, int], left: int) -> bool:
+        """Whether the groups the rule may still take from are known to hold fewer than ``left`` keys to give."""
+        quota = self._quota
+        may = [g for g in range(len(quota)) if used[g] > quota[g] or g in storing]
+        return all(g in avail for g in may) and sum(avail[g] for g in may) < left
 
     def _give_back(self, taken: list[tuple[int, list[OffloadKey]]]) -> None:
         """Undo ``victims``' partial work: each group that gave keys gets them back, first in its order."""
@@ -244,3 +262,13 @@ class TenantPolicy(Policy):
             fresh = self._make()
             fresh.insert_all(got + rest)
             self._inner[group] = fresh
+
+
+def _counting(can_evict: CanEvict, allowed: set[OffloadKey]) -> CanEvict:
+    """``can_evict``, remembering the keys it allowed."""
+    def check(key: OffloadKey) -> bool:
+        if can_evict(key):
+            allowed.add(key)
+            return True
+        return False
+    return check
