@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvoffload.config import OffloadConfig
+from kvoffload.config import OffloadConfig, TenantBy
 from kvoffload.connector.metadata import ConnectorMetadata, WorkerReport
 from kvoffload.connector.requests import ScheduledRequest, StepSchedule
 from kvoffload.connector.scheduler import ConnectorScheduler
@@ -22,6 +22,9 @@ class Req:
     all_token_ids: list[int]
     extra_keys: tuple[str, ...] = ()
     blocks: list[int] = field(default_factory=list)
+
+    def tenant(self, by: TenantBy) -> str | None:
+        return None
 
 
 def make_scheduler(factor: int = 1, groups: int = 1, world_size: int = 1, host_blocks: int = 64

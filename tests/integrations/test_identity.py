@@ -109,3 +109,12 @@ def test_requests_without_lora_keep_their_keys_exactly() -> None:
 def test_the_same_image_at_another_place_in_the_prompt_is_another_key() -> None:
     assert request(mm=image(4)).extra_keys != request(mm=image(20)).extra_keys
     assert request(mm=image(4)).extra_keys == request(mm=image(4)).extra_keys
+
+
+def test_a_requests_tenant_is_its_cache_salt_or_lora_name_and_none_without() -> None:
+    from kvoffload.config import TenantBy
+
+    both = request(LoRARequest("adapter", 1, "/loras/a"), salt="acme")
+    assert both.tenant(TenantBy.CACHE_SALT) == "acme" and both.tenant(TenantBy.LORA) == "adapter"
+    assert both.tenant(TenantBy.NONE) is None
+    assert request().tenant(TenantBy.CACHE_SALT) is None and request().tenant(TenantBy.LORA) is None

@@ -57,3 +57,14 @@ class HostScope(enum.Enum):
     """Each engine's own pool, in its workers' memory."""
     NODE = "node"
     """One pool in shared memory that every engine of the same namespace on this machine uses (tiers/node/)."""
+
+
+class TenantBy(enum.Enum):
+    """Who a request's tenant is, for tenants' shares of the host tier (docs/tenants.md)."""
+
+    NONE = "none"
+    """No tenants: one pool, as before tenants existed."""
+    CACHE_SALT = "cache_salt"
+    """The request's cache salt; requests without one are the shared tenant."""
+    LORA = "lora"
+    """The request's LoRA adapter name; requests without one are the shared tenant."""

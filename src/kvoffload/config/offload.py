@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvoffload.config.choices import EvictionPolicy, HostScope, LoadPolicy, StoreAdmission, WritePolicy
+from kvoffload.config.choices import EvictionPolicy, HostScope, LoadPolicy, StoreAdmission, TenantBy, WritePolicy
 from kvoffload.config.secrets import password_env, password_file, password_text, secret_env, secret_file
 from kvoffload.config.tiers import (
     DEFAULT_NODE_PATH,
@@ -26,6 +26,7 @@ from kvoffload.config.tiers import (
     ObjectTierConfig,
     PluginTierConfig,
     RemoteTierConfig,
+    TenantConfig,
 )
 from kvoffload.config.values import (
     MAX_BYTES,
@@ -41,6 +42,7 @@ from kvoffload.config.values import (
     object_url,
     path,
     remote_urls,
+    tenant_quota,
     text,
 )
 
@@ -74,6 +76,8 @@ class OffloadConfig:
     """Overrides the model name used in the key namespace (engines sharing a tier must agree on it)."""
     model_version: str | None = None
     """Names the weights in the key namespace when the model config cannot tell two checkpoints apart."""
+    tenants: TenantConfig | None = None
+    """Tenants' shares of the private host tier; None (``tenant_by`` none, the default): one pool for all."""
     inject_load_failures: int = 0
     """Testing knob: the first N load jobs of each worker fail (exercises the recompute path end to end)."""
     inject_load_corruption: int = 0
@@ -170,6 +174,11 @@ KEYS: dict[str, tuple[Callable[[Any], Any], str]] = {
                                  'point: {"name": {"option": value}}, asked in that order'),
     "tier_secret_file": (secret_file, "file (mode 0600) holding the secret that authenticates disk-tier blocks"),
     "tier_secret_env": (secret_env, "environment variable holding that secret; alternative to tier_secret_file"),
+    "tenant_by": (enum_of(TenantBy), "who a request's tenant is, for tenant_quota: none (one pool for all, the "
+                                     "default), cache_salt or lora (requests without one: the tenant \"shared\")"),
+    "tenant_quota": (tenant_quota, 'each tenant\'s fraction of the private host tier, e.g. {"default": 0.2, '
+                                   '"shared": 0.3, "acme": 0.5}: at most 16 named, "default" for all others together, '
+                                   'fractions in (0, 1] adding up to at most 1; needs tenant_by cache_salt or lora'),
     "inject_load_failures": (_FAULT_COUNT, "testing: the first N load jobs fail, forcing recompute"),
     "inject_load_corruption": (_FAULT_COUNT,
                                "testing: the first N load jobs load a zeroed block yet succeed (wrong KV)"),
@@ -256,10 +265,29 @@ class _Parser:
         if secret_keys and not keys & {"disk_path", "remote_url", "object_url"}:
             self.errors.append(f"{', '.join(secret_keys)} given without a shared tier (disk_path, remote_url or "
                                f"object_url)")
+        self._check_tenants()
         if self.values.get("remote_cluster") and "remote_url" in self.values:
             problem = cluster_url_problem(self.values["remote_url"])
             if problem:
                 self.errors.append(f"remote_url with remote_cluster: {problem}")
+
+    def _check_tenants(self) -> None:
+        by = self.values.get("tenant_by", TenantBy.NONE)
+        if "tenant_quota" in self.keys and by is TenantBy.NONE:
+            self.errors.append("tenant_quota given without tenant_by cache_salt or lora")
+        if by is not TenantBy.NONE and "tenant_by" in self.values and "tenant_quota" not in self.keys:
+            self.errors.append(f"tenant_by {by.value} given without tenant_quota (the tenants' shares)")
+        if by is not TenantBy.NONE and self.values.get("host_scope") is HostScope.NODE:
+            self.errors.append("tenant_by cannot be used with host_scope node yet (tenants' shares cover the "
+                               "private host tier only)")
+
+    def _tenants(self) -> TenantConfig | None:
+        v = self.values
+        by = v.get("tenant_by", TenantBy.NONE)
+        if by is TenantBy.NONE:
+            return None
+        default, shares = v["tenant_quota"]
+        return TenantConfig(by, default, shares)
 
     def _remote(self, policy: EvictionPolicy) -> RemoteTierConfig | None:
         v = self.values
@@ -345,6 +373,7 @@ class _Parser:
             record_trace=v.get("record_trace"),
             model_id=v.get("model_id"),
             model_version=v.get("model_version"),
+            tenants=self._tenants(),
             inject_load_failures=v.get("inject_load_failures", 0),
             inject_load_corruption=v.get("inject_load_corruption", 0),
         )

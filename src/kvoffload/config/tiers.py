@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload.auth import TierSecret
-from kvoffload.config.choices import EvictionPolicy, HostScope, WritePolicy
+from kvoffload.config.choices import EvictionPolicy, HostScope, TenantBy, WritePolicy
 from kvoffload.config.values import GIB
 
 DEFAULT_NODE_PATH = Path("/dev/shm")
@@ -122,3 +122,17 @@ class PluginTierConfig:
 
     def option_map(self) -> dict[str, Any]:
         return dict(self.options)
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    """Tenants' shares of the private host tier (keys ``tenant_by`` and ``tenant_quota``; docs/tenants.md).
+
+    ``shares``: the named tenants' fractions of the tier, in the order given; ``default``: the fraction that every
+    tenant not named shares with the others not named (counted together as "other"). Validated by the parser:
+    at most ``MAX_TENANTS`` names, each fraction in (0, 1], all of them together at most 1.
+    """
+
+    by: TenantBy
+    default: float
+    shares: tuple[tuple[str, float], ...] = ()

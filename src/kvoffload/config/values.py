@@ -288,3 +288,36 @@ def extra_tiers(v: Any) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
                 raise ValueError(f"{name}: option {key!r} must be a string naming a string, number, bool or null")
         tiers.append((name, tuple(options.items())))
     return tuple(tiers)
+
+
+MAX_TENANTS = 16
+"""Named tenants in ``tenant_quota``. Every named tenant is one eviction policy in the host tier's index, looked at
+once per run of victims (``index/tenants.py``), and later one label value of each per-tenant figure: a bound keeps
+both small. Tenants not named share the default fraction, counted together as "other"."""
+
+_SHARE_SLACK = 1e-9
+"""Fractions given as decimals may add up to a hair over 1 (0.1 + 0.2 + 0.7)."""
+
+
+def tenant_quota(v: Any) -> tuple[float, tuple[tuple[str, float], ...]]:
+    """``{"default": 0.2, "shared": 0.3, "acme": 0.5}``: each tenant's fraction of the host tier, the default for
+    tenants not named (together), named ones in the order given; answers (default, ((name, fraction), ...))."""
+    if not isinstance(v, Mapping) or "default" not in v:
+        raise ValueError('must be a mapping of tenant names to fractions of the tier with a "default", '
+                         'e.g. {"default": 0.5, "acme": 0.5}')
+    named = [name for name in v if name != "default"]
+    if len(named) > MAX_TENANTS:
+        raise ValueError(f"names {len(named)} tenants; at most {MAX_TENANTS} (the others share the default)")
+    fractions = {}
+    for name, share in v.items():
+        if not isinstance(name, str) or not name or "\0" in name or len(name) > 256:
+            raise ValueError(f"tenant name {repr(name)[:60]} must be a non-empty string of at most 256 characters")
+        if name == "other":
+            raise ValueError('"other" is the name of the tenants not named; give their share as "default"')
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ValueError(f"{name}: fraction {repr(share)[:60]} must be a number in (0, 1]")
+        fractions[name] = float(share)
+    total = sum(fractions.values())
+    if total > 1 + _SHARE_SLACK:
+        raise ValueError(f"fractions add up to {total:g}, more than the whole tier (1)")
+    return fractions["default"], tuple((name, fractions[name]) for name in named)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from kvoffload.blocks import JobId
+from kvoffload.config import TenantBy
 from kvoffload.keys import BlockHash, OffloadKey, chain_hashes, frame_extra_keys, offload_key
 
 
@@ -28,6 +29,11 @@ class EngineRequest(Protocol):
     @property
     def extra_keys(self) -> Sequence[str]:
         """Anything besides tokens that changes the KV (LoRA name, cache salt, multimodal hashes)."""
+        ...
+
+    def tenant(self, by: TenantBy) -> str | None:
+        """The request's tenant (docs/tenants.md): its cache salt (``by`` cache_salt) or LoRA adapter name
+        (``by`` lora); None when it has none (the shared tenant) or ``by`` is none. Asked only with tenants on."""
         ...
 
 

@@ -27,9 +27,10 @@ from kvoffload.connector.metadata import ConnectorMetadata, WorkerReport
 from kvoffload.connector.recording import TraceTap
 from kvoffload.connector.requests import EngineRequest, RequestState, StepSchedule
 from kvoffload.connector.stats import SchedulerStats
-from kvoffload.connector.stores import StoreAdmitter, StoreScan
+from kvoffload.connector.stores import StoreAdmitter, StoreScan, StoreTenants
 from kvoffload.index.admission import make_admission
 from kvoffload.index.base import BlockIndex, OffloadEvent, StoreCounts, TierUsage
+from kvoffload.index.tenants import TenantPolicy
 from kvoffload.keys import Namespace
 from kvoffload.layout import KVCacheLayout
 from kvoffload.tiers.sizing import host_slot_bytes, offload_factor
@@ -92,7 +93,7 @@ class ConnectorScheduler:
                                   engine_block_size, self.num_groups, self.state_groups, null_block_id,
                                   self.announcer)
         self._stores = StoreScan(self.index, self._requests, self._jobs, self._admitter, self.factor,
-                                 self.num_groups, null_block_id, self.announcer)
+                                 self.num_groups, null_block_id, self.announcer, _store_tenants(config, self.index))
 
     @property
     def null_block_id(self) -> int | None:
@@ -287,3 +288,11 @@ class ConnectorScheduler:
 
 NO_JOBS = ConnectorMetadata()
 """A step's metadata when it has no job (frozen: one instance serves every such step)."""
+
+
+def _store_tenants(config: OffloadConfig, index: BlockIndex) -> StoreTenants | None:
+    """With tenants on, who a request's tenant is and the host tier's book (None: tenants off)."""
+    policy = index.host_policy
+    if config.tenants is None or not isinstance(policy, TenantPolicy):
+        return None
+    return StoreTenants(config.tenants.by, policy.book)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvoffload.canonical import CanonicalKV
+from kvoffload.config import TenantBy
 from kvoffload.index.base import BlockDescription
 from kvoffload.keys import BlockHash, hash_block
 
@@ -58,6 +59,14 @@ class SimRequest:
     @property
     def num_new_tokens(self) -> int:
         return len(self.all_token_ids) - self.num_prompt_tokens
+
+    def tenant(self, by: TenantBy) -> str | None:
+        """From the extra keys, as vLLM's request gives it: ``salt:NAME`` is the cache salt, ``lora:NAME`` the
+        LoRA adapter."""
+        prefix = {TenantBy.CACHE_SALT: "salt:", TenantBy.LORA: "lora:"}.get(by)
+        if prefix is None:
+            return None
+        return next((k[len(prefix):] for k in self.extra_keys if k.startswith(prefix) and len(k) > len(prefix)), None)
 
     def block_hashes(self, num_blocks: int, block_size: int) -> list[BlockHash]:
         """The chained hashes of the first ``num_blocks`` full blocks (remembered as they are computed)."""

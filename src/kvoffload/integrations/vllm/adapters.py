@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1 import kv_cache_interface as vkv
 
-from kvoffload.config import OffloadConfig
+from kvoffload.config import OffloadConfig, TenantBy
 from kvoffload.connector.requests import StepSchedule
 from kvoffload.integrations.vllm import compat
 from kvoffload.keys import Namespace, extra_key
@@ -320,6 +320,13 @@ class VllmRequest:
         keys.extend(f"mm:{f.identifier}@{f.mm_position.offset}+{f.mm_position.length}"
                     for f in self.request.mm_features or ())
         return keys
+
+    def tenant(self, by: TenantBy) -> str | None:
+        if by is TenantBy.CACHE_SALT:
+            return self.request.cache_salt or None
+        if by is TenantBy.LORA and self.request.lora_request is not None:
+            return str(self.request.lora_request.lora_name)
+        return None
 
 
 def is_offloadable(request: Request) -> bool:

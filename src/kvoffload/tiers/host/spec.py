@@ -1,10 +1,13 @@
-"""``PrivateHostSpec``: the host tier each engine keeps in its own memory (``host_scope`` private)."""
+"""``PrivateHostSpec``: the host tier each engine keeps in its own memory (``host_scope`` private); with tenants on
+(``tenant_by``), its index evicts by tenants' shares (index/tenants.py)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvoffload.index.policies.registry import make_policy
 from kvoffload.index.slot_index import SlotIndex
+from kvoffload.index.tenants import TenantPolicy
 from kvoffload.tiers.sizing import check_available, host_num_slots, host_slot_bytes
 from kvoffload.tiers.spec import HostSpec, TierContext
 
@@ -26,7 +29,10 @@ class PrivateHostSpec(HostSpec):
         return slots
 
     def make_index(self, context: TierContext) -> SlotIndex:
-        return SlotIndex(self.num_slots(context), self._config.host.policy)
+        slots, kind, tenants = self.num_slots(context), self._config.host.policy, self._config.tenants
+        if tenants is None:  # tenants off: the configured policy alone, as before tenants existed
+            return SlotIndex(slots, kind)
+        return SlotIndex(slots, TenantPolicy.of_config(tenants, slots, lambda: make_policy(kind, slots)))
 
     def make_pool(self, context: TierContext, pin_memory: bool) -> HostPool:
         from kvoffload.transfer.host_pool import HostPool

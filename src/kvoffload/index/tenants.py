@@ -1,0 +1,274 @@
+"""Tenants' shares of a tier: ``TenantPolicy`` orders each tenant's keys with its own policy and picks victims so
+that one tenant's flood cannot flush another's blocks.
+
+Built only when tenants are on (``tenant_by`` not none; tiers/host/spec.py), for the private host tier's
+``SlotIndex``; with tenants off no ``TenantPolicy`` exists and the tier's policy is the configured one, as before.
+
+Groups: each tenant named in ``tenant_quota`` is a group with its share, and every tenant not named counts in one
+group, "other", with the default share. A group's quota is its share times the tier's capacity in keys; its usage is
+its resident keys (ready or in flight), plus, while a store is being prepared, that store's new keys of that group.
+The scheduler says whose the keys of a store are (``TenantBook.assign``, before ``prepare_store``; ``clear`` after):
+a key nobody assigned counts for the shared tenant. A key stays in the group it entered with until it leaves.
+
+The rule, for each victim of ``victims(n, can_evict)``, with usages updated as victims are taken:
+
+1. a group that is storing now and is over its quota (usage > quota) gives up its own key, the most over first;
+2. else any group over its quota gives up a key, the most over first (unused share was lent; this takes it back);
+3. else a group that is storing now gives up its own key (it is at or under its quota: it only hurts itself),
+   the least under its quota first;
+4. else the store cannot be made: None. A group that is not storing and is at or under its quota never gives up
+   a key, whoever stores.
+
+"Most over" is usage minus quota, in keys; ties go to the group named first ("other" last). Within a group the
+victims are its own policy's (LRU, ARC, S3-FIFO, TinyLFU: their order within a tenant is theirs). Work-conserving:
+quotas never refuse a store while some group is over its quota and has a key ``can_evict`` allows, and nothing is
+evicted while the tier has free slots (the index asks for victims only when full). If shares add up to 1 and every
+group is at or under quota, the tier has room; so a store refused by the rule needs keys refused by ``can_evict``.
+
+Costs: ``victims`` is O(groups) per run of victims taken from one group, plus the inner policies' costs; the other
+methods add one dict operation per key. Bounds: at most ``MAX_TENANTS`` + 1 groups; the book maps only resident keys
+(at most the tier's capacity) and the store being prepared.
+
+Atomicity: inner policies are asked group by group, each atomic. A group that cannot give the run asked changes
+nothing and has offered every key it may give, so the rule then knows how many it can and asks for no more. Only
+when a later group falls short and no other group may give does an earlier group's run have to be undone: those
+groups get their keys back ahead of their other keys, in their order, in a fresh inner policy (their history, ARC's
+ghosts or TinyLFU's counts, is forgotten; keys ``can_evict`` refused move behind them). It happens only when the
+store is refused anyway, and never with one group (the policy conformance suite checks that case).
+
+An adaptive eviction policy is not steered inside tenants (phase 1): each tenant's stays LRU. Uses of keys that
+are not resident are not remembered (TinyLFU counts only resident keys' uses under tenants).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+
+from kvoffload.config import TenantConfig
+from kvoffload.index.base import IntegrityError
+from kvoffload.index.policies.base import CanEvict, Policy, any_key
+from kvoffload.keys import OffloadKey
+
+SHARED = "shared"
+"""The tenant of requests without a salt (or LoRA adapter), and of keys nobody assigned."""
+OTHER = "other"
+"""The group of every tenant not named in ``tenant_quota``."""
+
+
+class TenantBook:
+    """Which group each resident key counts for, and whose the keys of the store being prepared are.
+
+    Args:
+        names: the named tenants, in order; group ``len(names)`` is "other".
+    """
+
+    __slots__ = ("_group", "names", "of", "pending", "shared")
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = (*names, OTHER)
+        self._group = {name: i for i, name in enumerate(names)}
+        self.shared = self.group(SHARED)
+        """The shared tenant's group."""
+        self.of: dict[OffloadKey, int] = {}
+        """Resident keys' groups."""
+        self.pending: dict[OffloadKey, int] = {}
+        """The store being prepared: its keys' groups (``assign``), until ``clear``."""
+
+    def group(self, tenant: str | None) -> int:
+        """The group of ``tenant`` (None: the shared tenant)."""
+        return self._group.get(SHARED if tenant is None else tenant, len(self.names) - 1)
+
+    def assign(self, keys: Iterable[OffloadKey], tenant: str | None) -> None:
+        """The keys of the store about to be prepared are ``tenant``'s (resident ones stay in their group)."""
+        self.pending.update(dict.fromkeys(keys, self.group(tenant)))
+
+    def clear(self) -> None:
+        """The store is prepared (or refused): forget its assignments."""
+        self.pending.clear()
+
+    def new_key_group(self, key: OffloadKey) -> int:
+        """The group a key entering the tier joins."""
+        return self.pending.get(key, self.shared)
+
+
+class TenantPolicy(Policy):
+    """Per-group inner policies, evicted by the rule in the module docstring.
+
+    Args:
+        capacity: the tier's capacity in keys.
+        shares: each group's fraction of the tier, in the book's group order ("other" last).
+        make_inner: builds a fresh inner policy (the configured kind, for the tier's capacity).
+        book: the groups and their keys.
+    """
+
+    __slots__ = ("_inner", "_make", "_quota", "book")
+
+    def __init__(self, capacity: int, shares: Sequence[float], make_inner: Callable[[], Policy],
+                 book: TenantBook) -> None:
+        if len(shares) != len(book.names):
+            raise ValueError(f"TenantPolicy: {len(shares)} shares for {len(book.names)} groups")
+        self.book = book
+        self._quota = [share * capacity for share in shares]
+        self._make = make_inner
+        self._inner = [make_inner() for _ in shares]
+
+    @classmethod
+    def of_config(cls, config: TenantConfig, capacity: int, make_inner: Callable[[], Policy]) -> TenantPolicy:
+        names = [name for name, _ in config.shares]
+        return cls(capacity, [share for _, share in config.shares] + [config.default], make_inner,
+                   TenantBook(names))
+
+    def usage(self) -> dict[str, int]:
+        """Resident keys per group, by name ("other" last)."""
+        return {name: len(inner) for name, inner in zip(self.book.names, self._inner, strict=True)}
+
+    def insert(self, key: OffloadKey) -> None:
+        of = self.book.of
+        group = of.get(key)
+        if group is None:
+            group = of[key] = self.book.new_key_group(key)
+        self._inner[group].insert(key)
+
+    def insert_all(self, keys: Iterable[OffloadKey]) -> None:
+        for group, batch in self._by_group(keys, new=True):
+            self._inner[group].insert_all(batch)
+
+    def touch(self, key: OffloadKey) -> None:
+        group = self.book.of.get(key)
+        if group is not None:
+            self._inner[group].touch(key)
+
+    def touch_all(self, keys: Iterable[OffloadKey]) -> None:
+        for group, batch in self._by_group(keys, new=False):
+            self._inner[group].touch_all(batch)
+
+    def remove(self, key: OffloadKey) -> None:
+        group = self.book.of.pop(key, None)
+        if group is not None:
+            self._inner[group].remove(key)
+
+    def victims(self, n: int, can_evict: CanEvict) -> list[OffloadKey] | None:
+        if n <= 0:
+            return []
+        used, storing = self._usage_with_store()
+        taken: list[tuple[int, list[OffloadKey]]] = []
+        avail: dict[int, int] = {}
+        """Groups that could not give what was asked: how many keys ``can_evict`` allowed there (0: none)."""
+        left = n
+        while left:
+            group, run = self._next(used, storing, avail, left)
+            if group is None:
+                self._give_back(taken)
+                return None
+            allowed: set[OffloadKey] = set()
+            got = self._inner[group].victims(run, _counting(can_evict, allowed))
+            if got is None:
+                # A refused call changes nothing and has offered every key it could give: now we know how many.
+                avail[group] = len(allowed) if len(allowed) < run else 0
+                if self._short(used, storing, avail, left):
+                    self._give_back(taken)
+                    return None
+                continue
+            taken.append((group, got))
+            used[group] -= run
+            left -= run
+            if group in avail:
+                avail[group] -= run
+        chosen = [key for _, got in taken for key in got]
+        of = self.book.of
+        for key in chosen:
+            del of[key]
+        return chosen
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.book.of
+
+    def __len__(self) -> int:
+        return len(self.book.of)
+
+    def check_integrity(self) -> None:
+        of = self.book.of
+        if sum(len(inner) for inner in self._inner) != len(of):
+            raise IntegrityError(f"tenant policy: groups hold {[len(i) for i in self._inner]} keys, the book "
+                                 f"{len(of)}")
+        for key, group in of.items():
+            if key not in self._inner[group]:
+                raise IntegrityError(f"tenant policy: key {key!r} of group {self.book.names[group]} is not in "
+                                     f"its policy")
+        for inner in self._inner:
+            inner.check_integrity()
+
+    def _by_group(self, keys: Iterable[OffloadKey], new: bool) -> list[tuple[int, list[OffloadKey]]]:
+        """``keys`` split by group, each in the given order; ``new``: keys not resident join their new group
+        (recorded in the book), else they are left out."""
+        of, book = self.book.of, self.book
+        batches: dict[int, list[OffloadKey]] = {}
+        for key in keys:
+            group = of.get(key)
+            if group is None:
+                if not new:
+                    continue
+                group = of[key] = book.new_key_group(key)
+            batches.setdefault(group, []).append(key)
+        return list(batches.items())
+
+    def _usage_with_store(self) -> tuple[list[float], set[int]]:
+        """Each group's usage counting the store being prepared, and the groups storing now."""
+        used: list[float] = [len(inner) for inner in self._inner]
+        of, pending = self.book.of, self.book.pending
+        storing = set(pending.values())
+        for key, group in pending.items():
+            if key not in of:
+                used[group] += 1
+        if not storing:
+            storing.add(self.book.shared)  # nobody assigned: the shared tenant's
+        return used, storing
+
+    def _next(self, used: list[float], storing: set[int], avail: dict[int, int], left: int
+              ) -> tuple[int | None, int]:
+        """The group the next victims come from by the rule, and how many in a row before the rule may change
+        (at most what ``avail`` says the group can give)."""
+        quota = self._quota
+        excess = [used[g] - quota[g] for g in range(len(quota))]
+        order = sorted((g for g in range(len(quota)) if avail.get(g, 1) > 0), key=lambda g: -excess[g])
+        over = [g for g in order if excess[g] > 0]
+        mine = [g for g in order if g in storing]
+        for candidates in ([g for g in over if g in storing], over, mine):
+            if candidates:
+                first = candidates[0]
+                run = left
+                if any(g != first for g in (*over, *mine)) and candidates is not mine:
+                    # Another group may be next once this one is less over (or no longer over) its quota.
+                    after = excess[candidates[1]] if len(candidates) > 1 else 0.0
+                    run = min(left, max(1, math.ceil(excess[first] - max(after, 0.0))))
+                return first, min(run, avail.get(first, run))
+        return None, 0
+
+    def _short(self, used: list[float], storing: set[int], avail: dict[int, int], left: int) -> bool:
+        """Whether the groups the rule may still take from are known to hold fewer than ``left`` keys to give."""
+        quota = self._quota
+        may = [g for g in range(len(quota)) if used[g] > quota[g] or g in storing]
+        return all(g in avail for g in may) and sum(avail[g] for g in may) < left
+
+    def _give_back(self, taken: list[tuple[int, list[OffloadKey]]]) -> None:
+        """Undo ``victims``' partial work: each group that gave keys gets them back, first in its order."""
+        back: dict[int, list[OffloadKey]] = {}
+        for group, got in taken:
+            back.setdefault(group, []).extend(got)
+        for group, got in back.items():
+            inner = self._inner[group]
+            rest = inner.victims(len(inner), any_key) or []
+            fresh = self._make()
+            fresh.insert_all(got + rest)
+            self._inner[group] = fresh
+
+
+def _counting(can_evict: CanEvict, allowed: set[OffloadKey]) -> CanEvict:
+    """``can_evict``, remembering the keys it allowed."""
+    def check(key: OffloadKey) -> bool:
+        if can_evict(key):
+            allowed.add(key)
+            return True
+        return False
+    return check
