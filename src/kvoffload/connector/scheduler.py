@@ -29,7 +29,7 @@ from kvoffload.connector.requests import EngineRequest, RequestState, StepSchedu
 from kvoffload.connector.stats import SchedulerStats
 from kvoffload.connector.stores import StoreAdmitter, StoreScan, StoreTenants
 from kvoffload.index.admission import make_admission
-from kvoffload.index.base import BlockIndex, OffloadEvent, StoreCounts, TierUsage
+from kvoffload.index.base import NO_STORE_COUNTS, BlockIndex, OffloadEvent, TierUsage
 from kvoffload.index.tenants import TenantPolicy
 from kvoffload.keys import Namespace
 from kvoffload.layout import KVCacheLayout
@@ -71,7 +71,7 @@ class ConnectorScheduler:
         self.index.set_load_cost(self.load_cost)
         self._clock = clock
         self._skipped_reported = 0
-        self._store_reported = StoreCounts()
+        self._store_reported = NO_STORE_COUNTS
         self._last_meta: tuple[float, int] | None = None
         self._root = namespace.chain_root()
         self._requests: dict[str, RequestState] = {}
@@ -233,8 +233,9 @@ class ConnectorScheduler:
 
     def has_stats(self) -> bool:
         """Whether ``take_stats`` would return anything counted (asked every step)."""
+        counts = self.index.store_counts()  # the same instance every step without a shared store: no compare
         return (self.load_cost.skipped_blocks != self._skipped_reported or not self._stats.is_empty()
-                or self.index.store_counts() != self._store_reported)
+                or (counts is not self._store_reported and counts != self._store_reported))
 
     def take_stats(self) -> SchedulerStats:
         """What was counted since the last call (the caller owns it)."""

@@ -133,6 +133,10 @@ class StoreCounts:
                            self.undeleted_blocks + other.undeleted_blocks)
 
 
+NO_STORE_COUNTS = StoreCounts()
+"""The counts of an index with no shared store (one instance: the engine compares them every step)."""
+
+
 class LoadAdvisor(Protocol):
     """Says whether loading blocks from a tier below host beats recomputing them (connector.load_cost)."""
 
@@ -237,7 +241,7 @@ class BlockIndex(ABC):
 
     def store_counts(self) -> StoreCounts:
         """What a shared store's background work gave up so far (none for a tier this process answers itself)."""
-        return StoreCounts()
+        return NO_STORE_COUNTS
 
     def close(self) -> None:  # noqa: B027 (a hook: an index of this process's memory holds nothing to release)
         """The engine stops: release what this index holds outside the process (the node tier's attachment)."""

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from kvoffload.blocks import BlockSpec, HostBlocks, Medium
 from kvoffload.config import WritePolicy
 from kvoffload.index.base import (
+    NO_STORE_COUNTS,
     BlockDescription,
     BlockIndex,
     HostIndex,
@@ -254,7 +255,9 @@ class TieredIndex(BlockIndex):
         return self.host.pool_counters()
 
     def store_counts(self) -> StoreCounts:
-        counts = StoreCounts()
+        if not self.lower_indexes:
+            return NO_STORE_COUNTS
+        counts = NO_STORE_COUNTS
         for tier in self.lower_indexes:
             counts += tier.store_counts()
         return counts
