@@ -9,6 +9,7 @@ from pathlib import Path
 from kvoffload.blocks import Medium
 from kvoffload.connector.announce import Announcement
 from kvoffload.index.base import BlockDescription, EventKind
+from kvoffload.keys import OffloadKey
 from kvoffload.testing import sim_workload
 from kvoffload.testing.sim import SimEngine
 from kvoffload.testing.sim_values import SimDescriber
@@ -137,3 +138,12 @@ def test_after_a_reset_a_block_stored_again_is_announced_again(node_path: Path) 
     engine.pool.drop_cache()
     again = run(engine, "a2", tokens(17, seed=1))
     assert [a.description for a in again if a.kind is EventKind.STORED] == [a.description for a in first]
+
+
+def test_token_ids_outside_32_bits_are_kept_as_they_came() -> None:
+    engine = make_engine()
+    announcer = engine.scheduler.announcer
+    assert announcer is not None
+    wide = BlockDescription((1,), None, (1 << 40, 5, -1, 7), BLOCK, 0)
+    announcer._keep(OffloadKey(b"w" * 16), wide)
+    assert announcer._announced[OffloadKey(b"w" * 16)].unpacked() == wide

@@ -63,7 +63,7 @@ class _Announced:
     """An announced block: its description without tokens, its tokens packed, the media it was announced on."""
 
     description: BlockDescription
-    tokens: array[int]
+    tokens: array[int] | tuple[int, ...]
     media: int
 
     def unpacked(self) -> BlockDescription:
@@ -168,7 +168,7 @@ class Announcer:
                 del self._announced[key]
 
     def _keep(self, key: OffloadKey, description: BlockDescription) -> _Announced:
-        kept = _Announced(_with_tokens(description, ()), array(_TOKENS, description.token_ids), 0)
+        kept = _Announced(_with_tokens(description, ()), _packed(description.token_ids), 0)
         announced = self._announced
         announced[key] = kept
         if len(announced) > self.max_blocks:
@@ -199,3 +199,10 @@ def _with_tokens(d: BlockDescription, tokens: tuple[int, ...]) -> BlockDescripti
     # Built field by field: dataclasses.replace costs microseconds a call, and this runs for every block announced.
     return BlockDescription(d.block_hashes, d.parent_hash, tokens, d.block_size, d.group, d.lora_id, d.lora_name,
                             d.extra_keys)
+
+
+def _packed(tokens: tuple[int, ...]) -> array[int] | tuple[int, ...]:
+    try:
+        return array(_TOKENS, tokens)
+    except OverflowError:  # a token id outside 32 bits (none that a tokenizer makes): kept as it came, never raised
+        return tokens

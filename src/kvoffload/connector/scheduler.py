@@ -83,10 +83,11 @@ class ConnectorScheduler:
         """An index call that may change tier usage ran since ``take_usage_moved`` (stats skip it otherwise)."""
         self._trace = None if config.record_trace is None else TraceTap(config.record_trace, self.offload_tokens,
                                                                          clock)
-        host = next(u for u in self.index.usage() if u.medium == Medium.HOST)
+        usage = self.index.usage()
+        host = next(u for u in usage if u.medium == Medium.HOST)
         self.admission = make_admission(config.store_admission, host.capacity_blocks, self.index.host_policy)
-        capacity = sum(u.capacity_blocks for u in self.index.usage())
-        self.announcer = None if describe is None else Announcer(describe, self.index, max_blocks=capacity)
+        self.announcer = None if describe is None else Announcer(describe, self.index,
+                                                                 max_blocks=sum(u.capacity_blocks for u in usage))
         self._jobs = JobBook(self.index, self._requests, self._stats, self.load_cost, namespace.world_size, clock)
         self._admitter = StoreAdmitter(self.admission, self._stats)
         self._loads = LoadPlanner(self.index, self._jobs, self._admitter, self._stats, self.factor,

@@ -255,9 +255,7 @@ class TieredIndex(BlockIndex):
         return self.host.pool_counters()
 
     def store_counts(self) -> StoreCounts:
-        if not self.lower_indexes:
-            return NO_STORE_COUNTS
-        counts = NO_STORE_COUNTS
+        counts = NO_STORE_COUNTS  # returned as it is without a tier below: compared by identity every step
         for tier in self.lower_indexes:
             counts += tier.store_counts()
         return counts
