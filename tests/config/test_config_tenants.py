@@ -3,6 +3,8 @@ the key."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,7 +26,7 @@ def test_quotas_parse_into_the_default_and_named_shares_in_order() -> None:
 @pytest.mark.parametrize(("raw", "message"), [
     ({"tenant_quota": {"default": 1}}, "tenant_quota given without tenant_by"),
     ({"tenant_by": "none", "tenant_quota": {"default": 1}}, "tenant_quota given without tenant_by"),
-    ({"tenant_by": "lora"}, "tenant_by lora given without tenant_quota"),
+    ({"tenant_by": "lora"}, "tenant_by lora given without tenant_quota or tenant_quota_file"),
     ({"tenant_by": "salt", "tenant_quota": {"default": 1}}, "tenant_by="),
     ({"tenant_by": "lora", "tenant_quota": {"acme": 0.5}}, 'tenant_quota=.*with a "default"'),
     ({"tenant_by": "lora", "tenant_quota": [0.5]}, "tenant_quota=.*must be a mapping"),
@@ -50,3 +52,36 @@ def test_sixteen_named_tenants_and_shares_adding_up_to_one_are_accepted() -> Non
     quota = {"default": 0.2, **{f"t{i}": 0.05 for i in range(16)}}
     config = OffloadConfig.from_dict({"tenant_by": "cache_salt", "tenant_quota": quota})
     assert config.tenants is not None and len(config.tenants.shares) == 16
+
+
+def test_a_quota_file_is_read_at_start_up_and_kept_for_re_reading(tmp_path: Path) -> None:
+    quota = tmp_path / "quota.json"
+    quota.write_text(json.dumps({"default": 0.2, "acme": 0.8}))
+    config = OffloadConfig.from_dict({"tenant_by": "cache_salt", "tenant_quota_file": str(quota)})
+    assert config.tenants == TenantConfig(TenantBy.CACHE_SALT, 0.2, (("acme", 0.8),), quota)
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (None, "tenant_quota_file=.*cannot read"),
+    ("{", "tenant_quota_file=.*is not JSON"),
+    ('{"default": 0.5, "a": 0.9}', "tenant_quota_file=.*add up to 1.4"),
+    ('{"a": 0.5}', 'tenant_quota_file=.*with a "default"'),
+    (" " * (64 * 1024 + 1), "tenant_quota_file=.*larger than 65536 bytes"),
+])
+def test_a_bad_quota_file_is_a_config_error_naming_the_key(tmp_path: Path, content: str | None, message: str
+                                                            ) -> None:
+    quota = tmp_path / "quota.json"
+    if content is not None:
+        quota.write_text(content)
+    with pytest.raises(ConfigError, match=message):
+        OffloadConfig.from_dict({"tenant_by": "cache_salt", "tenant_quota_file": str(quota)})
+
+
+def test_quotas_given_twice_or_without_tenant_by_are_refused(tmp_path: Path) -> None:
+    quota = tmp_path / "quota.json"
+    quota.write_text(json.dumps({"default": 1}))
+    with pytest.raises(ConfigError, match="tenant_quota and tenant_quota_file both given"):
+        OffloadConfig.from_dict({"tenant_by": "lora", "tenant_quota": {"default": 1},
+                                 "tenant_quota_file": str(quota)})
+    with pytest.raises(ConfigError, match="tenant_quota_file given without tenant_by"):
+        OffloadConfig.from_dict({"tenant_quota_file": str(quota)})

@@ -125,9 +125,9 @@ def test_unused_share_is_lent_and_taken_back_by_eviction() -> None:
     assert store_each(index, "a", range(10)) == []  # a fills the whole tier: b's and the others' shares are lent
     evicted = store_each(index, "b", range(100, 104))  # b, under its share, is never refused: a gives back
     assert evicted == keys(0, 1, 2, 3)
-    assert index_book(index).of.get(key(100)) == 1
     policy = index.host_policy
     assert isinstance(policy, TenantPolicy)
+    assert policy.of.get(key(100)) == 1
     assert policy.usage() == {"a": 6, "b": 4, OTHER: 0}
     # b at its share stores one more: it is over its share now, so it gives up its own oldest, not a's
     assert store(index, "b", [104]) == keys(100)
@@ -156,7 +156,9 @@ def test_keys_nobody_assigned_count_for_the_shared_tenant() -> None:
     index = tier(8, {SHARED: 0.5, "a": 0.4})
     out = index.prepare_store(keys(1, 2))
     assert out is not None
-    assert index_book(index).of[key(1)] == 0 and index_book(index).names[0] == SHARED
+    policy = index.host_policy
+    assert isinstance(policy, TenantPolicy)
+    assert policy.of[key(1)] == 0 and index_book(index).names[0] == SHARED
     assert index_book(index).group("nobody-named-me") == 2 and index_book(index).group(None) == 0
 
 
@@ -207,7 +209,8 @@ def host_index(config: OffloadConfig) -> SlotIndex:
 
     spec = AttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype="float16")
     layout = KVCacheLayout(num_blocks=32, groups=(KVGroup.uniform(["l0"], spec),))
-    index = PrivateHostSpec(config).make_index(TierContext(Namespace("m", "fp16", "t"), layout, 1))
+    book = TenantBook.of_config(config.tenants) if config.tenants is not None else None
+    index = PrivateHostSpec(config).make_index(TierContext(Namespace("m", "fp16", "t"), layout, 1, book))
     assert isinstance(index, SlotIndex)
     return index
 
@@ -233,7 +236,7 @@ def test_tenants_on_builds_a_tenant_policy_of_the_configured_shares() -> None:
         "host_bytes": 20 * 1024, "tenant_by": "cache_salt", "tenant_quota": {"default": 0.2, "acme": 0.8}}))
     policy = index.host_policy
     assert isinstance(policy, TenantPolicy) and policy.book.names == ("acme", OTHER)
-    assert policy._quota == [16.0, 4.0]
+    assert [policy.quota(0), policy.quota(1)] == [16.0, 4.0]
 
 
 # ---- the conformance suite ----------------------------------------------------------------------------------------

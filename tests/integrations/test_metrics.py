@@ -169,3 +169,42 @@ def test_gauges_that_cannot_read_at_scrape_time_keep_each_step_reading(node_path
                                 ["engine"], {0: ["0"]})
     prom.observe(KVOffloadStats.of(node_pool={"stores": 4}, node_pool_path=str(node_path)).data)  # no set_function
     assert prom._node_pool.values[("0", "stores")] == 4 and not prom._live
+
+
+TENANTS = {"tenant_by": "cache_salt", "tenant_quota": {"default": 0.5, "acme": 0.5}}
+
+
+def test_tenant_series_are_listed_at_zero_for_the_named_tenants_and_other_only_with_tenants(tmp_path) -> None:
+    text = _registered({**TENANTS, "disk_path": str(tmp_path), "disk_bytes": 1 << 30})
+    for tenant in ("acme", "other"):
+        labels = f'engine="0",model_name="tiny",tenant="{tenant}"'
+        for name in ("tenant_query_tokens", "tenant_hit_tokens"):
+            assert f"vllm:kvoffload_{name}_total{{{labels}}} 0.0" in text
+        for tier in ("host", "disk"):
+            tiered = f'engine="0",model_name="tiny",tenant="{tenant}",tier="{tier}"'
+            assert f"vllm:kvoffload_tenant_used_bytes{{{tiered}}} 0.0" in text
+            for name in ("stored", "evicted", "hit"):
+                assert f"vllm:kvoffload_tenant_{name}_blocks_total{{{tiered}}} 0.0" in text
+    assert "tenant" not in _registered({})
+
+
+def test_tenant_figures_reach_their_series_counters_adding_up_and_gauges_the_latest() -> None:
+    from types import SimpleNamespace
+
+    from prometheus_client import Counter, Gauge, Histogram
+
+    from kvoffload.connector.tenants import TenantFigures
+    from kvoffload.integrations.vllm.metrics import KVOffloadPromMetrics
+
+    config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=TENANTS))
+    prom = KVOffloadPromMetrics(config, {Counter: _Metric, Gauge: _Metric, Histogram: _Metric},  # type: ignore[dict-item]
+                                ["engine"], {0: ["0"]})
+    for used in (4096, 2048):
+        figures = TenantFigures({"acme": [100, 64]}, {"host": {"acme": [used, 3, 1, 2]}})
+        stats = KVOffloadStats.of(lookups=SchedulerStats(requests=1, tenants=figures))
+        prom.observe(KVOffloadStats(data=dict(stats.data)).aggregate(KVOffloadStats()).data)
+    tenants = prom._tenants
+    assert tenants is not None
+    assert tenants.query.values[("0", "acme")] == 200 and tenants.hit.values[("0", "acme")] == 128
+    assert tenants.used.values[("0", "acme", "host")] == 2048
+    assert [m.values[("0", "acme", "host")] for m in tenants.blocks] == [6, 2, 4]

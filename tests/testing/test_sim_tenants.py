@@ -3,8 +3,12 @@ in the host tier, and it hits bit-exact; the same flood without quotas evicts it
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Any
 
+import pytest
 from tests.testing.test_sim import tokens
 
 from kvoffload.testing.sim import SimEngine
@@ -45,3 +49,79 @@ def test_sim_requests_give_their_salt_or_lora_as_their_tenant() -> None:
     request = SimRequest("r", [1, 2], 1, ("lora:ad", "salt:acme"))
     assert request.tenant(TenantBy.CACHE_SALT) == "acme" and request.tenant(TenantBy.LORA) == "ad"
     assert request.tenant(TenantBy.NONE) is None and SimRequest("r", [1], 1).tenant(TenantBy.CACHE_SALT) is None
+
+
+# ---- quotas changed on a running engine, and per-tenant figures ----------------------------------------------------
+
+
+class Clock:
+    """A fake monotonic clock: the engine re-reads its quota file once a second of it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def flood_and_return(engine: SimEngine, prefix: list[int], tag: str) -> int:
+    engine.add_request(f"acme-{tag}-0", prefix, extra_keys=("salt:acme",))
+    run_checked(engine)
+    for i in range(12):
+        engine.add_request(f"flood-{tag}-{i}", tokens(40, seed=1000 * len(tag) + i), extra_keys=("salt:flood",))
+        run_checked(engine)
+    engine.pool.drop_cache()
+    again = engine.add_request(f"acme-{tag}-1", [*prefix, 7], extra_keys=("salt:acme",))
+    run_checked(engine)
+    return again.loaded_tokens
+
+
+def test_quotas_written_to_the_quota_file_take_effect_without_a_restart(tmp_path: Path) -> None:
+    quota = tmp_path / "quota.json"
+    quota.write_text(json.dumps({"default": 1.0}))  # nobody named: acme and the flood share "other"
+    clock = Clock()
+    engine = make_engine(host_blocks=16, clock=clock, tenant_by="cache_salt", tenant_quota_file=str(quota))
+    assert flood_and_return(engine, tokens(24, seed=1), "a") == 0  # the control: the flood evicts acme's prefix
+    quota.write_text(json.dumps({"default": 0.1, "acme": 0.5, "flood": 0.4}))
+    os.utime(quota, ns=(1, 1))  # a new modification time, whatever the file system's resolution
+    clock.now += 1.5
+    assert flood_and_return(engine, tokens(24, seed=2), "bb") == 24
+    tenants = engine.scheduler.tenants
+    assert tenants is not None and tenants.quotas() == (0.1, (("acme", 0.5), ("flood", 0.4)))
+
+
+def test_a_bad_quota_file_is_refused_and_the_quotas_stay(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    quota = tmp_path / "quota.json"
+    quota.write_text(json.dumps({"default": 0.5, "acme": 0.5}))
+    clock = Clock()
+    engine = make_engine(host_blocks=16, clock=clock, tenant_by="cache_salt", tenant_quota_file=str(quota))
+    tenants = engine.scheduler.tenants
+    assert tenants is not None
+    for bad in ('{"default": 0.5, "acme": 0.9}', "not json", '{"acme": 0.5}'):
+        quota.write_text(bad)
+        os.utime(quota, ns=(len(bad), len(bad)))
+        clock.now += 1.5
+        engine.add_request(f"r-{len(bad)}", tokens(8, seed=len(bad)), extra_keys=("salt:acme",))
+        run_checked(engine)
+        assert tenants.quotas() == (0.5, (("acme", 0.5),))
+    assert tenants.quota_errors == 3
+    assert "add up to 1.4" in caplog.text and "is not JSON" in caplog.text and 'with a "default"' in caplog.text
+
+
+def test_each_tenants_tokens_and_blocks_are_counted() -> None:
+    engine = make_engine(host_blocks=16, **QUOTAS)
+    prefix = tokens(24, seed=1)
+    engine.add_request("acme-0", prefix, extra_keys=("salt:acme",))
+    engine.add_request("zed-0", tokens(8, seed=5), extra_keys=("salt:zed",))
+    run_checked(engine)
+    engine.pool.drop_cache()
+    engine.add_request("acme-1", [*prefix, 7], extra_keys=("salt:acme",))
+    run_checked(engine)
+    figures = engine.scheduler.take_stats().tenants
+    assert figures is not None
+    assert figures.tokens == {"acme": [24 + 25, 24], "other": [8, 0]}  # zed is not named: "other"
+    host = figures.tiers["host"]
+    assert host["acme"][1:] == [6, 0, 6] and host["other"][1:] == [2, 0, 0] and host["flood"] == [0, 0, 0, 0]
+    assert host["acme"][0] == 3 * host["other"][0] > 0
+    again = engine.scheduler.take_stats().tenants
+    assert again is None  # nothing changed since

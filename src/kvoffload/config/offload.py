@@ -43,6 +43,7 @@ from kvoffload.config.values import (
     path,
     remote_urls,
     tenant_quota,
+    tenant_quota_file,
     text,
 )
 
@@ -179,6 +180,9 @@ KEYS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "tenant_quota": (tenant_quota, 'each tenant\'s fraction of the private host tier, e.g. {"default": 0.2, '
                                    '"shared": 0.3, "acme": 0.5}: at most 16 named, "default" for all others together, '
                                    'fractions in (0, 1] adding up to at most 1; needs tenant_by cache_salt or lora'),
+    "tenant_quota_file": (tenant_quota_file, "JSON file holding the tenant_quota mapping instead, re-read by a "
+                                             "running engine when it changes (a bad one is refused, the old "
+                                             "quotas kept); needs tenant_by cache_salt or lora"),
     "inject_load_failures": (_FAULT_COUNT, "testing: the first N load jobs fail, forcing recompute"),
     "inject_load_corruption": (_FAULT_COUNT,
                                "testing: the first N load jobs load a zeroed block yet succeed (wrong KV)"),
@@ -273,10 +277,14 @@ class _Parser:
 
     def _check_tenants(self) -> None:
         by = self.values.get("tenant_by", TenantBy.NONE)
-        if "tenant_quota" in self.keys and by is TenantBy.NONE:
-            self.errors.append("tenant_quota given without tenant_by cache_salt or lora")
-        if by is not TenantBy.NONE and "tenant_by" in self.values and "tenant_quota" not in self.keys:
-            self.errors.append(f"tenant_by {by.value} given without tenant_quota (the tenants' shares)")
+        given = sorted(self.keys & {"tenant_quota", "tenant_quota_file"})
+        if given and by is TenantBy.NONE:
+            self.errors.append(f"{' and '.join(given)} given without tenant_by cache_salt or lora")
+        if len(given) == 2:
+            self.errors.append("tenant_quota and tenant_quota_file both given: give the shares once")
+        if by is not TenantBy.NONE and "tenant_by" in self.values and not given:
+            self.errors.append(f"tenant_by {by.value} given without tenant_quota or tenant_quota_file (the "
+                               f"tenants' shares)")
         if by is not TenantBy.NONE and self.values.get("host_scope") is HostScope.NODE:
             self.errors.append("tenant_by cannot be used with host_scope node yet (tenants' shares cover the "
                                "private host tier only)")
@@ -286,6 +294,9 @@ class _Parser:
         by = v.get("tenant_by", TenantBy.NONE)
         if by is TenantBy.NONE:
             return None
+        if "tenant_quota_file" in v:
+            file, (default, shares) = v["tenant_quota_file"]
+            return TenantConfig(by, default, shares, file)
         default, shares = v["tenant_quota"]
         return TenantConfig(by, default, shares)
 

@@ -136,3 +136,5 @@ class TenantConfig:
     by: TenantBy
     default: float
     shares: tuple[tuple[str, float], ...] = ()
+    quota_file: Path | None = None
+    """``tenant_quota_file``: where the shares were read, re-read by a running engine when it changes."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import grp
+import json
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -321,3 +322,38 @@ def tenant_quota(v: Any) -> tuple[float, tuple[tuple[str, float], ...]]:
     if total > 1 + _SHARE_SLACK:
         raise ValueError(f"fractions add up to {total:g}, more than the whole tier (1)")
     return fractions["default"], tuple((name, fractions[name]) for name in named)
+
+
+QUOTA_FILE_BYTES = 64 * 1024
+"""A quota file is a small JSON mapping; anything larger is refused unread."""
+
+
+def read_tenant_quota(file: Path) -> tuple[float, tuple[tuple[str, float], ...]]:
+    """The quota mapping in ``file`` (JSON, as ``tenant_quota``), as ``tenant_quota`` answers it.
+
+    Raises:
+        ValueError: the file cannot be read, is too large, is not JSON, or its mapping is refused; the message
+            says which.
+    """
+    try:
+        with open(file, "rb") as f:
+            raw = f.read(QUOTA_FILE_BYTES + 1)
+    except OSError as e:
+        raise ValueError(f"cannot read {str(file)!r}: {e.strerror or e}") from e
+    if len(raw) > QUOTA_FILE_BYTES:
+        raise ValueError(f"{str(file)!r} is larger than {QUOTA_FILE_BYTES} bytes")
+    try:
+        mapping = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{str(file)!r} is not JSON: {e}") from e
+    try:
+        return tenant_quota(mapping)
+    except ValueError as e:
+        raise ValueError(f"{str(file)!r}: {e}") from e
+
+
+def tenant_quota_file(v: Any) -> tuple[Path, tuple[float, tuple[tuple[str, float], ...]]]:
+    """A JSON file holding the ``tenant_quota`` mapping, read now (it must hold a valid one) and re-read by a
+    running engine when it changes; answers (the path, its quota)."""
+    file = path(v)
+    return file, read_tenant_quota(file)

@@ -18,6 +18,7 @@ from kvoffload.connector.metadata import LoadJob
 from kvoffload.connector.requests import EngineRequest, PlannedLoad, RequestState
 from kvoffload.connector.stats import SchedulerStats
 from kvoffload.connector.stores import StoreAdmitter
+from kvoffload.connector.tenants import SchedulerTenants
 from kvoffload.index.base import BlockIndex
 from kvoffload.keys import OffloadKey
 
@@ -28,9 +29,11 @@ class LoadPlanner:
 
     def __init__(self, index: BlockIndex, jobs: JobBook, admission: StoreAdmitter, stats: SchedulerStats,
                  factor: int, engine_block_size: int, num_groups: int, state_groups: frozenset[int],
-                 null_block_id: int | None, announcer: Announcer | None = None) -> None:
+                 null_block_id: int | None, announcer: Announcer | None = None,
+                 tenants: SchedulerTenants | None = None) -> None:
         """``announcer``: describes the blocks a lookup hits, for the router events (None: the engine publishes
-        none)."""
+        none). ``tenants``: counts each tenant's prompt and hit tokens (None: tenants off)."""
+        self._tenants = tenants
         self._index = index
         self._announcer = announcer
         self._jobs = jobs
@@ -141,11 +144,14 @@ class LoadPlanner:
         """
         state.block_ids = [list(ids) for ids in block_ids]
         plan, state.planned_load = state.planned_load, None
+        loads = num_external_tokens > 0 and plan is not None
         if state.query_tokens is not None:  # engines may call this again without a new lookup
             self._stats.requests += 1
             self._stats.query_tokens += state.query_tokens
+            if self._tenants is not None:
+                self._tenants.count_tokens(state.request, state.query_tokens, num_external_tokens if loads else 0)
             state.query_tokens = None
-        if num_external_tokens == 0 or plan is None:
+        if not loads or plan is None:
             return
         req_id = state.request.request_id
         stop = plan.computed + num_external_tokens

@@ -27,10 +27,11 @@ from kvoffload.connector.metadata import ConnectorMetadata, WorkerReport
 from kvoffload.connector.recording import TraceTap
 from kvoffload.connector.requests import EngineRequest, RequestState, StepSchedule
 from kvoffload.connector.stats import SchedulerStats
-from kvoffload.connector.stores import StoreAdmitter, StoreScan, StoreTenants
+from kvoffload.connector.stores import StoreAdmitter, StoreScan
+from kvoffload.connector.tenants import make_tenants
 from kvoffload.index.admission import make_admission
 from kvoffload.index.base import NO_STORE_COUNTS, BlockIndex, OffloadEvent, TierUsage
-from kvoffload.index.tenants import TenantPolicy
+from kvoffload.index.tenants import TenantBook, TenantPolicy
 from kvoffload.keys import Namespace
 from kvoffload.layout import KVCacheLayout
 from kvoffload.tiers.sizing import host_slot_bytes, offload_factor
@@ -64,7 +65,12 @@ class ConnectorScheduler:
         self.offload_tokens = self.factor * engine_block_size
         self.num_groups = len(layout.groups)
         self.state_groups = frozenset(layout.state_groups)
-        self.index = index or build_index(config, TierContext(namespace, layout, self.factor))
+        book = TenantBook.of_config(config.tenants) if config.tenants is not None else None
+        self.index = index or build_index(config, TierContext(namespace, layout, self.factor, book))
+        if index is not None:
+            book = _book_of(index)
+        self.tenants = make_tenants(config.tenants, book, host_slot_bytes(layout, self.factor), clock)
+        """With tenants on, whose blocks are and each tenant's figures (None: tenants off)."""
         self.flush_stores_next_step = flush_stores_next_step
         self.load_cost = LoadCost(config.load_policy, self.offload_tokens, host_slot_bytes(layout, self.factor),
                                   config.prefill_tokens_per_s)
@@ -92,9 +98,9 @@ class ConnectorScheduler:
         self._admitter = StoreAdmitter(self.admission, self._stats)
         self._loads = LoadPlanner(self.index, self._jobs, self._admitter, self._stats, self.factor,
                                   engine_block_size, self.num_groups, self.state_groups, null_block_id,
-                                  self.announcer)
+                                  self.announcer, self.tenants)
         self._stores = StoreScan(self.index, self._requests, self._jobs, self._admitter, self.factor,
-                                 self.num_groups, null_block_id, self.announcer, _store_tenants(config, self.index))
+                                 self.num_groups, null_block_id, self.announcer, self.tenants)
 
     @property
     def null_block_id(self) -> int | None:
@@ -153,6 +159,8 @@ class ConnectorScheduler:
 
     def build_connector_meta(self, step: StepSchedule) -> ConnectorMetadata:
         jobs = self._jobs
+        if self.tenants is not None and self.tenants.poll():  # the quota file changed: new shares from now on
+            self._usage_moved = True
         for req_id in step.preempted_req_ids:
             if (state := self._requests.get(req_id)) is not None:
                 jobs.fence(state)
@@ -248,6 +256,8 @@ class ConnectorScheduler:
         stats.unanswered_lookups = counts.unanswered_lookups - reported.unanswered_lookups
         stats.undeleted_blocks = counts.undeleted_blocks - reported.undeleted_blocks
         self._store_reported = counts
+        if self.tenants is not None:
+            stats.tenants = self.tenants.take_figures()
         return stats
 
     def usage(self) -> list[TierUsage]:
@@ -292,9 +302,7 @@ NO_JOBS = ConnectorMetadata()
 """A step's metadata when it has no job (frozen: one instance serves every such step)."""
 
 
-def _store_tenants(config: OffloadConfig, index: BlockIndex) -> StoreTenants | None:
-    """With tenants on, who a request's tenant is and the host tier's book (None: tenants off)."""
+def _book_of(index: BlockIndex) -> TenantBook | None:
+    """The tenants' book of an index built elsewhere (tests, tools): its host tier's, if it has one."""
     policy = index.host_policy
-    if config.tenants is None or not isinstance(policy, TenantPolicy):
-        return None
-    return StoreTenants(config.tenants.by, policy.book)
+    return policy.book if isinstance(policy, TenantPolicy) else None

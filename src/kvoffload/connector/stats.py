@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvoffload.blocks import transfer_name
+from kvoffload.connector.tenants import TenantFigures
 from kvoffload.transfer.base import TransferResult
 
 
@@ -81,6 +82,8 @@ class SchedulerStats:
     undeleted_blocks: int = 0
     """Blocks of this engine's a shared store was asked to delete but did not (the delete failed, or was dropped
     while too many waited): the store's own expiry removes them."""
+    tenants: TenantFigures | None = None
+    """With tenants on, what each tenant did (``connector.tenants``); None: tenants off, or nothing changed."""
 
     @property
     def miss_tokens(self) -> int:
@@ -91,14 +94,15 @@ class SchedulerStats:
         # Spelled out: every decode step asks, and a loop over dataclasses.fields() costs microseconds.
         return not (self.requests or self.query_tokens or self.hit_tokens or self.failed_load_tokens
                     or self.skipped_slow_tokens or self.admitted_blocks or self.declined_blocks
-                    or self.unanswered_lookups or self.undeleted_blocks)
+                    or self.unanswered_lookups or self.undeleted_blocks or self.tenants is not None)
 
     def take(self) -> SchedulerStats:
         """What was counted, moved into a new object (the caller owns it); this one starts again from zero and
         stays the one that the scheduler half's parts count into."""
         taken = SchedulerStats(self.requests, self.query_tokens, self.hit_tokens, self.failed_load_tokens,
                                self.skipped_slow_tokens, self.admitted_blocks, self.declined_blocks,
-                               self.unanswered_lookups, self.undeleted_blocks)
+                               self.unanswered_lookups, self.undeleted_blocks, self.tenants)
+        self.tenants = None
         self.requests = self.query_tokens = self.hit_tokens = self.failed_load_tokens = 0
         self.skipped_slow_tokens = self.admitted_blocks = self.declined_blocks = 0
         self.unanswered_lookups = self.undeleted_blocks = 0
@@ -112,4 +116,11 @@ class SchedulerStats:
                               self.admitted_blocks + other.admitted_blocks,
                               self.declined_blocks + other.declined_blocks,
                               self.unanswered_lookups + other.unanswered_lookups,
-                              self.undeleted_blocks + other.undeleted_blocks)
+                              self.undeleted_blocks + other.undeleted_blocks,
+                              _merged(self.tenants, other.tenants))
+
+
+def _merged(a: TenantFigures | None, b: TenantFigures | None) -> TenantFigures | None:
+    if a is None or b is None:
+        return a or b
+    return a.aggregate(b)

@@ -4,7 +4,7 @@
 ``StoreScan.collect``, which tracks the requests' new device blocks and returns their offload blocks that became full
 (``FullBlocks``); ``StoreScan.store_job`` turns them into the step's one store job (the index skips blocks it holds
 and evicts through its policy), opened in the job book (``jobs.py``). With tenants on, each key is assigned to its
-request's tenant just before the store is prepared (``StoreTenants``; index/tenants.py).
+request's tenant just before the store is prepared (``SchedulerTenants``; connector/tenants.py).
 
 Store admission (``config.store_admission``, index/admission.py) sees each block a request computes once, when
 it becomes full: the rule says how many leading ones of the step's new full blocks to store, and the request stores
@@ -22,14 +22,13 @@ from dataclasses import dataclass
 
 from kvoffload import _stepscan
 from kvoffload.blocks import DeviceBlocks, TransferJob
-from kvoffload.config import TenantBy
 from kvoffload.connector.announce import Announcer
 from kvoffload.connector.jobs import JobBook, JobKind, regroup
 from kvoffload.connector.requests import NEVER, RequestState, StepSchedule
 from kvoffload.connector.stats import SchedulerStats
+from kvoffload.connector.tenants import SchedulerTenants
 from kvoffload.index.admission import Admission, AdmitAll
 from kvoffload.index.base import BlockIndex
-from kvoffload.index.tenants import TenantBook
 from kvoffload.keys import OffloadKey
 
 logger = logging.getLogger(__name__)
@@ -129,25 +128,6 @@ class StoreAdmitter:
         return start + admitted
 
 
-@dataclass(frozen=True)
-class StoreTenants:
-    """Who a request's tenant is (``by``), and the host tier's book that hears whose each stored key is."""
-
-    by: TenantBy
-    book: TenantBook
-
-    def assign(self, full: FullBlocks) -> None:
-        """Assign each key of ``full`` to its request's tenant, for the store about to be prepared."""
-        groups: dict[int, int] = {}
-        pending, group = self.book.pending, self.book.group
-        for keys, owners in zip(full.keys, full.owners, strict=True):
-            for key, owner in zip(keys, owners, strict=True):
-                g = groups.get(id(owner))
-                if g is None:
-                    g = groups[id(owner)] = group(owner.request.tenant(self.by))
-                pending[key] = g
-
-
 class StoreScan:
     """Finds, each step, the scheduled requests' offload blocks that became full, and makes the step's store job.
 
@@ -158,7 +138,7 @@ class StoreScan:
 
     def __init__(self, index: BlockIndex, requests: dict[str, RequestState], jobs: JobBook,
                  admission: StoreAdmitter, factor: int, num_groups: int, null_block_id: int | None,
-                 announcer: Announcer | None = None, tenants: StoreTenants | None = None) -> None:
+                 announcer: Announcer | None = None, tenants: SchedulerTenants | None = None) -> None:
         """``announcer``: describes each block stored, for the router events (None: the engine publishes none).
         ``tenants``: whose the stored keys are, told to the host tier's book before each store (None: tenants
         off)."""

@@ -150,7 +150,10 @@ class SlotIndex(HostIndex):
         # once its last load completes and drops it.
         new = [key for key in dict.fromkeys(keys) if key not in ready and key not in in_flight
                and key not in doomed]
-        evicted = self._evict(len(new) - self._num_free(), keys)
+        missing = len(new) - self._num_free()
+        if missing > 0:
+            self._policy.entering(new)
+        evicted = self._evict(missing, keys)
         if evicted is None:
             return None
         slots = self._take(len(new))

@@ -44,10 +44,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
-from kvoffload.config import TenantConfig
+from kvoffload.config import EvictionPolicy, TenantConfig
 from kvoffload.index.base import IntegrityError
 from kvoffload.index.policies.base import CanEvict, Policy, any_key
+from kvoffload.index.policies.registry import make_policy
 from kvoffload.keys import OffloadKey
 
 SHARED = "shared"
@@ -56,24 +58,50 @@ OTHER = "other"
 """The group of every tenant not named in ``tenant_quota``."""
 
 
+@dataclass
+class TenantCounts:
+    """One group's figures in one tier: keys that entered (``stored``), keys taken as victims (``evicted``), and
+    uses of its resident keys (``hits``: keys touched by a load; a block on host and disk is a use in each)."""
+
+    stored: int = 0
+    evicted: int = 0
+    hits: int = 0
+
+    def add(self, other: TenantCounts) -> None:
+        self.stored += other.stored
+        self.evicted += other.evicted
+        self.hits += other.hits
+
+
 class TenantBook:
-    """Which group each resident key counts for, and whose the keys of the store being prepared are.
+    """The deployment's groups and their shares, shared by every tier's ``TenantPolicy``; whose the keys of the
+    store being prepared are; and which group a key entering a tier joins.
+
+    A key entering a tier joins the group the scheduler assigned it (``assign``), else the group it has in another
+    tier (a block written below from host, or promoted to host from below, stays its tenant's), else the shared
+    tenant's.
 
     Args:
         names: the named tenants, in order; group ``len(names)`` is "other".
+        shares: each group's fraction ("other" last); None: set by the first ``TenantPolicy`` built on the book.
     """
 
-    __slots__ = ("_group", "names", "of", "pending", "shared")
+    __slots__ = ("_group", "names", "pending", "policies", "shared", "shares")
 
-    def __init__(self, names: Sequence[str]) -> None:
-        self.names = (*names, OTHER)
+    def __init__(self, names: Sequence[str], shares: Sequence[float] | None = None) -> None:
+        self.names: tuple[str, ...] = (*names, OTHER)
         self._group = {name: i for i, name in enumerate(names)}
         self.shared = self.group(SHARED)
         """The shared tenant's group."""
-        self.of: dict[OffloadKey, int] = {}
-        """Resident keys' groups."""
+        self.shares: list[float] = list(shares) if shares is not None else []
         self.pending: dict[OffloadKey, int] = {}
         """The store being prepared: its keys' groups (``assign``), until ``clear``."""
+        self.policies: list[TenantPolicy] = []
+        """Every tier's policy on this book, in the order built (host first)."""
+
+    @classmethod
+    def of_config(cls, config: TenantConfig) -> TenantBook:
+        return cls([name for name, _ in config.shares], [share for _, share in config.shares] + [config.default])
 
     def group(self, tenant: str | None) -> int:
         """The group of ``tenant`` (None: the shared tenant)."""
@@ -87,47 +115,96 @@ class TenantBook:
         """The store is prepared (or refused): forget its assignments."""
         self.pending.clear()
 
-    def new_key_group(self, key: OffloadKey) -> int:
-        """The group a key entering the tier joins."""
-        return self.pending.get(key, self.shared)
+    def new_key_group(self, key: OffloadKey, tier: TenantPolicy) -> int:
+        """The group a key entering ``tier`` joins."""
+        group = self.pending.get(key)
+        if group is not None:
+            return group
+        for policy in self.policies:
+            if policy is not tier:
+                group = policy.of.get(key)
+                if group is not None:
+                    return group
+        return self.shared
+
+    def set_quota(self, default: float, shares: Sequence[tuple[str, float]]) -> None:
+        """New shares, on a running engine (validated by the caller: ``config.values.tenant_quota``).
+
+        A tenant named before and now keeps its blocks and its policy's history. A tenant no longer named
+        joins "other" with its blocks, which then go before "other"'s own (a tenant dropped from the quotas is
+        most often a customer gone), in their order; the merged group's history (ARC's ghosts, TinyLFU's counts)
+        starts afresh. A tenant named now that was not has only its later blocks in its group: its older ones
+        stay in "other" (which tenant they were is not kept) until they leave.
+        """
+        names = [name for name, _ in shares]
+        where = {name: i for i, name in enumerate(names)}
+        mapping = [where.get(name, len(names)) for name in self.names[:-1]] + [len(names)]
+        self.names, self._group = (*names, OTHER), where
+        self.shared = self.group(SHARED)
+        self.shares = [share for _, share in shares] + [default]
+        for policy in self.policies:
+            policy.regroup(mapping)
+
+    def figures(self) -> dict[str, dict[str, tuple[int, TenantCounts]]]:
+        """Per tier, per group name: (resident keys, counts so far)."""
+        return {policy.tier: policy.figures() for policy in self.policies}
 
 
 class TenantPolicy(Policy):
-    """Per-group inner policies, evicted by the rule in the module docstring.
+    """Per-group inner policies of one tier, evicted by the rule in the module docstring.
 
     Args:
         capacity: the tier's capacity in keys.
-        shares: each group's fraction of the tier, in the book's group order ("other" last).
+        shares: each group's fraction of the tier, in the book's group order ("other" last); the book keeps them
+            (every tier on one book has the same shares).
         make_inner: builds a fresh inner policy (the configured kind, for the tier's capacity).
-        book: the groups and their keys.
+        book: the groups and their keys; this policy joins its ``policies``.
+        tier: the tier's name in figures ("host", "disk", ...).
     """
 
-    __slots__ = ("_inner", "_make", "_quota", "book")
+    __slots__ = ("_capacity", "_entering", "_inner", "_make", "book", "counts", "of", "tier")
 
     def __init__(self, capacity: int, shares: Sequence[float], make_inner: Callable[[], Policy],
-                 book: TenantBook) -> None:
+                 book: TenantBook, tier: str = "host") -> None:
         if len(shares) != len(book.names):
             raise ValueError(f"TenantPolicy: {len(shares)} shares for {len(book.names)} groups")
+        book.shares = list(shares)
+        book.policies.append(self)
         self.book = book
-        self._quota = [share * capacity for share in shares]
+        self.tier = tier
+        self._capacity = capacity
         self._make = make_inner
         self._inner = [make_inner() for _ in shares]
+        self.of: dict[OffloadKey, int] = {}
+        """Resident keys' groups."""
+        self.counts = [TenantCounts() for _ in shares]
+        """Each group's figures so far."""
+        self._entering: Sequence[OffloadKey] = ()
 
     @classmethod
     def of_config(cls, config: TenantConfig, capacity: int, make_inner: Callable[[], Policy]) -> TenantPolicy:
-        names = [name for name, _ in config.shares]
-        return cls(capacity, [share for _, share in config.shares] + [config.default], make_inner,
-                   TenantBook(names))
+        book = TenantBook.of_config(config)
+        return cls(capacity, book.shares, make_inner, book)
+
+    def quota(self, group: int) -> float:
+        """The group's quota in keys: its share of the tier."""
+        return self.book.shares[group] * self._capacity
 
     def usage(self) -> dict[str, int]:
         """Resident keys per group, by name ("other" last)."""
         return {name: len(inner) for name, inner in zip(self.book.names, self._inner, strict=True)}
 
+    def figures(self) -> dict[str, tuple[int, TenantCounts]]:
+        """Per group name: (resident keys, counts so far)."""
+        return {name: (len(inner), counts)
+                for name, inner, counts in zip(self.book.names, self._inner, self.counts, strict=True)}
+
     def insert(self, key: OffloadKey) -> None:
-        of = self.book.of
+        of = self.of
         group = of.get(key)
         if group is None:
-            group = of[key] = self.book.new_key_group(key)
+            group = of[key] = self.book.new_key_group(key, self)
+            self.counts[group].stored += 1
         self._inner[group].insert(key)
 
     def insert_all(self, keys: Iterable[OffloadKey]) -> None:
@@ -135,23 +212,52 @@ class TenantPolicy(Policy):
             self._inner[group].insert_all(batch)
 
     def touch(self, key: OffloadKey) -> None:
-        group = self.book.of.get(key)
+        group = self.of.get(key)
         if group is not None:
+            self.counts[group].hits += 1
             self._inner[group].touch(key)
 
     def touch_all(self, keys: Iterable[OffloadKey]) -> None:
         for group, batch in self._by_group(keys, new=False):
+            self.counts[group].hits += len(batch)
             self._inner[group].touch_all(batch)
 
+    def entering(self, keys: Sequence[OffloadKey]) -> None:
+        self._entering = keys
+
     def remove(self, key: OffloadKey) -> None:
-        group = self.book.of.pop(key, None)
+        group = self.of.pop(key, None)
         if group is not None:
             self._inner[group].remove(key)
+
+    def regroup(self, mapping: Sequence[int]) -> None:
+        """The book's groups changed (``TenantBook.set_quota``): old group ``g`` is new group ``mapping[g]``."""
+        count = len(self.book.names)
+        sources: list[list[int]] = [[] for _ in range(count)]
+        for old, new in enumerate(mapping):
+            sources[new].append(old)
+        inner: list[Policy] = []
+        counts: list[TenantCounts] = []
+        for olds in sources:
+            counts.append(TenantCounts())
+            for old in olds:
+                counts[-1].add(self.counts[old])
+            if len(olds) == 1:
+                inner.append(self._inner[olds[0]])
+                continue
+            merged = self._make()  # first to go: the groups joining "other" (in group order), then its own
+            merged.insert_all([key for old in olds for key in self._drain(self._inner[old])])
+            inner.append(merged)
+        self._inner, self.counts = inner, counts
+        of = self.of
+        for key, group in of.items():
+            of[key] = mapping[group]
 
     def victims(self, n: int, can_evict: CanEvict) -> list[OffloadKey] | None:
         if n <= 0:
             return []
         used, storing = self._usage_with_store()
+        self._entering = ()
         taken: list[tuple[int, list[OffloadKey]]] = []
         avail: dict[int, int] = {}
         """Groups that could not give what was asked: how many keys ``can_evict`` allowed there (0: none)."""
@@ -175,20 +281,21 @@ class TenantPolicy(Policy):
             left -= run
             if group in avail:
                 avail[group] -= run
-        chosen = [key for _, got in taken for key in got]
-        of = self.book.of
-        for key in chosen:
-            del of[key]
-        return chosen
+        of, counts = self.of, self.counts
+        for group, got in taken:
+            counts[group].evicted += len(got)
+            for key in got:
+                del of[key]
+        return [key for _, got in taken for key in got]
 
     def __contains__(self, key: object) -> bool:
-        return key in self.book.of
+        return key in self.of
 
     def __len__(self) -> int:
-        return len(self.book.of)
+        return len(self.of)
 
     def check_integrity(self) -> None:
-        of = self.book.of
+        of = self.of
         if sum(len(inner) for inner in self._inner) != len(of):
             raise IntegrityError(f"tenant policy: groups hold {[len(i) for i in self._inner]} keys, the book "
                                  f"{len(of)}")
@@ -202,25 +309,31 @@ class TenantPolicy(Policy):
     def _by_group(self, keys: Iterable[OffloadKey], new: bool) -> list[tuple[int, list[OffloadKey]]]:
         """``keys`` split by group, each in the given order; ``new``: keys not resident join their new group
         (recorded in the book), else they are left out."""
-        of, book = self.book.of, self.book
+        of, book, counts = self.of, self.book, self.counts
         batches: dict[int, list[OffloadKey]] = {}
         for key in keys:
             group = of.get(key)
             if group is None:
                 if not new:
                     continue
-                group = of[key] = book.new_key_group(key)
+                group = of[key] = book.new_key_group(key, self)
+                counts[group].stored += 1
             batches.setdefault(group, []).append(key)
         return list(batches.items())
 
     def _usage_with_store(self) -> tuple[list[float], set[int]]:
-        """Each group's usage counting the store being prepared, and the groups storing now."""
+        """Each group's usage counting the store being prepared, and the groups storing now.
+
+        The store's keys are those ``entering`` named (each in the group it will join: assigned, else its group
+        in another tier, as a promoted block or a block written below); without them, those assigned."""
         used: list[float] = [len(inner) for inner in self._inner]
-        of, pending = self.book.of, self.book.pending
-        storing = set(pending.values())
-        for key, group in pending.items():
-            if key not in of:
-                used[group] += 1
+        of, book = self.of, self.book
+        storing: set[int] = set()
+        entering = self._entering or [key for key in book.pending if key not in of]
+        for key in entering:
+            group = book.new_key_group(key, self)
+            used[group] += 1
+            storing.add(group)
         if not storing:
             storing.add(self.book.shared)  # nobody assigned: the shared tenant's
         return used, storing
@@ -229,7 +342,7 @@ class TenantPolicy(Policy):
               ) -> tuple[int | None, int]:
         """The group the next victims come from by the rule, and how many in a row before the rule may change
         (at most what ``avail`` says the group can give)."""
-        quota = self._quota
+        quota = [self.quota(g) for g in range(len(used))]
         excess = [used[g] - quota[g] for g in range(len(quota))]
         order = sorted((g for g in range(len(quota)) if avail.get(g, 1) > 0), key=lambda g: -excess[g])
         over = [g for g in order if excess[g] > 0]
@@ -247,7 +360,7 @@ class TenantPolicy(Policy):
 
     def _short(self, used: list[float], storing: set[int], avail: dict[int, int], left: int) -> bool:
         """Whether the groups the rule may still take from are known to hold fewer than ``left`` keys to give."""
-        quota = self._quota
+        quota = [self.quota(g) for g in range(len(used))]
         may = [g for g in range(len(quota)) if used[g] > quota[g] or g in storing]
         return all(g in avail for g in may) and sum(avail[g] for g in may) < left
 
@@ -257,11 +370,14 @@ class TenantPolicy(Policy):
         for group, got in taken:
             back.setdefault(group, []).extend(got)
         for group, got in back.items():
-            inner = self._inner[group]
-            rest = inner.victims(len(inner), any_key) or []
             fresh = self._make()
-            fresh.insert_all(got + rest)
+            fresh.insert_all(got + self._drain(self._inner[group]))
             self._inner[group] = fresh
+
+    @staticmethod
+    def _drain(inner: Policy) -> list[OffloadKey]:
+        """All of ``inner``'s keys, in its eviction order (it is left empty)."""
+        return inner.victims(len(inner), any_key) or []
 
 
 def _counting(can_evict: CanEvict, allowed: set[OffloadKey]) -> CanEvict:
@@ -272,3 +388,21 @@ def _counting(can_evict: CanEvict, allowed: set[OffloadKey]) -> CanEvict:
             return True
         return False
     return check
+
+
+PolicyOf = Callable[[EvictionPolicy, int, str], "EvictionPolicy | Policy"]
+"""(kind, capacity in blocks, tier name) -> a tier's eviction policy: ``TierContext.policy``, or ``no_tenants``."""
+
+
+def no_tenants(kind: EvictionPolicy, capacity: int, tier: str) -> EvictionPolicy | Policy:
+    """The configured policy alone: tenants off."""
+    return kind
+
+
+def tier_policy(book: TenantBook | None, kind: EvictionPolicy, capacity: int, tier: str) -> EvictionPolicy | Policy:
+    """A tier's eviction policy: ``kind`` alone with tenants off (``book`` None: as before tenants existed), else
+    a ``TenantPolicy`` on the deployment's book with a ``kind`` policy per group. Plug-in tiers built on
+    ``SlotIndex`` get tenants' shares through this (``TierContext.policy``)."""
+    if book is None:
+        return kind
+    return TenantPolicy(capacity, book.shares, lambda: make_policy(kind, capacity), book, tier)

@@ -25,13 +25,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvoffload.blocks import Medium
-from kvoffload.config import OffloadConfig, WritePolicy
+from kvoffload.config import EvictionPolicy, OffloadConfig, WritePolicy
 from kvoffload.keys import Namespace
 from kvoffload.tiers.sizing import GroupedLayout, entry_bytes_of
 
 if TYPE_CHECKING:
     from kvoffload.canonical import CanonicalKV
     from kvoffload.index.base import HostIndex, LowerIndex
+    from kvoffload.index.policies.base import Policy
+    from kvoffload.index.tenants import TenantBook
     from kvoffload.transfer.base import TransferHandler
     from kvoffload.transfer.host_pool import HostPool
 
@@ -44,6 +46,15 @@ class TierContext:
     layout: GroupedLayout
     factor: int
     """Engine blocks per offload block."""
+    tenants: TenantBook | None = None
+    """The scheduler half's tenants' book, shared by every tier's index (None: tenants off, or a worker)."""
+
+    def policy(self, kind: EvictionPolicy, capacity: int, tier: str) -> EvictionPolicy | Policy:
+        """The eviction policy of a tier of ``capacity`` blocks named ``tier`` in figures: ``kind``, per tenant
+        when tenants are on (docs/tenants.md); what a ``SlotIndex`` takes."""
+        from kvoffload.index.tenants import tier_policy
+
+        return tier_policy(self.tenants, kind, capacity, tier)
 
     @property
     def entry_bytes(self) -> tuple[int, ...]:

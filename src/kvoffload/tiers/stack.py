@@ -11,7 +11,7 @@ half its pool and every handler with its routes (``build_worker``), and the metr
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from kvoffload.blocks import Medium
@@ -73,6 +73,10 @@ def build_index(config: OffloadConfig, context: TierContext) -> BlockIndex:
     Raises:
         ConfigError: a tier cannot be sized or used (each spec's ``make_index``).
     """
+    if config.tenants is not None and context.tenants is None:
+        from kvoffload.index.tenants import TenantBook
+
+        context = replace(context, tenants=TenantBook.of_config(config.tenants))
     host = host_spec(config).make_index(context)
     specs = tier_specs(config)
     if not specs:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from kvoffload.keys import OffloadKey
 
@@ -96,6 +96,10 @@ class Policy(ABC):
     @abstractmethod
     def __len__(self) -> int:
         """Number of resident keys."""
+
+    def entering(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 (optional hook)
+        """The keys new to the tier that the store about to ask for ``victims`` makes room for. Tenants' shares
+        (``index/tenants.py``) count them for whoever stores; other policies ignore it."""
 
     def check_integrity(self) -> None:  # noqa: B027 (optional hook: most policies have nothing to check)
         """Check the policy's own invariants (the tier's index's ``check_integrity`` calls it).

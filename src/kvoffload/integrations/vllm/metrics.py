@@ -29,6 +29,13 @@ the counters that a vLLM server shows on ``/metrics``:
                                                        attached (engines), busy (lock waits given up)),
                                                        read from the pool when scraped; and served: this
                                                        engine's blocks other engines hit, at its last step
+    vllm:kvoffload_tenant_query_tokens_total{tenant}   tenants on (docs/tenants.md): each tenant's prompt tokens
+    vllm:kvoffload_tenant_hit_tokens_total{tenant}     looked up, and those loaded from kvoffload
+    vllm:kvoffload_tenant_used_bytes{tenant,tier}      each tenant's resident bytes in each tier (gauge)
+    vllm:kvoffload_tenant_stored_blocks_total{tenant,tier}   blocks that entered the tier as the tenant's
+    vllm:kvoffload_tenant_evicted_blocks_total{tenant,tier}  the tenant's blocks the tier evicted
+    vllm:kvoffload_tenant_hit_blocks_total{tenant,tier}      loads of the tenant's blocks the tier held
+                                                       (tenant: each tenant named in the quotas, and "other")
 
 Names start with ``vllm:`` so that vLLM's own metric clean-up (between engines in one process) covers them.
 """
@@ -53,15 +60,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from kvoffload.blocks import Medium, transfer_name
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.stats import SchedulerStats, TransferStats
+from kvoffload.connector.tenants import TenantFigures
 from kvoffload.tiers.node.index import POOL_COUNTERS
 from kvoffload.tiers.node.status import gauges, read_status
-from kvoffload.tiers.stack import host_spec, transfer_routes
+from kvoffload.tiers.stack import host_spec, tier_specs, transfer_routes
 
 logger = logging.getLogger(__name__)
 
 TRANSFERS = "transfers"
 LOOKUPS = "lookups"
 HOST_USED_BYTES = "host_used_bytes"
+TENANTS = "tenants"
 NODE_POOL = "node_pool"
 NODE_POOL_PATH = "node_pool_path"
 SCRAPE_CACHE_S = 1.0
@@ -87,6 +96,8 @@ class KVOffloadStats(KVConnectorStats):
             data[TRANSFERS] = transfers.as_dict()
         if lookups is not None and not lookups.is_empty():
             data[LOOKUPS] = {name: getattr(lookups, name) for name in _LOOKUP_FIELDS}
+            if lookups.tenants is not None:
+                data[TENANTS] = lookups.tenants.as_dict()
         if host_used_bytes is not None:
             data[HOST_USED_BYTES] = host_used_bytes
         if node_pool:
@@ -102,7 +113,9 @@ class KVOffloadStats(KVConnectorStats):
     @property
     def lookups(self) -> SchedulerStats:
         raw = self.data.get(LOOKUPS, {})
-        return SchedulerStats(**{name: int(raw.get(name, 0)) for name in _LOOKUP_FIELDS})
+        tenants = self.data.get(TENANTS)
+        return SchedulerStats(**{name: int(raw.get(name, 0)) for name in _LOOKUP_FIELDS},
+                              tenants=None if tenants is None else TenantFigures.from_dict(tenants))
 
     def reset(self) -> None:
         self.data = {}
@@ -190,7 +203,10 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
                 documentation="The kvoffload node pool's counters, the same in every engine sharing it.",
                 multiprocess_mode="mostrecent", labelnames=[*labelnames, "counter"])
         self._live: dict[int, _PoolReader] = {}  # engines whose pool-wide gauges read the pool at scrape time
+        self._tenants = _TenantMetrics(self, labelnames) if config.tenants is not None else None
         self._start_at_zero(transfer_routes(config))
+        if self._tenants is not None and config.tenants is not None:
+            self._tenants.start_at_zero(self.per_engine_labelvalues.values(), config)
 
     def _start_at_zero(self, routes: Sequence[tuple[Medium, Medium]]) -> None:
         """Create every series that can occur, at 0, so that /metrics lists them before the first event: a
@@ -220,6 +236,8 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
                 metric.labels(*labels).inc(value)
         if HOST_USED_BYTES in stats.data:
             self._host_used.labels(*labels).set(stats.data[HOST_USED_BYTES])
+        if self._tenants is not None and lookups.tenants is not None:
+            self._tenants.observe(labels, lookups.tenants)
         if self._node_pool is not None:
             path = stats.data.get(NODE_POOL_PATH)
             if path and engine_idx not in self._live:
@@ -242,6 +260,58 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
             logger.info("kvoffload: the node pool gauges show each step's reading (%s)", e)
             return
         self._live[engine_idx] = reader
+
+
+class _TenantMetrics:
+    """The per-tenant series: label values are the tenants named in the quotas and "other" (bounded)."""
+
+    def __init__(self, owner: KVOffloadPromMetrics, labelnames: list[str]) -> None:
+        counter = owner._counter_cls
+        self.query: Any = counter(name="vllm:kvoffload_tenant_query_tokens",
+                             documentation="Prompt tokens each tenant looked up in kvoffload.",
+                             labelnames=[*labelnames, "tenant"])
+        self.hit: Any = counter(name="vllm:kvoffload_tenant_hit_tokens",
+                           documentation="Prompt tokens each tenant loaded from kvoffload.",
+                           labelnames=[*labelnames, "tenant"])
+        self.used: Any = owner._gauge_cls(  # type: ignore[call-arg]
+            name="vllm:kvoffload_tenant_used_bytes", documentation="Each tenant's resident bytes, per tier.",
+            multiprocess_mode="mostrecent", labelnames=[*labelnames, "tenant", "tier"])
+        self.blocks: list[Any] = [counter(name=f"vllm:kvoffload_tenant_{what}_blocks", documentation=doc,
+                               labelnames=[*labelnames, "tenant", "tier"])
+                       for what, doc in (("stored", "Blocks that entered each tier as each tenant's."),
+                                         ("evicted", "Each tenant's blocks each tier evicted."),
+                                         ("hit", "Loads of each tenant's blocks each tier held."))]
+
+    def start_at_zero(self, engines: Any, config: OffloadConfig) -> None:
+        tenants = config.tenants
+        assert tenants is not None
+        names = [*(name for name, _ in tenants.shares), "other"]
+        tiers = ["host", *(spec.medium.value for spec in tier_specs(config) if spec.medium.value in _TENANT_TIERS)]
+        for labels in engines:
+            for name in names:
+                self.query.labels(*labels, name)
+                self.hit.labels(*labels, name)
+                for tier in tiers:
+                    self.used.labels(*labels, name, tier).set(0)
+                    for metric in self.blocks:
+                        metric.labels(*labels, name, tier)
+
+    def observe(self, labels: list[object], figures: TenantFigures) -> None:
+        for name, (query, hit) in figures.tokens.items():
+            if query:
+                self.query.labels(*labels, name).inc(query)
+            if hit:
+                self.hit.labels(*labels, name).inc(hit)
+        for tier, by_name in figures.tiers.items():
+            for name, (used, *counts) in by_name.items():
+                self.used.labels(*labels, name, tier).set(used)
+                for metric, value in zip(self.blocks, counts, strict=True):
+                    if value:
+                        metric.labels(*labels, name, tier).inc(value)
+
+
+_TENANT_TIERS = ("disk", "remote", "object")
+"""Tiers under host whose index keeps tenants' shares (plug-in tiers' series appear when they report)."""
 
 
 class _PoolReader:

@@ -41,7 +41,9 @@ from kvoffload.index.base import (
     PrepareStoreOutput,
     TierUsage,
 )
+from kvoffload.index.policies.base import Policy
 from kvoffload.index.slot_index import SlotIndex
+from kvoffload.index.tenants import PolicyOf, no_tenants
 from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.tiers.disk.paths import block_path, rank_directories
 from kvoffload.tiers.disk.tree import Access, Tree, WorldLock, open_tree, scan
@@ -77,7 +79,7 @@ class DiskIndex(BlockIndex):
         ValueError: ``capacity_blocks`` is not positive or ``directories`` is empty.
     """
 
-    def __init__(self, capacity_blocks: int, policy: EvictionPolicy, directories: Sequence[Path],
+    def __init__(self, capacity_blocks: int, policy: EvictionPolicy | Policy, directories: Sequence[Path],
                  tree: Tree | None = None) -> None:
         if not directories:
             raise ValueError("DiskIndex needs at least rank 0's directory")
@@ -92,7 +94,8 @@ class DiskIndex(BlockIndex):
         self.rebuild_seconds = 0.0
 
     @classmethod
-    def create(cls, config: DiskTierConfig, namespace: Namespace, file_bytes: int) -> DiskIndex:
+    def create(cls, config: DiskTierConfig, namespace: Namespace, file_bytes: int,
+               policy: PolicyOf = no_tenants) -> DiskIndex:
         """The scheduler's disk index, rebuilt from what is already on disk.
 
         Raises:
@@ -109,7 +112,7 @@ class DiskIndex(BlockIndex):
         tree = open_tree(config.path, directories[0], access, fmt)
         if not os.access(directories[0], os.R_OK | os.W_OK | os.X_OK):
             raise ConfigError(f"disk_path={str(config.path)!r} is not readable and writable by this user")
-        index = cls(capacity, config.policy, directories, tree)
+        index = cls(capacity, policy(config.policy, capacity, "disk"), directories, tree)
         try:
             index._lock = WorldLock(directories[0].parent, access)
         except OSError as e:

@@ -43,7 +43,7 @@ class DiskTierSpec(TierSpec):
         from kvoffload.tiers.disk.index import DiskIndex
 
         file_bytes = BlockFormat.of(self.config.secret).file_bytes(max(context.entry_bytes))
-        return DiskIndex.create(self.config, context.namespace, file_bytes)
+        return DiskIndex.create(self.config, context.namespace, file_bytes, context.policy)
 
     def make_handler(self, context: TierContext, pool: HostPool) -> DiskHandler:
         from kvoffload.tiers.disk.handler import DiskHandler

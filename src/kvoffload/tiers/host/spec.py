@@ -5,9 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvoffload.index.policies.registry import make_policy
 from kvoffload.index.slot_index import SlotIndex
-from kvoffload.index.tenants import TenantPolicy
 from kvoffload.tiers.sizing import check_available, host_num_slots, host_slot_bytes
 from kvoffload.tiers.spec import HostSpec, TierContext
 
@@ -29,10 +27,8 @@ class PrivateHostSpec(HostSpec):
         return slots
 
     def make_index(self, context: TierContext) -> SlotIndex:
-        slots, kind, tenants = self.num_slots(context), self._config.host.policy, self._config.tenants
-        if tenants is None:  # tenants off: the configured policy alone, as before tenants existed
-            return SlotIndex(slots, kind)
-        return SlotIndex(slots, TenantPolicy.of_config(tenants, slots, lambda: make_policy(kind, slots)))
+        slots = self.num_slots(context)
+        return SlotIndex(slots, context.policy(self._config.host.policy, slots, "host"))
 
     def make_pool(self, context: TierContext, pin_memory: bool) -> HostPool:
         from kvoffload.transfer.host_pool import HostPool

@@ -43,6 +43,7 @@ from kvoffload.index.base import (
     StoreCounts,
     TierUsage,
 )
+from kvoffload.index.policies.base import Policy
 from kvoffload.index.slot_index import SlotIndex
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.lower.background import MAX_SEARCHES, Deletes, Searches
@@ -91,7 +92,7 @@ class ProbedIndex(BlockIndex):
 
     def __init__(self, probe: StoreProbe, capacity_blocks: int, medium: Medium,
                  spec_of: Callable[[Sequence[OffloadKey], Sequence[int]], BlockSpec],
-                 policy: EvictionPolicy = EvictionPolicy.LRU, cache_s: float = LOOKUP_CACHE_S,
+                 policy: EvictionPolicy | Policy = EvictionPolicy.LRU, cache_s: float = LOOKUP_CACHE_S,
                  clock: Callable[[], float] = time.monotonic, deadline_s: float = SEARCH_DEADLINE_S) -> None:
         self.probe = probe
         self.searches = Searches(probe, deadline_s, clock)

@@ -16,6 +16,8 @@ from typing import Any
 
 from kvoffload.blocks import Medium, TierBlocks
 from kvoffload.config import ConfigError, EvictionPolicy, ObjectTierConfig
+from kvoffload.index.policies.base import Policy
+from kvoffload.index.tenants import PolicyOf, no_tenants
 from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.tiers.lower.block_format import BlockFormat
 from kvoffload.tiers.lower.breaker import CircuitBreaker
@@ -42,13 +44,14 @@ class ObjectIndex(ProbedIndex):
         clock: monotonic seconds.
     """
 
-    def __init__(self, probe: ObjectProbe, capacity_blocks: int, policy: EvictionPolicy = EvictionPolicy.LRU,
+    def __init__(self, probe: ObjectProbe, capacity_blocks: int, policy: EvictionPolicy | Policy = EvictionPolicy.LRU,
                  cache_s: float = LOOKUP_CACHE_S, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(probe, capacity_blocks, Medium.OBJECT, object_blocks, policy, cache_s, clock)
         self.probe: ObjectProbe = probe
 
     @classmethod
-    def create(cls, config: ObjectTierConfig, namespace: Namespace, object_bytes: int, *,
+    def create(cls, config: ObjectTierConfig, namespace: Namespace, object_bytes: int,
+               policy: PolicyOf = no_tenants, *,
                client: Any | None = None) -> ObjectIndex:
         """The scheduler's object index; the start-up check (``ObjectProbe.check``) tells whether the store is there
         and is one (if not: misses).
@@ -70,4 +73,4 @@ class ObjectIndex(ProbedIndex):
         probe.check()
         logger.info("object tier: this engine may keep %d objects of %d bytes per rank in bucket %s", capacity,
                     object_bytes, config.bucket)
-        return cls(probe, capacity, config.policy)
+        return cls(probe, capacity, policy(config.policy, capacity, "object"))

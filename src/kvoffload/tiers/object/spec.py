@@ -41,7 +41,7 @@ class ObjectTierSpec(TierSpec):
         from kvoffload.tiers.object.index import ObjectIndex
 
         object_bytes = BlockFormat.of(self.config.secret).file_bytes(max(context.entry_bytes))
-        return ObjectIndex.create(self.config, context.namespace, object_bytes)
+        return ObjectIndex.create(self.config, context.namespace, object_bytes, context.policy)
 
     def make_handler(self, context: TierContext, pool: HostPool) -> ObjectHandler:
         require_boto3()

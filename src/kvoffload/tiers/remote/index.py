@@ -17,6 +17,8 @@ from typing import Any
 
 from kvoffload.blocks import Medium, TierBlocks
 from kvoffload.config import ConfigError, EvictionPolicy, RemoteTierConfig
+from kvoffload.index.policies.base import Policy
+from kvoffload.index.tenants import PolicyOf, no_tenants
 from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.tiers.lower.block_format import BlockFormat
 from kvoffload.tiers.lower.breaker import CircuitBreaker
@@ -45,13 +47,14 @@ class RemoteIndex(ProbedIndex):
         ValueError: ``capacity_blocks`` is not positive.
     """
 
-    def __init__(self, probe: RemoteProbe, capacity_blocks: int, policy: EvictionPolicy = EvictionPolicy.LRU,
+    def __init__(self, probe: RemoteProbe, capacity_blocks: int, policy: EvictionPolicy | Policy = EvictionPolicy.LRU,
                  cache_s: float = LOOKUP_CACHE_S, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(probe, capacity_blocks, Medium.REMOTE, remote_blocks, policy, cache_s, clock)
         self.probe: RemoteProbe = probe
 
     @classmethod
-    def create(cls, config: RemoteTierConfig, namespace: Namespace, value_bytes: int, *,
+    def create(cls, config: RemoteTierConfig, namespace: Namespace, value_bytes: int,
+               policy: PolicyOf = no_tenants, *,
                client: Any | None = None) -> RemoteIndex:
         """The scheduler's remote index; one ``PING`` tells whether the server is there (if not: misses for now).
 
@@ -74,4 +77,4 @@ class RemoteIndex(ProbedIndex):
                            "again in %.0f s", ", ".join(config.urls), config.breaker_cooldown_s)
         logger.info("remote tier: this engine may keep %d values of %d bytes per rank on %s", capacity, value_bytes,
                     ", ".join(config.urls))
-        return cls(probe, capacity, config.policy)
+        return cls(probe, capacity, policy(config.policy, capacity, "remote"))

@@ -48,7 +48,7 @@ class RemoteTierSpec(TierSpec):
         from kvoffload.tiers.remote.index import RemoteIndex
 
         value_bytes = BlockFormat.of(self.config.secret).file_bytes(max(context.entry_bytes))
-        return RemoteIndex.create(self.config, context.namespace, value_bytes)
+        return RemoteIndex.create(self.config, context.namespace, value_bytes, context.policy)
 
     def make_handler(self, context: TierContext, pool: HostPool) -> RemoteHandler:
         _require_redis()
