@@ -33,6 +33,7 @@ PLUGIN_SURFACE: dict[str, str] = {
     "LowerIndex": "kvoffload.index.base", "LookupResult": "kvoffload.index.base",
     "PrepareStoreOutput": "kvoffload.index.base", "OffloadEvent": "kvoffload.index.base",
     "EventKind": "kvoffload.index.base", "TierUsage": "kvoffload.index.base", "SlotIndex": "kvoffload.index.slot_index",
+    "Policy": "kvoffload.index.policies.base",
     # a store only its server knows the contents of, asked off the engine step
     "ProbedIndex": "kvoffload.tiers.lower.probed_index", "StoreProbe": "kvoffload.tiers.lower.probed_index",
     # the worker side: the handler
@@ -42,9 +43,9 @@ PLUGIN_SURFACE: dict[str, str] = {
 """Each name a tier from another package may use -> the module that defines it."""
 
 __all__ = ["BlockSpec", "ConfigError", "EventKind", "EvictionPolicy", "HandlerWrapper", "HostBlocks", "HostPool",
-           "JobId", "LookupResult", "LowerIndex", "Medium", "OffloadEvent", "OffloadKey", "PrepareStoreOutput",
-           "ProbedIndex", "SlotIndex", "StoreProbe", "TierBlocks", "TierContext", "TierSpec", "TierUsage",
-           "TransferHandler", "TransferJob", "TransferResult"]  # PLUGIN_SURFACE's names
+           "JobId", "LookupResult", "LowerIndex", "Medium", "OffloadEvent", "OffloadKey", "Policy",
+           "PrepareStoreOutput", "ProbedIndex", "SlotIndex", "StoreProbe", "TierBlocks", "TierContext", "TierSpec",
+           "TierUsage", "TransferHandler", "TransferJob", "TransferResult"]  # PLUGIN_SURFACE's names
 
 
 def __getattr__(name: str) -> Any:

@@ -87,3 +87,16 @@ def test_a_ram_tier_smaller_than_the_prefix_still_serves_only_right_bytes(ramtie
     assert b.loaded_tokens < PROMPT_BLOCKS * BLOCK
     assert engine.corrupt_blocks == []
     engine.scheduler.index.check_integrity()
+
+
+def test_with_tenants_on_the_plugin_tier_keeps_shares_through_its_context(ramtier_installed: Path) -> None:
+    from kvoffload.index.tenants import TenantPolicy
+
+    engine = sim_workload.make_engine(block_size=BLOCK, host_blocks=PROMPT_BLOCKS, tenant_by="cache_salt",
+                                      tenant_quota={"default": 0.5, "acme": 0.5},
+                                      extra_tiers={"ramtier": {"capacity_blocks": 16}})
+    tenants = engine.scheduler.tenants
+    assert tenants is not None
+    assert [policy.tier for policy in tenants.book.policies] == ["host", "ramtier"]
+    below = engine.scheduler.index.lower_indexes[0]  # type: ignore[attr-defined]
+    assert isinstance(below.host_policy, TenantPolicy)

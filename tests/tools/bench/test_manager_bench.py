@@ -94,3 +94,29 @@ def test_table_names_every_row_and_the_plot_is_written(tmp_path: Any) -> None:
     emit(bench.report(rows, args), args, out, plot=lambda path: bench._plot(path, rows))
     assert all(op in out.getvalue() for op in bench.OPERATIONS)
     assert (tmp_path / "m.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("policy", list(EvictionPolicy))
+def test_with_tenants_ours_with_them_is_compared_with_ours_without(policy: EvictionPolicy,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.run(_args("--json", "--policies", policy.value, "--tenants", "3")) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["operation"] for r in rows] == list(bench.OPERATIONS)
+    assert {r["baseline_name"] for r in rows} == {f"kvoffload {policy.value}"}
+    assert all(r["ratio"] > 0 for r in rows)
+
+
+def test_with_tenants_each_store_evicts_its_own_tenants_keys() -> None:
+    """The stores the tenants side times are like the baseline's (each evicts its own size), and from its own
+    tenant: the rule at work, not a path that skips it."""
+    work = bench.make_workload(128, 16, 32, 4, runs=1, reps=1)
+    side = bench.TenantSide(32, EvictionPolicy.LRU, tenants=3)
+    side.fill(work.filler + work.prompt)
+    before = side.manager.host_policy.usage()  # type: ignore[attr-defined]
+    side.store_cycle(work.store_batches[0])
+    assert side.manager.host_policy.usage() == before  # each tenant gave up as many keys as it stored
+
+
+def test_run_refuses_too_many_tenants(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.run(_args("--tenants", "17")) == 2
+    assert "--tenants 17 must be in [0, 16]" in capsys.readouterr().err

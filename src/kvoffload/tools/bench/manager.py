@@ -20,11 +20,17 @@ Operations, one row each:
   manager splits it between the two calls (both insert into their policy in ``prepare_store`` now).
 
 vLLM's manager runs with events on, as ours always records them. A figure is calls per second.
+
+With ``--tenants N`` the comparison is ours with tenants on against ours without (docs/tenants.md): a tier with
+N named tenants and "other", each an equal share, the scheduler's bookkeeping timed with each store (whose the
+batch's keys are, assigned before ``prepare_store`` and cleared after); the tier is filled by every tenant in turn
+and each store batch is the next tenant's, so each store finds its tenant over its share and evicts its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import statistics
 import sys
@@ -34,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoffload.config import EvictionPolicy
+from kvoffload.config.values import MAX_TENANTS
 from kvoffload.keys import KEY_BYTES, OffloadKey
 from kvoffload.tools.bench.common import (
     Progress,
@@ -158,6 +165,49 @@ class OurSide:
         return prep, done
 
 
+class TenantSide(OurSide):
+    """``OurSide`` with tenants on: ``tenants`` named tenants and "other", equal shares, stores assigned in turn."""
+
+    def __init__(self, capacity: int, policy: EvictionPolicy, tenants: int) -> None:
+        from kvoffload.index.policies import make_policy
+        from kvoffload.index.slot_index import SlotIndex
+        from kvoffload.index.tenants import TenantBook, TenantPolicy
+
+        names = [f"tenant-{i}" for i in range(tenants)]
+        self.book = TenantBook(names)
+        shares = [1.0 / (tenants + 1)] * (tenants + 1)
+        self.manager = SlotIndex(capacity, TenantPolicy(capacity, shares, lambda: make_policy(policy, capacity),
+                                                        self.book))
+        self.names = [*names, "other-tenant"]
+        self.name = f"kvoffload {policy.value}, {tenants} tenants"
+
+    def fill(self, keys: Sequence[OffloadKey]) -> None:
+        n = len(self.names)
+        for i, name in enumerate(self.names):  # every tenant at its share
+            self.book.assign(keys[i::n], name)
+        super().fill(keys)
+        self.book.clear()
+
+    def store_cycle(self, batches: Sequence[Sequence[OffloadKey]]) -> tuple[float, float]:
+        prepare, complete, clock = self.manager.prepare_store, self.manager.complete_store, time.perf_counter
+        assign, clear, names = self.book.assign, self.book.clear, self.names
+        prep = done = 0.0
+        outs = []
+        for i, batch in enumerate(batches):
+            t0 = clock()
+            assign(batch, names[i % len(names)])
+            outs.append(prepare(batch))
+            clear()
+            prep += clock() - t0
+        for batch in batches:
+            t0 = clock()
+            complete(batch)
+            done += clock() - t0
+        _check_stores(self.name, [None if o is None else len(o.evicted_keys) for o in outs], batches)
+        self.manager.take_events()
+        return prep, done
+
+
 class VllmSide:
     """Drives vLLM's ``CPUOffloadingManager`` the natural way for its API; same return values as ``OurSide``."""
 
@@ -269,16 +319,23 @@ def _build(side: Callable[[int, EvictionPolicy], Side], work: Workload,
     return prompt_tier, store_tier
 
 
-def baseline(policy: EvictionPolicy) -> tuple[Callable[[int, EvictionPolicy], Side], EvictionPolicy]:
-    """The side and policy ``policy`` is compared with: vLLM's manager with it, else our own with ARC."""
+def baseline(policy: EvictionPolicy, tenants: int = 0) -> tuple[Callable[[int, EvictionPolicy], Side], EvictionPolicy]:
+    """The side and policy ``policy`` is compared with: with tenants, ours without them; else vLLM's manager
+    with it, else our own with ARC."""
+    if tenants:
+        return OurSide, policy
     return (VllmSide, policy) if policy in VLLM_POLICIES else (OurSide, EvictionPolicy.ARC)
 
 
 def measure(work: Workload, policy: EvictionPolicy, runs: int, warmup: int,
-            progress: Progress | None = None) -> list[dict[str, Any]]:
-    """One row per operation for ``policy``: calls per second of ours and of its ``baseline``, and ours / its."""
-    base_side, base_policy = baseline(policy)
-    ours, base = _build(OurSide, work, policy), _build(base_side, work, base_policy)
+            progress: Progress | None = None, tenants: int = 0) -> list[dict[str, Any]]:
+    """One row per operation for ``policy``: calls per second of ours (with ``tenants`` tenants, if any) and of
+    its ``baseline``, and ours / its."""
+    base_side, base_policy = baseline(policy, tenants)
+    ours_side: Callable[[int, EvictionPolicy], Side] = OurSide
+    if tenants:
+        ours_side = functools.partial(TenantSide, tenants=tenants)
+    ours, base = _build(ours_side, work, policy), _build(base_side, work, base_policy)
     samples: dict[str, dict[str, list[float]]] = {s: {op: [] for op in OPERATIONS} for s in ("ours", "baseline")}
     for run in range(warmup + runs):
         order = [("ours", ours), ("baseline", base)]
@@ -313,6 +370,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store-batch", type=positive_int, default=16, help="keys per store call (default 16)")
     parser.add_argument("--reps", type=positive_int, default=20, help="prompt-sized calls per run (default 20)")
     names = ", ".join(p.value for p in EvictionPolicy)
+    parser.add_argument("--tenants", type=int, default=0,
+                        help="with N > 0: ours with N named tenants (and \"other\") against ours without tenants")
     parser.add_argument("--policies", default="lru,arc",
                         help=f"comma-separated, of {names} (default lru,arc; vLLM has lru and arc, the others are "
                              "compared with our own arc)")
@@ -326,7 +385,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvoffload bench manager: {e}", file=sys.stderr)
         return 2
-    if VLLM_POLICIES.intersection(policies):
+    if args.tenants < 0 or args.tenants > MAX_TENANTS:
+        print(f"kvoffload bench manager: --tenants {args.tenants} must be in [0, {MAX_TENANTS}]", file=sys.stderr)
+        return 2
+    if VLLM_POLICIES.intersection(policies) and not args.tenants:
         try:
             import vllm.v1.kv_offload.cpu.manager  # noqa: F401 (fail early, with a clear message)
         except ImportError as e:
@@ -334,7 +396,8 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
     progress = Progress("bench manager", len(policies) * (args.warmup + args.runs), enabled=not args.quiet)
-    rows = [row for policy in policies for row in measure(work, policy, args.runs, args.warmup, progress)]
+    rows = [row for policy in policies
+            for row in measure(work, policy, args.runs, args.warmup, progress, args.tenants)]
     progress.close()
     emit(report(rows, args), args, plot=lambda path: _plot(path, rows))
     return 0
@@ -348,12 +411,14 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> Report:
           r["baseline"].median, r["ratio"], r["ours"].spread, r["baseline"].spread) for r in rows])
     notes = (f"median of {args.runs} runs after {args.warmup} warm-up runs, sides interleaved; "
              f"ratio = median of per-run ours / baseline; spread = (max - min) / median",
-             "baseline: vLLM's manager with the same policy where vLLM has it (lru, arc), else our manager with arc",
+             ("baseline: our manager with the same policy, tenants off; ours: with "
+              f"{args.tenants} named tenants and other, equal shares" if args.tenants else
+              "baseline: vLLM's manager with the same policy where vLLM has it (lru, arc), else our manager with arc"),
              f"tier of {args.capacity} blocks, full; prompt {args.prompt_tokens} tokens in "
              f"{args.block_tokens}-token blocks; vLLM with events on (ours always records them)",
              *(f"{op}: {note}" for op, note in NOTES.items()))
     settings = {k: getattr(args, k) for k in ("runs", "warmup", "prompt_tokens", "block_tokens", "capacity",
-                                              "store_batch", "reps", "policies")}
+                                              "store_batch", "reps", "policies", "tenants")}
     return Report("manager", rows, table, notes, settings)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvoffload.tiers import EvictionPolicy, OffloadKey, SlotIndex, TierBlocks
+from kvoffload.tiers import EvictionPolicy, OffloadKey, Policy, SlotIndex, TierBlocks
 from ramtier import MEDIUM
 
 
@@ -19,7 +19,7 @@ def ram_blocks(keys: Sequence[OffloadKey], slots: Sequence[int]) -> TierBlocks:
     return TierBlocks(MEDIUM, tuple(keys), (len(keys),), tuple(slots))
 
 
-def ram_index(capacity_blocks: int, policy: EvictionPolicy = EvictionPolicy.LRU) -> SlotIndex:
+def ram_index(capacity_blocks: int, policy: EvictionPolicy | Policy = EvictionPolicy.LRU) -> SlotIndex:
     """An empty index of ``capacity_blocks`` slots (a ``LowerIndex``).
 
     Raises:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvoffload.tiers import Medium, TierContext, TierSpec
+from kvoffload.tiers import EvictionPolicy, Medium, TierContext, TierSpec
 from ramtier import MEDIUM
 
 if TYPE_CHECKING:
@@ -59,7 +59,9 @@ class RamTierSpec(TierSpec):
     def make_index(self, context: TierContext) -> LowerIndex:
         from ramtier.index import ram_index
 
-        return ram_index(self.options.capacity_blocks)
+        capacity = self.options.capacity_blocks
+        # The tier's policy from the context: per tenant when tenants are on (docs/tenants.md), else plain LRU.
+        return ram_index(capacity, context.policy(EvictionPolicy.LRU, capacity, "ramtier"))
 
     def make_handler(self, context: TierContext, pool: HostPool) -> TransferHandler:
         from ramtier.handler import RamHandler, RamSlots
