@@ -97,10 +97,11 @@ class TenantReplay(NamedTuple):
     tenants: dict[str, ReplayResult]
     total: ReplayResult
 
-    def resident_blocks(self, tenant: str) -> int:
-        """``tenant``'s blocks resident at the end (a key is stored again only after it left)."""
-        r = self.tenants[tenant]
-        return r.stored_blocks - r.evicted_blocks
+
+def resident_blocks(result: ReplayResult) -> int:
+    """The blocks resident at the end of a replay, or of a tenant's in it (a key is stored again only after it
+    left, so every stored block not evicted is still there)."""
+    return result.stored_blocks - result.evicted_blocks
 
 
 def replay_tenants(trace: Trace, capacity_blocks: int, kind: EvictionPolicy = EvictionPolicy.LRU,
@@ -233,8 +234,10 @@ def compare_tenants(trace: Trace, capacity_blocks: int, quotas: Quotas, kind: Ev
     with_quotas = replay_tenants(trace, capacity_blocks, kind, quotas if use_quotas else None, policy)
     without = replay_tenants(trace, capacity_blocks, kind)
     alone = replay_alone(trace, capacity_blocks, quotas, kind)
-    rows = [TenantRow(name, quotas.share_of(name), r, without.tenants[name], alone[name])
-            for name, r in with_quotas.tenants.items()]
+    # Named tenants in the quotas' order, then the others as they first arrived.
+    order = [n for n in quotas.names if n in alone] + [n for n in alone if n not in quotas.names]
+    rows = [TenantRow(name, quotas.share_of(name), with_quotas.tenants[name], without.tenants[name], alone[name])
+            for name in order]
     return Comparison(rows, with_quotas.total, without.total)
 
 
