@@ -7,7 +7,9 @@ One JSON object per line, in arrival order (the file's order is the order replay
 - ``hash_ids``: one id per block of the prompt, prefix-chained (equal ids mean an equal prefix up to and including
   that block). Integers (the Mooncake release; each becomes an 8-byte big-endian ``OffloadKey``) or hex strings
   (``TraceRecorder`` writes the offload keys themselves);
-- ``block_tokens`` (recorded traces only): tokens per block; absent means 512, the Mooncake block size.
+- ``block_tokens`` (recorded traces only): tokens per block; absent means 512, the Mooncake block size;
+- ``tenant`` (optional): whose request it is, a non-empty string (``kvoffload replay --tenants``); absent or null
+  means the shared tenant's, as a request without a salt. The recorder does not write it yet.
 
 A trace has one block size: replay converts a capacity in tokens to blocks with it. The recorder writes keys as hex,
 lengths and offload keys only, never tokens, so users can size their tiers on their own traffic without their prompts

@@ -6,8 +6,7 @@ from dataclasses import fields
 
 import pytest
 
-from kvoffload.connector.stats import SchedulerStats
-from kvoffload.connector.tenants import TenantFigures
+from kvoffload.connector.stats import SchedulerStats, TenantFigures
 
 COUNTERS = [f.name for f in fields(SchedulerStats) if f.name != "tenants"]
 

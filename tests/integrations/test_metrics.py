@@ -193,7 +193,7 @@ def test_tenant_figures_reach_their_series_counters_adding_up_and_gauges_the_lat
 
     from prometheus_client import Counter, Gauge, Histogram
 
-    from kvoffload.connector.tenants import TenantFigures
+    from kvoffload.connector.stats import TenantFigures
     from kvoffload.integrations.vllm.metrics import KVOffloadPromMetrics
 
     config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=TENANTS))

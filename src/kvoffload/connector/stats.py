@@ -6,10 +6,11 @@ ship them each step and a metrics exporter can sum them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvoffload.blocks import transfer_name
-from kvoffload.connector.tenants import TenantFigures
 from kvoffload.transfer.base import TransferResult
 
 
@@ -57,6 +58,43 @@ class TransferStats:
     def from_dict(cls, raw: dict[str, dict[str, float]]) -> TransferStats:
         return cls({name: TransferCounters(int(c["jobs"]), int(c["failed_jobs"]), int(c["bytes"]),
                                            float(c["seconds"])) for name, c in raw.items()})
+
+
+@dataclass
+class TenantFigures:
+    """What the tenants did since the last ``take``, per group name ("other" for every tenant not named).
+
+    ``tokens``: name -> [prompt tokens looked up, tokens loaded from kvoffload]; ``tiers``: tier -> name ->
+    [resident bytes (now), blocks stored, blocks evicted, hits on resident blocks (since the last take)].
+    """
+
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    tiers: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, dict[str, object]]:
+        return {"tokens": {k: list(v) for k, v in self.tokens.items()},
+                "tiers": {t: {k: list(v) for k, v in by.items()} for t, by in self.tiers.items()}}
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> TenantFigures:
+        """What ``as_dict`` made (shipped between processes as plain data)."""
+        tokens, tiers = raw.get("tokens", {}), raw.get("tiers", {})
+        return cls({str(k): [int(x) for x in v] for k, v in tokens.items()},
+                   {str(t): {str(k): [int(x) for x in v] for k, v in by.items()} for t, by in tiers.items()})
+
+    def aggregate(self, other: TenantFigures) -> TenantFigures:
+        """Token counts add up; tiers' resident bytes are the latest, their counts add up."""
+        tokens = {k: list(v) for k, v in self.tokens.items()}
+        for name, (query, hit) in other.tokens.items():
+            mine = tokens.setdefault(name, [0, 0])
+            mine[0] += query
+            mine[1] += hit
+        tiers = {t: {k: list(v) for k, v in by.items()} for t, by in self.tiers.items()}
+        for tier, by in other.tiers.items():
+            for name, (resident, stored, evicted, hits) in by.items():
+                mine = tiers.setdefault(tier, {}).setdefault(name, [0, 0, 0, 0])
+                mine[:] = [resident, mine[1] + stored, mine[2] + evicted, mine[3] + hits]
+        return TenantFigures(tokens, tiers)
 
 
 @dataclass

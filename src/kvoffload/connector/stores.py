@@ -236,7 +236,7 @@ class StoreScan:
         if self._tenants is None:
             out = self._index.prepare_store(keys)
         else:
-            self._tenants.assign(full)
+            self._tenants.assign(full.keys, full.owners)
             try:
                 out = self._index.prepare_store(keys)
             finally:

@@ -10,60 +10,23 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvoffload.config import TenantConfig
 from kvoffload.config.values import read_tenant_quota
+from kvoffload.connector.stats import TenantFigures
 from kvoffload.index.tenants import TenantBook
 
 if TYPE_CHECKING:
-    from kvoffload.connector.requests import EngineRequest
-    from kvoffload.connector.stores import FullBlocks
+    from kvoffload.connector.requests import EngineRequest, RequestState
+    from kvoffload.keys import OffloadKey
 
 logger = logging.getLogger(__name__)
 
 QUOTA_POLL_S = 1.0
 """How often a running engine looks at its quota file's modification time (one ``stat``)."""
-
-
-@dataclass
-class TenantFigures:
-    """What the tenants did since the last ``take``, per group name ("other" for every tenant not named).
-
-    ``tokens``: name -> [prompt tokens looked up, tokens loaded from kvoffload]; ``tiers``: tier -> name ->
-    [resident bytes (now), blocks stored, blocks evicted, hits on resident blocks (since the last take)].
-    """
-
-    tokens: dict[str, list[int]] = field(default_factory=dict)
-    tiers: dict[str, dict[str, list[int]]] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, dict[str, object]]:
-        return {"tokens": {k: list(v) for k, v in self.tokens.items()},
-                "tiers": {t: {k: list(v) for k, v in by.items()} for t, by in self.tiers.items()}}
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> TenantFigures:
-        """What ``as_dict`` made (shipped between processes as plain data)."""
-        tokens, tiers = raw.get("tokens", {}), raw.get("tiers", {})
-        return cls({str(k): [int(x) for x in v] for k, v in tokens.items()},
-                   {str(t): {str(k): [int(x) for x in v] for k, v in by.items()} for t, by in tiers.items()})
-
-    def aggregate(self, other: TenantFigures) -> TenantFigures:
-        """Token counts add up; tiers' resident bytes are the latest, their counts add up."""
-        tokens = {k: list(v) for k, v in self.tokens.items()}
-        for name, (query, hit) in other.tokens.items():
-            mine = tokens.setdefault(name, [0, 0])
-            mine[0] += query
-            mine[1] += hit
-        tiers = {t: {k: list(v) for k, v in by.items()} for t, by in self.tiers.items()}
-        for tier, by in other.tiers.items():
-            for name, (resident, stored, evicted, hits) in by.items():
-                mine = tiers.setdefault(tier, {}).setdefault(name, [0, 0, 0, 0])
-                mine[:] = [resident, mine[1] + stored, mine[2] + evicted, mine[3] + hits]
-        return TenantFigures(tokens, tiers)
 
 
 class SchedulerTenants:
@@ -95,11 +58,13 @@ class SchedulerTenants:
         book = self.book
         return book.names[book.group(request.tenant(self.by))]
 
-    def assign(self, full: FullBlocks) -> None:
-        """Assign each key of ``full`` to its request's tenant, for the store about to be prepared."""
+    def assign(self, keys_by_group: Sequence[Sequence[OffloadKey]],
+               owners_by_group: Sequence[Sequence[RequestState]]) -> None:
+        """Assign each key of a store about to be prepared to its owner's tenant (per KV-cache group: the keys, and
+        the request state each came from)."""
         groups: dict[int, int] = {}
         pending, group = self.book.pending, self.book.group
-        for keys, owners in zip(full.keys, full.owners, strict=True):
+        for keys, owners in zip(keys_by_group, owners_by_group, strict=True):
             for key, owner in zip(keys, owners, strict=True):
                 g = groups.get(id(owner))
                 if g is None:

@@ -44,110 +44,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 from kvoffload.config import EvictionPolicy, TenantConfig
 from kvoffload.index.base import IntegrityError
 from kvoffload.index.policies.base import CanEvict, Policy, any_key
 from kvoffload.index.policies.registry import make_policy
+from kvoffload.index.tenant_book import OTHER, SHARED, TenantBook, TenantCounts
 from kvoffload.keys import OffloadKey
-
-SHARED = "shared"
-"""The tenant of requests without a salt (or LoRA adapter), and of keys nobody assigned."""
-OTHER = "other"
-"""The group of every tenant not named in ``tenant_quota``."""
-
-
-@dataclass
-class TenantCounts:
-    """One group's figures in one tier: keys that entered (``stored``), keys taken as victims (``evicted``), and
-    uses of its resident keys (``hits``: keys touched by a load; a block on host and disk is a use in each)."""
-
-    stored: int = 0
-    evicted: int = 0
-    hits: int = 0
-
-    def add(self, other: TenantCounts) -> None:
-        self.stored += other.stored
-        self.evicted += other.evicted
-        self.hits += other.hits
-
-
-class TenantBook:
-    """The deployment's groups and their shares, shared by every tier's ``TenantPolicy``; whose the keys of the
-    store being prepared are; and which group a key entering a tier joins.
-
-    A key entering a tier joins the group the scheduler assigned it (``assign``), else the group it has in another
-    tier (a block written below from host, or promoted to host from below, stays its tenant's), else the shared
-    tenant's.
-
-    Args:
-        names: the named tenants, in order; group ``len(names)`` is "other".
-        shares: each group's fraction ("other" last); None: set by the first ``TenantPolicy`` built on the book.
-    """
-
-    __slots__ = ("_group", "names", "pending", "policies", "shared", "shares")
-
-    def __init__(self, names: Sequence[str], shares: Sequence[float] | None = None) -> None:
-        self.names: tuple[str, ...] = (*names, OTHER)
-        self._group = {name: i for i, name in enumerate(names)}
-        self.shared = self.group(SHARED)
-        """The shared tenant's group."""
-        self.shares: list[float] = list(shares) if shares is not None else []
-        self.pending: dict[OffloadKey, int] = {}
-        """The store being prepared: its keys' groups (``assign``), until ``clear``."""
-        self.policies: list[TenantPolicy] = []
-        """Every tier's policy on this book, in the order built (host first)."""
-
-    @classmethod
-    def of_config(cls, config: TenantConfig) -> TenantBook:
-        return cls([name for name, _ in config.shares], [share for _, share in config.shares] + [config.default])
-
-    def group(self, tenant: str | None) -> int:
-        """The group of ``tenant`` (None: the shared tenant)."""
-        return self._group.get(SHARED if tenant is None else tenant, len(self.names) - 1)
-
-    def assign(self, keys: Iterable[OffloadKey], tenant: str | None) -> None:
-        """The keys of the store about to be prepared are ``tenant``'s (resident ones stay in their group)."""
-        self.pending.update(dict.fromkeys(keys, self.group(tenant)))
-
-    def clear(self) -> None:
-        """The store is prepared (or refused): forget its assignments."""
-        self.pending.clear()
-
-    def new_key_group(self, key: OffloadKey, tier: TenantPolicy) -> int:
-        """The group a key entering ``tier`` joins."""
-        group = self.pending.get(key)
-        if group is not None:
-            return group
-        for policy in self.policies:
-            if policy is not tier:
-                group = policy.of.get(key)
-                if group is not None:
-                    return group
-        return self.shared
-
-    def set_quota(self, default: float, shares: Sequence[tuple[str, float]]) -> None:
-        """New shares, on a running engine (validated by the caller: ``config.values.tenant_quota``).
-
-        A tenant named before and now keeps its blocks and its policy's history. A tenant no longer named
-        joins "other" with its blocks, which then go before "other"'s own (a tenant dropped from the quotas is
-        most often a customer gone), in their order; the merged group's history (ARC's ghosts, TinyLFU's counts)
-        starts afresh. A tenant named now that was not has only its later blocks in its group: its older ones
-        stay in "other" (which tenant they were is not kept) until they leave.
-        """
-        names = [name for name, _ in shares]
-        where = {name: i for i, name in enumerate(names)}
-        mapping = [where.get(name, len(names)) for name in self.names[:-1]] + [len(names)]
-        self.names, self._group = (*names, OTHER), where
-        self.shared = self.group(SHARED)
-        self.shares = [share for _, share in shares] + [default]
-        for policy in self.policies:
-            policy.regroup(mapping)
-
-    def figures(self) -> dict[str, dict[str, tuple[int, TenantCounts]]]:
-        """Per tier, per group name: (resident keys, counts so far)."""
-        return {policy.tier: policy.figures() for policy in self.policies}
 
 
 class TenantPolicy(Policy):
@@ -406,3 +309,6 @@ def tier_policy(book: TenantBook | None, kind: EvictionPolicy, capacity: int, ti
     if book is None:
         return kind
     return TenantPolicy(capacity, book.shares, lambda: make_policy(kind, capacity), book, tier)
+
+
+__all__ = ["OTHER", "SHARED", "PolicyOf", "TenantBook", "TenantCounts", "TenantPolicy", "no_tenants", "tier_policy"]

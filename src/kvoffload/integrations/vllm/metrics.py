@@ -59,8 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvoffload.blocks import Medium, transfer_name
 from kvoffload.config import OffloadConfig
-from kvoffload.connector.stats import SchedulerStats, TransferStats
-from kvoffload.connector.tenants import TenantFigures
+from kvoffload.connector.stats import SchedulerStats, TenantFigures, TransferStats
 from kvoffload.tiers.node.index import POOL_COUNTERS
 from kvoffload.tiers.node.status import gauges, read_status
 from kvoffload.tiers.stack import host_spec, tier_specs, transfer_routes

@@ -3,8 +3,10 @@
 ``trace.py`` reads traces (the Mooncake JSONL, and kvoffload's own, which the core's ``kvoffload.trace_format``
 writes); ``loop.py`` feeds them through ``SlotIndex``; ``optimum.py`` is Belady's offline policy; ``models.py``
 turns capacities into bytes; ``sweep.py`` runs many points; ``engines.py`` splits a trace over several engines'
-private tiers beside one node pool; ``replay_command.py`` and ``plan_command.py`` are
-``kvoffload replay`` and ``kvoffload plan``. Imports no torch and no engine.
+private tiers beside one node pool; ``tenants.py`` replays a multi-tenant trace with and without quotas
+(``tenant_traces.py`` splits a trace into tenants, ``shares.py`` sizes their shares, ``tenant_report.py`` and
+``plan_tenants.py`` print them); ``replay_command.py`` and ``plan_command.py`` are ``kvoffload replay`` and
+``kvoffload plan``. Imports no torch and no engine.
 """
 
 from kvoffload.tools.replay.loop import Bound, Strategy, replay

@@ -71,7 +71,7 @@ def replay(trace: Trace, capacity_blocks: int, strategy: Strategy = EvictionPoli
         capacity_blocks = max(1, trace.distinct_keys())
     if capacity_blocks <= 0:
         raise ValueError(f"replay: capacity {capacity_blocks} blocks must be positive")
-    counts = _Counts()
+    counts = Counts()
     if strategy is Bound.OPTIMUM:
         future = future or next_uses(trace)
         tier: SlotIndex = _replay_optimum(trace, capacity_blocks, optimum(future), future, counts)
@@ -88,7 +88,7 @@ def replay(trace: Trace, capacity_blocks: int, strategy: Strategy = EvictionPoli
 
 
 def _replay_optimum(trace: Trace, capacity_blocks: int, oracle: OptimumPolicy, future: NextUse,
-                    counts: _Counts) -> SlotIndex:
+                    counts: Counts) -> SlotIndex:
     tier = SlotIndex(capacity_blocks, oracle)
 
     def admit(keys: Sequence[OffloadKey]) -> int:
@@ -100,8 +100,9 @@ def _replay_optimum(trace: Trace, capacity_blocks: int, oracle: OptimumPolicy, f
     return tier
 
 
-class _Counts:
-    """Running totals of one replay; ``unread`` holds the stored keys no lookup has hit yet."""
+class Counts:
+    """Running totals of one replay (or of one tenant's requests in it); ``unread`` holds the stored keys no lookup
+    has hit yet."""
 
     __slots__ = ("declined", "evicted", "hit_blocks", "hit_tokens", "stored", "unread", "wasted")
 
@@ -119,20 +120,11 @@ class _Counts:
             wasted_blocks=self.wasted, unread_blocks=len(self.unread), seconds=seconds)
 
 
-def _step(tier: SlotIndex, request: Request, block_tokens: int, admit: Admit, counts: _Counts) -> None:
-    keys = request.keys
-    hits = tier.lookup(keys).hits
-    if hits:
-        loaded = keys[:hits]
-        tier.prepare_load(loaded)
-        tier.touch(loaded)
-        tier.complete_load(loaded)
-        counts.unread.difference_update(loaded)
-        counts.hit_blocks += hits
-        counts.hit_tokens += min(hits * block_tokens, request.input_length)
-    missed = keys[hits:]
+def _step(tier: SlotIndex, request: Request, block_tokens: int, admit: Admit, counts: Counts) -> None:
+    hits = load_hits(tier, request, block_tokens, counts)
+    missed = request.keys[hits:]
     if missed:
-        offered, stored = _store(tier, missed[:admit(missed)])
+        offered, stored = store_leading(tier, missed[:admit(missed)])
         counts.declined += len(missed) - offered
         counts.stored += len(stored)
         counts.unread.update(stored)
@@ -145,7 +137,22 @@ def _step(tier: SlotIndex, request: Request, block_tokens: int, admit: Admit, co
             counts.wasted += before - len(unread)
 
 
-def _store(tier: SlotIndex, keys: Sequence[OffloadKey]) -> tuple[int, tuple[OffloadKey, ...]]:
+def load_hits(tier: SlotIndex, request: Request, block_tokens: int, counts: Counts) -> int:
+    """Look ``request`` up and load its leading run of hits, as the engine does; count them. Returns the hits."""
+    keys = request.keys
+    hits = tier.lookup(keys).hits
+    if hits:
+        loaded = keys[:hits]
+        tier.prepare_load(loaded)
+        tier.touch(loaded)
+        tier.complete_load(loaded)
+        counts.unread.difference_update(loaded)
+        counts.hit_blocks += hits
+        counts.hit_tokens += min(hits * block_tokens, request.input_length)
+    return hits
+
+
+def store_leading(tier: SlotIndex, keys: Sequence[OffloadKey]) -> tuple[int, tuple[OffloadKey, ...]]:
     """Store ``keys``, or the largest leading part that fits. Returns how many leading keys were offered to the
     tier and the keys it stored (those it held already are left out)."""
     if not keys:

@@ -1,5 +1,6 @@
 """``kvoffload plan``: a capacity sweep of a trace over every policy, beside the optimum and the unbounded maximum,
-with what the hits buy (prefill compute skipped) and cost (bytes moved, load time per tier)."""
+with what the hits buy (prefill compute skipped) and cost (bytes moved, load time per tier); with ``--tenants``,
+tenants' shares of one tier (``plan_tenants.py``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from kvoffload.config import EvictionPolicy, HostTierConfig, StoreAdmission
 from kvoffload.tools.bench.common import Progress, format_table
 from kvoffload.tools.replay.loop import Bound, Strategy
 from kvoffload.tools.replay.models import GIB, kv_shape, parse_capacity
+from kvoffload.tools.replay.plan_tenants import run_tenants
 from kvoffload.tools.replay.report import (
     add_trace_arguments,
     bounds_at,
@@ -23,6 +25,7 @@ from kvoffload.tools.replay.report import (
     result_doc,
 )
 from kvoffload.tools.replay.result import ReplayResult
+from kvoffload.tools.replay.shares import STEP
 from kvoffload.tools.replay.sweep import capacity_sweep, load, run_points, sweep_points
 
 DEFAULT_POINTS = 12
@@ -60,9 +63,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     default = HostTierConfig().policy.value
     parser.add_argument("--policy", default=default,
                         help=f"the policy the cost table assumes (default {default}, the tier's default)")
+    parser.add_argument("--tenants", action="store_true",
+                        help="suggest each tenant's share of a tier of --capacity for a multi-tenant trace, from "
+                             "each tenant's hit curve alone (shares in steps of 0.05)")
+    parser.add_argument("--capacity", default=None, help="with --tenants: the tier the shares split (3M, 24GiB)")
+    parser.add_argument("--floor", type=float, default=STEP,
+                        help=f"with --tenants: the least share of any tenant (default {STEP:g})")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.tenants:
+        try:
+            return run_tenants(args)
+        except ValueError as e:
+            return fail("plan", e)
     try:
         inputs = _inputs(args)
     except ValueError as e:

@@ -1,5 +1,6 @@
 """``kvoffload replay``: one trace at one capacity through every chosen policy, beside the optimum and the
-unbounded maximum; with ``--engines N``, N private tiers of C/N beside one node pool of C (``engines.py``)."""
+unbounded maximum; with ``--engines N``, N private tiers of C/N beside one node pool of C (``engines.py``); with
+``--tenants SPEC``, each tenant with quotas, without, and alone on its share (``tenants.py``)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ from kvoffload.tools.replay.report import (
 )
 from kvoffload.tools.replay.result import ReplayResult
 from kvoffload.tools.replay.sweep import Point, load, run_points
+from kvoffload.tools.replay.tenant_report import TenantOptions, tenant_options, tenants_doc, tenants_table
+from kvoffload.tools.replay.tenants import EQUAL, compare_tenants
 from kvoffload.tools.replay.trace import Trace
 
 DEFAULT_CAPACITY = "3M"
@@ -55,6 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"how requests reach the engines: {', '.join(r.value for r in Router)} "
                              f"(default {Router.ROUND_ROBIN.value}; needs --engines)")
     parser.add_argument("--seed", type=int, default=None, help="the random router's seed (default 0)")
+    parser.add_argument("--tenants", default=None, metavar="SPEC",
+                        help='tenants\' shares of the tier, as tenant_quota: \'{"default": 0.2, "t0": 0.4, ...}\', '
+                             f'or {EQUAL} (every tenant of the trace, equal shares): each tenant\'s hit rate with '
+                             'quotas, without, and alone on a pool of its share (one --policy, default lru)')
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,9 +72,12 @@ def run(args: argparse.Namespace) -> int:
         admission = parse_admission(args.admission)
         engines = parse_engines(args.engines, args.router, args.seed)
         trace, _ = load(args.trace, with_future=False)
+        tenants = tenant_options(args, trace, policies, admission) if args.tenants is not None else None
     except ValueError as e:
         return fail("replay", e)
     blocks = max(1, capacity_tokens // trace.block_tokens)
+    if tenants is not None:
+        return _run_tenants(args, trace, tenants, blocks, bpt)
     strategies: list[Strategy] = [*policies, Bound.OPTIMUM, Bound.UNBOUNDED]
     if engines is not None:
         return _run_engines(args, trace, engines, strategies, blocks, admission, bpt)
@@ -82,6 +92,23 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(_summary(args.trace, len(trace.requests), blocks * trace.block_tokens, bpt))
         print(_table(results, bounds, bpt))
+    return 0
+
+
+def _run_tenants(args: argparse.Namespace, trace: Trace, options: TenantOptions, blocks: int,
+                 bpt: int | None) -> int:
+    comparison = compare_tenants(trace, blocks, options.quotas, options.kind)
+    if args.json:
+        doc: dict[str, Any] = {
+            "trace": args.trace, "requests": len(trace.requests), "block_tokens": trace.block_tokens,
+            "capacity_tokens": blocks * trace.block_tokens, "bytes_per_token": bpt,
+            **tenants_doc(comparison, options, bpt)}
+        print(json.dumps(doc, indent=1))
+    else:
+        print(_summary(args.trace, len(trace.requests), blocks * trace.block_tokens, bpt))
+        print(f"policy {options.kind.value} in each tenant; quotas {json.dumps(options.quotas.spec())}; token hit "
+              f"rates with quotas, without (one pool), and alone on a pool of the tenant's share")
+        print(tenants_table(comparison, bpt))
     return 0
 
 

@@ -16,6 +16,8 @@ from kvoffload.tools.replay.loop import Bound, Strategy, replay
 from kvoffload.tools.replay.optimum import NextUse, next_uses
 from kvoffload.tools.replay.result import ReplayResult
 from kvoffload.tools.replay.synthetic import PREFIX, synthetic
+from kvoffload.tools.replay.tenant_traces import PREFIX as TENANTS_PREFIX
+from kvoffload.tools.replay.tenant_traces import tenant_trace
 from kvoffload.tools.replay.trace import Trace, read_trace
 
 
@@ -51,17 +53,25 @@ _LOADED: dict[str, tuple[Trace, NextUse | None]] = {}
 
 
 def load(path: str, with_future: bool = True) -> tuple[Trace, NextUse | None]:
-    """Read the trace at ``path`` (or build the ``synthetic:NAME`` one) once per process; with its next-use table
-    if ``with_future``.
+    """Read the trace at ``path`` (or build the ``synthetic:NAME`` one, or the ``tenants:N[+flood]:PATH`` one)
+    once per process; with its next-use table if ``with_future``.
 
     Raises:
-        TraceError: as ``read_trace``. ValueError: an unknown synthetic trace.
+        TraceError: as ``read_trace``. ValueError: an unknown synthetic trace, a malformed ``tenants:`` one.
     """
-    trace, future = _LOADED.get(path) or (synthetic(path) if path.startswith(PREFIX) else read_trace(path), None)
+    trace, future = _LOADED.get(path) or (_build(path), None)
     if with_future and future is None:
         future = next_uses(trace)
     _LOADED[path] = (trace, future)
     return trace, future
+
+
+def _build(path: str) -> Trace:
+    if path.startswith(PREFIX):
+        return synthetic(path)
+    if path.startswith(TENANTS_PREFIX):
+        return tenant_trace(path)
+    return read_trace(path)
 
 
 def run_point(path: str, point: Point) -> ReplayResult:

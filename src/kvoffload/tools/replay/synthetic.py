@@ -11,6 +11,13 @@ favours some rule; ``kvoffload replay --trace synthetic:NAME[:TIER]`` replays on
 - ``scan``: the recency traffic with, every tenth request, a one-time scan of a quarter of the tier.
 - ``chat``: conversations on a shared 4-block system prompt, each turn the last one's prompt plus 2 blocks, turns
   of a few hundred conversations interleaved: prefix trees whose tails the next turn reuses.
+
+Multi-tenant (each request names its tenant; ``kvoffload replay --tenants``): ``tenants-calm`` is four chat
+tenants ``t0``..``t3``, each the ``chat`` shape on its own system prompt with ``tier / 40`` conversations live at
+most, keys salted per tenant (disjoint key spaces, as ``cache_salt`` makes them), a request's tenant drawn
+uniformly; ``tenants-flood`` is the same chat requests, in the same order, with a ``flood`` tenant's requests between
+them (before each, a geometric count of mean 1: half the requests): a long prompt (``FLOOD_BLOCKS`` new blocks) never
+seen again, what a batch job or an abusive client sends.
 """
 
 from __future__ import annotations
@@ -78,26 +85,68 @@ def zipf(tier: int, seed: int = 0) -> Trace:
     return _trace(list(range(p * 4, p * 4 + 4)) for p in picks)
 
 
-def chat(tier: int, seed: int = 0) -> Trace:
-    rng = random.Random(seed)
-    ids = itertools.count(4)  # 0..3: the shared system prompt
+def _conversations(rng: random.Random, ids: Iterator[int], system: list[int], live_most: int
+                   ) -> Iterator[list[int]]:
+    """Turns of interleaved conversations on ``system``, forever: each turn is its conversation's last prompt plus
+    2 new blocks; a new conversation starts with probability 0.3 while fewer than ``live_most`` are live."""
     live: list[list[int]] = []
+    while True:
+        if not live or (len(live) < live_most and rng.random() < 0.3):
+            live.append(list(system))
+        i = rng.randrange(len(live))
+        live[i] = live[i] + [next(ids), next(ids)]
+        yield live[i]
+        if len(live[i]) > 40 or rng.random() < 0.1:  # the conversation ends
+            live.pop(i)
 
-    def turns() -> Iterator[list[int]]:
-        for _ in range(5 * tier):
-            if not live or (len(live) < 300 and rng.random() < 0.3):
-                live.append([0, 1, 2, 3])
-            i = rng.randrange(len(live))
-            live[i] = live[i] + [next(ids), next(ids)]
-            yield live[i]
-            if len(live[i]) > 40 or rng.random() < 0.1:  # the conversation ends
-                live.pop(i)
 
-    return _trace(turns())
+def chat(tier: int, seed: int = 0) -> Trace:
+    turns = _conversations(random.Random(seed), itertools.count(4), [0, 1, 2, 3], 300)  # 0..3: the system prompt
+    return _trace(itertools.islice(turns, 5 * tier))
+
+
+CHAT_TENANTS = ("t0", "t1", "t2", "t3")
+FLOOD = "flood"
+"""The flooding tenant of ``tenants-flood``."""
+FLOOD_BLOCKS = 16
+_SALT_BITS = 40
+"""A tenant's block ids are its index shifted by this: disjoint key spaces, as a per-tenant salt gives."""
+
+
+def _tenant_requests(tier: int, seed: int, flood: bool) -> Iterator[tuple[str, list[int]]]:
+    # Separate generators for the tenant draw, each tenant's conversations and the flood, so that the calm trace
+    # is the flood trace without its flood requests.
+    pick, flood_rng = random.Random(seed), random.Random(seed + 1)
+    chats = [_conversations(random.Random(seed + 2 + i), itertools.count(4), [0, 1, 2, 3], max(2, tier // 40))
+             for i in range(len(CHAT_TENANTS))]
+    flood_ids = itertools.count()
+    for _ in range(5 * tier):
+        while flood and flood_rng.random() < 0.5:  # as many flood requests as chat ones, on average
+            yield FLOOD, [next(flood_ids) for _ in range(FLOOD_BLOCKS)]
+        t = pick.randrange(len(CHAT_TENANTS))
+        yield CHAT_TENANTS[t], next(chats[t])
+
+
+def _tenant_trace(tier: int, seed: int, flood: bool) -> Trace:
+    index = {name: i for i, name in enumerate((*CHAT_TENANTS, FLOOD))}
+    requests = tuple(
+        Request(float(i), len(ids) * BLOCK_TOKENS, 1,
+                tuple(int_key(index[tenant] << _SALT_BITS | b) for b in ids), tenant)
+        for i, (tenant, ids) in enumerate(_tenant_requests(tier, seed, flood)))
+    return Trace(requests, BLOCK_TOKENS)
+
+
+def tenants_calm(tier: int, seed: int = 0) -> Trace:
+    return _tenant_trace(tier, seed, flood=False)
+
+
+def tenants_flood(tier: int, seed: int = 0) -> Trace:
+    return _tenant_trace(tier, seed, flood=True)
 
 
 TRACES: dict[str, Callable[..., Trace]] = {"recency": recency, "loop": loop, "chain-loop": chain_loop,
-                                           "zipf": zipf, "scan": scan, "chat": chat}
+                                           "zipf": zipf, "scan": scan, "chat": chat,
+                                           "tenants-calm": tenants_calm, "tenants-flood": tenants_flood}
 
 
 def synthetic(name: str) -> Trace:

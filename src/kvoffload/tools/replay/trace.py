@@ -24,6 +24,8 @@ class Request(NamedTuple):
     input_length: int
     output_length: int
     keys: tuple[OffloadKey, ...]
+    tenant: str | None = None
+    """Whose request it is (``kvoffload replay --tenants``); None: the shared tenant's, as a request without a salt."""
 
 
 class Trace(NamedTuple):
@@ -48,6 +50,14 @@ class Trace(NamedTuple):
     def head(self, n: int) -> Trace:
         """The first ``n`` requests."""
         return Trace(self.requests[:n], self.block_tokens)
+
+    def tenants(self) -> list[str | None]:
+        """The tenants of the requests, in order of first arrival (None: requests without one)."""
+        return list(dict.fromkeys(r.tenant for r in self.requests))
+
+    def of_tenant(self, tenant: str | None) -> Trace:
+        """Only ``tenant``'s requests, in arrival order."""
+        return Trace(tuple(r for r in self.requests if r.tenant == tenant), self.block_tokens)
 
 
 def int_key(block_id: int) -> OffloadKey:
@@ -118,7 +128,7 @@ def _parse(line: str, interned: dict[Any, OffloadKey]) -> tuple[Request, int]:
             key = interned[block_id] = _key(block_id)
         keys.append(key)
     request = Request(_number("timestamp", doc["timestamp"]), _count("input_length", doc["input_length"]),
-                      _count("output_length", doc["output_length"]), tuple(keys))
+                      _count("output_length", doc["output_length"]), tuple(keys), _tenant(doc.get("tenant")))
     tokens = _count("block_tokens", doc.get("block_tokens", MOONCAKE_BLOCK_TOKENS))
     if tokens == 0:
         raise ValueError("block_tokens must be positive")
@@ -139,6 +149,14 @@ def _key(block_id: object) -> OffloadKey:
 def _count(field: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{field} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _tenant(value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > 256:
+        raise ValueError(f"tenant must be a non-empty string of at most 256 characters, got {repr(value)[:60]}")
     return value
 
 

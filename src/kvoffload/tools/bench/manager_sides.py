@@ -1,0 +1,203 @@
+"""The managers ``kvoffload bench manager`` drives (``manager.py``): our ``SlotIndex`` (``OurSide``), the same with
+tenants on (``TenantSide``), and vLLM's ``CPUOffloadingManager`` (``VllmSide``). Every timed method returns the
+seconds spent inside the manager's calls; both sides get the very same key objects."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvoffload.config import EvictionPolicy
+from kvoffload.index.base import PrepareStoreOutput
+from kvoffload.keys import OffloadKey
+
+
+class OurSide:
+    """Drives ``SlotIndex``; every method returns the seconds spent inside the manager's calls."""
+
+    def __init__(self, capacity: int, policy: EvictionPolicy) -> None:
+        from kvoffload.index.slot_index import SlotIndex
+
+        self.manager = SlotIndex(capacity, policy)
+        self.name = f"kvoffload {policy.value}"
+
+    def fill(self, keys: Sequence[OffloadKey]) -> None:
+        out = self.manager.prepare_store(keys)
+        if out is None or len(out.keys_to_store) != len(keys):
+            raise RuntimeError("bench manager: kvoffload could not fill its tier")
+        self.manager.complete_store(keys)
+        self.manager.take_events()
+
+    def lookup(self, keys: Sequence[OffloadKey], reps: int) -> float:
+        lookup = self.manager.lookup
+        start = time.perf_counter()
+        for _ in range(reps):
+            lookup(keys)
+        return time.perf_counter() - start
+
+    def hits(self, keys: Sequence[OffloadKey]) -> int:
+        return self.manager.lookup(keys).hits
+
+    def touch(self, keys: Sequence[OffloadKey], reps: int) -> float:
+        touch = self.manager.touch
+        start = time.perf_counter()
+        for _ in range(reps):
+            touch(keys)
+        return time.perf_counter() - start
+
+    def load_cycle(self, keys: Sequence[OffloadKey], reps: int) -> tuple[float, float]:
+        prepare, complete, clock = self.manager.prepare_load, self.manager.complete_load, time.perf_counter
+        prep = done = 0.0
+        for _ in range(reps):
+            t0 = clock()
+            prepare(keys)
+            t1 = clock()
+            complete(keys)
+            t2 = clock()
+            prep += t1 - t0
+            done += t2 - t1
+        return prep, done
+
+    def store_cycle(self, batches: Sequence[Sequence[OffloadKey]]) -> tuple[float, float]:
+        prepare, complete, clock = self._prepare_store(), self.manager.complete_store, time.perf_counter
+        prep = done = 0.0
+        outs = []
+        for batch in batches:
+            t0 = clock()
+            outs.append(prepare(batch))
+            prep += clock() - t0
+        for batch in batches:
+            t0 = clock()
+            complete(batch)
+            done += clock() - t0
+        check_stores(self.name, [None if o is None else len(o.evicted_keys) for o in outs], batches)
+        self.manager.take_events()
+        return prep, done
+
+    def _prepare_store(self) -> Callable[[Sequence[OffloadKey]], PrepareStoreOutput | None]:
+        """What a store calls, timed: the index's ``prepare_store``."""
+        return self.manager.prepare_store
+
+
+class TenantSide(OurSide):
+    """``OurSide`` with tenants on: ``tenants`` named tenants and "other", equal shares, stores assigned in turn."""
+
+    def __init__(self, capacity: int, policy: EvictionPolicy, tenants: int) -> None:
+        from kvoffload.index.policies import make_policy
+        from kvoffload.index.slot_index import SlotIndex
+        from kvoffload.index.tenants import TenantBook, TenantPolicy
+
+        names = [f"tenant-{i}" for i in range(tenants)]
+        self.book = TenantBook(names)
+        shares = [1.0 / (tenants + 1)] * (tenants + 1)
+        self.manager = SlotIndex(capacity, TenantPolicy(capacity, shares, lambda: make_policy(policy, capacity),
+                                                        self.book))
+        self.names = [*names, "other-tenant"]
+        self.name = f"kvoffload {policy.value}, {tenants} tenants"
+
+    def fill(self, keys: Sequence[OffloadKey]) -> None:
+        n = len(self.names)
+        for i, name in enumerate(self.names):  # every tenant at its share
+            self.book.assign(keys[i::n], name)
+        super().fill(keys)
+        self.book.clear()
+
+    def _prepare_store(self) -> Callable[[Sequence[OffloadKey]], PrepareStoreOutput | None]:
+        """The scheduler's part with tenants on, timed with the store: each batch the next tenant's."""
+        prepare, book, names, turn = self.manager.prepare_store, self.book, self.names, itertools.count()
+
+        def store(batch: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
+            book.assign(batch, names[next(turn) % len(names)])
+            try:
+                return prepare(batch)
+            finally:
+                book.clear()
+        return store
+
+
+class VllmSide:
+    """Drives vLLM's ``CPUOffloadingManager`` the natural way for its API; same return values as ``OurSide``."""
+
+    def __init__(self, capacity: int, policy: EvictionPolicy) -> None:
+        from vllm.v1.kv_offload.base import LookupResult, ReqContext
+        from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+        # Any: vLLM's OffloadKey is its own NewType of bytes; the very same bytes objects go to both managers.
+        self.manager: Any = CPUOffloadingManager(capacity, cache_policy=policy.value, enable_events=True)
+        self._context = ReqContext
+        self._hit = LookupResult.HIT
+        self.ctx = ReqContext(req_id="bench-prompt")
+        self.name = f"vLLM {policy.value}"
+
+    def fill(self, keys: Sequence[OffloadKey]) -> None:
+        ctx = self._context(req_id="bench-fill")
+        out = self.manager.prepare_store(keys, ctx)
+        if out is None or len(out.keys_to_store) != len(keys):
+            raise RuntimeError("bench manager: vLLM could not fill its tier")
+        self.manager.complete_store(keys, ctx)
+        list(self.manager.take_events())
+
+    def lookup(self, keys: Sequence[OffloadKey], reps: int) -> float:
+        lookup, ctx, hit = self.manager.lookup, self.ctx, self._hit
+        start = time.perf_counter()
+        for _ in range(reps):
+            hits = 0
+            for key in keys:
+                if lookup(key, ctx) is not hit:
+                    break
+                hits += 1  # noqa: SIM113 (counting the hits is part of the caller's cost, as in vLLM's loop)
+        return time.perf_counter() - start
+
+    def hits(self, keys: Sequence[OffloadKey]) -> int:
+        return next((i for i, k in enumerate(keys) if self.manager.lookup(k, self.ctx) is not self._hit), len(keys))
+
+    def touch(self, keys: Sequence[OffloadKey], reps: int) -> float | None:
+        touch, ctx = getattr(self.manager, "touch", None), self.ctx
+        if touch is None:
+            return None  # vLLM 0.34 dropped it: lookup and prepare_load record the access, no call to compare
+        start = time.perf_counter()
+        for _ in range(reps):
+            touch(keys, ctx)
+        return time.perf_counter() - start
+
+    def load_cycle(self, keys: Sequence[OffloadKey], reps: int) -> tuple[float, float]:
+        prepare, complete, clock, ctx = self.manager.prepare_load, self.manager.complete_load, time.perf_counter, \
+            self.ctx
+        prep = done = 0.0
+        for _ in range(reps):
+            t0 = clock()
+            prepare(keys, ctx)
+            t1 = clock()
+            complete(keys, ctx)
+            t2 = clock()
+            prep += t1 - t0
+            done += t2 - t1
+        return prep, done
+
+    def store_cycle(self, batches: Sequence[Sequence[OffloadKey]]) -> tuple[float, float]:
+        prepare, complete, clock = self.manager.prepare_store, self.manager.complete_store, time.perf_counter
+        contexts = [self._context(req_id=f"bench-store-{i}") for i in range(len(batches))]
+        prep = done = 0.0
+        outs = []
+        for batch, ctx in zip(batches, contexts, strict=True):
+            t0 = clock()
+            outs.append(prepare(batch, ctx))
+            prep += clock() - t0
+        for batch, ctx in zip(batches, contexts, strict=True):
+            t0 = clock()
+            complete(batch, ctx)
+            done += clock() - t0
+        check_stores(self.name, [None if o is None else len(o.evicted_keys) for o in outs], batches)
+        list(self.manager.take_events())
+        return prep, done
+
+
+Side = OurSide | VllmSide
+
+
+def check_stores(name: str, evicted: list[int | None], batches: Sequence[Sequence[OffloadKey]]) -> None:
+    """Like for like: every store must have found room by evicting exactly its own size."""
+    if any(e is None or e != len(b) for e, b in zip(evicted, batches, strict=True)):
+        raise RuntimeError(f"bench manager: {name} did not evict one key per stored key ({evicted[:4]}...)")
