@@ -1441,13 +1441,17 @@ static void write_table(Seg *s, const Tenant *named, int count, uint32_t other_s
     memcpy(fresh[OTHER].name, "other", 5);
     fresh[OTHER].flags = NAMED;
     fresh[OTHER].share = other_share;
+    int kept[MAX_TENANTS];
+    for (int p = 0; p < MAX_TENANTS; p++)
+        kept[p] = p == OTHER || (was_on && (h->tenant[p].flags & NAMED) && same_name(&h->tenant[p], &fresh[p]));
+    for (uint64_t i = 0; i < s->n; i++) /* a tenant gone (or another in its place): its slots go to "other" */
+        if (s->slots[i].tenant < MAX_TENANTS && !kept[s->slots[i].tenant]) s->slots[i].tenant = OTHER;
     for (int p = 0; p < MAX_TENANTS; p++) {
         Tenant *t = &h->tenant[p];
-        int kept = was_on && (t->flags & NAMED) && same_name(t, &fresh[p]);
         memcpy(t->name, fresh[p].name, TENANT_NAME);
         t->share = fresh[p].share;
         t->flags = fresh[p].flags;
-        if (!kept) t->stores = t->evictions = 0;
+        if (!kept[p]) t->stores = t->evictions = 0;
         t->check = tenant_check(t, p);
     }
     __atomic_store_n(&h->tenants_on, 1, __ATOMIC_RELEASE);

@@ -277,9 +277,6 @@ class _Parser:
             self.errors.append("tenant_quota given without tenant_by cache_salt or lora")
         if by is not TenantBy.NONE and "tenant_by" in self.values and "tenant_quota" not in self.keys:
             self.errors.append(f"tenant_by {by.value} given without tenant_quota (the tenants' shares)")
-        if by is not TenantBy.NONE and self.values.get("host_scope") is HostScope.NODE:
-            self.errors.append("tenant_by cannot be used with host_scope node yet (tenants' shares cover the "
-                               "private host tier only)")
 
     def _tenants(self) -> TenantConfig | None:
         v = self.values
