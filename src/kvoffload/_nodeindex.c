@@ -28,6 +28,13 @@
  * is rebuilt from the slots, and a slot that fails its check is quarantined (LOST) for QUARANTINE_S, so a store
  * still being copied into it lands in no other block's slot.
  *
+ * Tenants' shares (docs/node.md, "Tenants"): with a tenant table in the header (``set_tenants``), each slot records
+ * its tenant (one byte, the table's position), each tenant its resident slots, and ``reserve`` evicts by the rule
+ * of kvoffload/index/tenants.py over the whole pool (``sweep_tenants``). Without a table (``tenants_on`` 0) the
+ * sweep is the plain CLOCK one, unchanged. The table and the counts are fairness, never safety: a tenant byte or
+ * count is trusted for nothing but the choice of victims, damage there is repaired from the slots (counts
+ * recounted, bad bytes to "other") and a damaged table is reset (engines write theirs again within a second).
+ *
  * Functions take the mapped segment (a writable buffer; verify and stats also accept a read-only one) and
  * keys as one bytes object of 16-byte keys.
  */
@@ -41,7 +48,8 @@
 #include <time.h>
 
 #define MAGIC 0x313065646f6e766bULL /* "kvnode01" little endian */
-#define VERSION 3 /* 3: checked slots, files bound to the index (generation, inodes), the lock in the engines file */
+#define VERSION 4 /* 3: checked slots, files bound to the index (generation, inodes), the lock in the engines file;
+                   * 4: tenants' shares (the tenant table after the pool inodes, a tenant byte in each slot) */
 #define LOCK_BYTE MAX_ATTACH /* the byte of the engines file whose lock is the index's: after the attachments' */
 #define KEY 16
 #define MAX_ATTACH 64
@@ -52,6 +60,17 @@
 #define MAX_TABLE (1ULL << 40)
 
 enum { FREE = 0, IN_FLIGHT = 1, READY = 2, LOST = 3 };
+
+#define MAX_TENANTS 17          /* 16 named tenants (positions 0 to 15) and "other" */
+#define OTHER (MAX_TENANTS - 1) /* every tenant not named, and whatever tenant byte is not a table entry */
+#define TENANT_NAME 64          /* a name's bytes (UTF-8, NUL padded); a longer one: its first 48 and a hash */
+#define SHARE_ONE 1000000LL     /* shares are in millionths of the pool */
+#define SHARE_SLACK MAX_TENANTS /* each share rounded to a millionth: the sum may be a hair over one */
+enum { NAMED = 1, HASHED = 2 }; /* a tenant entry's flags: in use; its name is a prefix and a hash */
+/* What sweep_tenants obeys: the rule, or (tests only, ``set_rule``) one of its mutants, which the tests of the
+ * rule run to show that they fail on a wrong rule. */
+enum { RULE = 0, RULE_ANY = 1, RULE_NO_TAKE_BACK = 2, RULE_NO_OWN = 3, RULE_HARD_QUOTA = 4 };
+static int rule_kind = RULE;
 
 static PyObject *Busy, *Damaged;
 #define WAIT_MS 20
@@ -67,6 +86,15 @@ typedef struct {
     uint64_t start; /* process start time (clock ticks since boot): a reused pid is another process */
     uint64_t pidns; /* for logs: liveness is the engine's lock (tiers/node/liveness.py) */
 } Attachment;
+
+typedef struct {
+    uint8_t name[TENANT_NAME]; /* NUL padded (names hold no NUL); HASHED: the name's first 48 bytes, then 16 of hash */
+    uint32_t share;            /* millionths of the pool */
+    uint32_t flags;            /* NAMED, HASHED */
+    uint64_t check;            /* over name, share, flags and position: a stray write is seen, the table reset */
+    uint64_t resident;         /* slots ready or in flight of this tenant: derived from the slots' tenant bytes */
+    uint64_t stores, evictions;
+} Tenant;
 
 typedef struct {
     uint64_t magic; /* written last at init, so a half-made segment never has it */
@@ -88,6 +116,9 @@ typedef struct {
     Attachment att[MAX_ATTACH];
     uint64_t served[MAX_ATTACH];  /* per attachment: pins other engines took on blocks it stored */
     uint64_t pool_inode[MAX_RANKS]; /* each rank's pool file, 0 before it is made */
+    uint64_t tenants_on;            /* 1: the table below is the pool's (set_tenants), 0: no tenants */
+    uint64_t tenants_gen;           /* bumped by every change of the table: engines re-read it when it moves */
+    Tenant tenant[MAX_TENANTS];     /* by position: named tenants first, OTHER last */
 } Header;
 
 typedef struct {
@@ -99,7 +130,8 @@ typedef struct {
     uint8_t state;
     uint8_t owner; /* the engine that reserved it (and wrote it) */
     uint8_t ref;   /* CLOCK reference bit */
-    uint8_t pad[5];
+    uint8_t tenant; /* the table position of the tenant it was stored for: a hint for eviction, never checked */
+    uint8_t pad[4];
 } Slot;
 
 typedef struct {
@@ -147,6 +179,85 @@ static int slot_ok(const Slot *sl) {
 static void set_state(Slot *sl, uint8_t state) {
     sl->check = check_of(sl, state);
     __atomic_store_n(&sl->state, state, __ATOMIC_RELEASE);
+}
+
+/* ---- the tenant table ---------------------------------------------------------------------------------------- */
+
+static uint64_t tenant_check(const Tenant *t, int position) {
+    uint64_t x = mix(((uint64_t)t->share << 32 | t->flags) ^ (uint64_t)position * 0x9e3779b97f4a7c15ULL);
+    for (int i = 0; i < TENANT_NAME; i += 8) {
+        uint64_t w;
+        memcpy(&w, t->name + i, 8);
+        x = mix(x ^ w);
+    }
+    return x;
+}
+
+/* Whether one entry reads as this module writes it: checked, a share in range, and a name that is one (NUL
+ * padded, not empty) when named, none when not. */
+static int tenant_ok(const Tenant *t, int position) {
+    if (t->check != tenant_check(t, position) || t->share > SHARE_ONE || (t->flags & ~(uint32_t)(NAMED | HASHED)))
+        return 0;
+    if (!(t->flags & NAMED)) return t->share == 0 && t->flags == 0 && t->name[0] == 0;
+    if (t->name[0] == 0) return 0;
+    if (t->flags & HASHED) return 1; /* the hash may hold any byte */
+    int ended = 0;
+    for (int i = 0; i < TENANT_NAME; i++) {
+        if (t->name[i] == 0) ended = 1;
+        else if (ended) return 0;
+    }
+    return 1;
+}
+
+/* Whether the table is one this module wrote: none (off), or every entry sound, "other" named, shares at most one. */
+static int table_ok(const Header *h) {
+    uint64_t on = __atomic_load_n(&h->tenants_on, __ATOMIC_ACQUIRE);
+    if (on == 0) return 1;
+    if (on != 1) return 0;
+    int64_t total = 0;
+    for (int i = 0; i < MAX_TENANTS; i++) {
+        if (!tenant_ok(&h->tenant[i], i)) return 0;
+        total += h->tenant[i].share;
+    }
+    return (h->tenant[OTHER].flags & NAMED) && total <= SHARE_ONE + SHARE_SLACK;
+}
+
+static int tenants_on(const Header *h) { return __atomic_load_n(&h->tenants_on, __ATOMIC_ACQUIRE) == 1; }
+
+/* A slot's tenant as eviction counts it: a byte naming no entry of the table counts for "other". */
+static int tenant_of(const Header *h, const Slot *sl) {
+    int t = sl->tenant;
+    if (t >= MAX_TENANTS) return OTHER;
+    if (tenants_on(h) && !(h->tenant[t].flags & NAMED)) return OTHER;
+    return t;
+}
+
+/* No table (a damaged one costs fairness until an engine writes its table again, never a wrong block). */
+static void reset_table(Header *h) {
+    for (int i = 0; i < MAX_TENANTS; i++) {
+        Tenant *t = &h->tenant[i];
+        memset(t->name, 0, TENANT_NAME);
+        t->share = 0;
+        t->flags = 0;
+        t->stores = 0;
+        t->evictions = 0;
+        t->check = tenant_check(t, i);
+    }
+    __atomic_store_n(&h->tenants_on, 0, __ATOMIC_RELEASE);
+    h->tenants_gen++;
+}
+
+/* Each tenant's resident slots, counted from the slots; a tenant byte naming no entry becomes "other". */
+static void recount_tenants(Header *h, Slot *slots, uint64_t n) {
+    uint64_t resident[MAX_TENANTS] = {0};
+    for (uint64_t i = 0; i < n; i++) {
+        Slot *sl = &slots[i];
+        if (sl->state != READY && sl->state != IN_FLIGHT) continue;
+        int t = tenant_of(h, sl);
+        sl->tenant = (uint8_t)t; /* outside the check word: rewriting it never fails the slot */
+        resident[t]++;
+    }
+    for (int t = 0; t < MAX_TENANTS; t++) h->tenant[t].resident = resident[t];
 }
 
 /* Map a buffer; 0 with an exception set (Damaged) when it is not, or no longer, a segment this module made. */
@@ -247,6 +358,8 @@ static void erase(Seg *s, const uint8_t *key) {
 }
 
 static void free_slot(Seg *s, int64_t i) {
+    Tenant *t = &s->h->tenant[tenant_of(s->h, &s->slots[i])];
+    if (t->resident) t->resident--; /* a wrong count is found by the check and recounted */
     erase(s, s->slots[i].key);
     s->slots[i].pins = 0;
     set_state(&s->slots[i], FREE);
@@ -324,6 +437,8 @@ static void repair(Seg *s) {
         used++;
     }
     h->used = used;
+    if (!table_ok(h)) reset_table(h);
+    recount_tenants(h, s->slots, s->n);
     h->hand %= s->n;
     h->next_epoch = top ? top : 1;
     h->holder = -1;
@@ -438,6 +553,7 @@ static PyObject *py_init(PyObject *self, PyObject *args) {
     h->engines_inode = engines_inode;
     h->next_epoch = 1 + (generation >> 2); /* epochs of two generations never meet in practice */
     h->holder = -1;
+    reset_table(h); /* no tenants until an engine with a tenant table attaches (set_tenants) */
     Slot *slots = (Slot *)((char *)view.buf + header_size());
     for (uint64_t i = 0; i < num_slots; i++) set_state(&slots[i], FREE);
     int32_t *table = (int32_t *)((char *)slots + num_slots * sizeof(Slot));
@@ -781,6 +897,7 @@ static PyObject *py_complete(PyObject *self, PyObject *args) {
                 x.s.slots[slot].ref = 1;
                 set_state(&x.s.slots[slot], READY);
                 x.s.h->stores++;
+                x.s.h->tenant[tenant_of(x.s.h, &x.s.slots[slot])].stores++;
             } else {
                 free_slot(&x.s, slot);
             }
@@ -824,19 +941,160 @@ static Py_ssize_t sweep(Seg *s, uint8_t *marks, int64_t *found, Py_ssize_t need)
     return got;
 }
 
-/* reserve(buffer, attachment, keys) -> None (no room: nothing changed) or
+/* ---- eviction by tenants' shares ------------------------------------------------------------------------------ */
+
+/* The rule's state during one reserve: each tenant's usage against its quota, in millionths of a slot. */
+typedef struct {
+    int64_t excess[MAX_TENANTS]; /* usage * SHARE_ONE - share * n: above 0, over its quota */
+    uint32_t storing;            /* a bit per tenant with keys in this store */
+    uint32_t exhausted;          /* a bit per tenant the hand found nothing more to take from in two turns */
+    int tier;                    /* of the last choice: 1 storing and over, 2 over, 3 storing; 0 anyone (RULE_ANY) */
+    int64_t best;                /* the chosen tenant's excess */
+} Rule;
+
+static int in_tier(const Rule *r, int t, int tier) {
+    if ((r->exhausted >> t) & 1) return 0;
+    int over = r->excess[t] > 0, storing = (r->storing >> t) & 1;
+    return tier == 1 ? storing && over : tier == 2 ? over : storing;
+}
+
+/* The tenant the next victim comes from (kvoffload/index/tenants.py's rule): 1. storing and over its quota, 2. any
+ * over its quota, 3. storing; the most over (least under) first, ties to the first position. -1: none may give
+ * (the store is refused). */
+static int choose(Rule *r) {
+    if (rule_kind == RULE_ANY) {
+        r->tier = 0;
+        return r->exhausted & 1 ? -1 : 0;
+    }
+    for (int tier = 1; tier <= 3; tier++) {
+        if ((tier == 2 && rule_kind == RULE_NO_TAKE_BACK) || (tier == 3 && rule_kind == RULE_NO_OWN)) continue;
+        int best = -1;
+        for (int t = 0; t < MAX_TENANTS; t++)
+            if (in_tier(r, t, tier) && (best < 0 || r->excess[t] > r->excess[best])) best = t;
+        if (best >= 0) {
+            r->tier = tier;
+            r->best = r->excess[best];
+            return best;
+        }
+    }
+    return -1;
+}
+
+/* Whether tenant ``t`` may give the next victim when the rule chose ``chosen``: the chosen one, or another of its
+ * tier within a slot of it ("most over first" to a slot: the hand takes the first of two tenants about as far
+ * over, instead of going round the pool for each victim in turn). */
+static int may_give(const Rule *r, int t, int chosen) {
+    if (r->tier == 0) return 1;
+    return t == chosen || (in_tier(r, t, r->tier) && r->excess[t] >= r->best - SHARE_ONE);
+}
+
+/* A slot the hand may take without evicting: free, or lost past its quarantine. */
+static int reusable(const Slot *slot, uint64_t *now) {
+    if (slot->state == FREE) return 1;
+    if (slot->state != LOST) return 0;
+    *now = *now ? *now : now_s();
+    return *now >= slot->lost_until || slot->lost_until > *now + QUARANTINE_S;
+}
+
+static void take(uint8_t *marks, int64_t *found, Py_ssize_t *got, uint64_t i) {
+    found[(*got)++] = (int64_t)i;
+    marks[i >> 3] |= (uint8_t)(1 << (i & 7));
+}
+
+/* sweep with a tenant table: free slots first (nothing is evicted while the pool has room: a tenant alone fills
+ * it, its share lent), then victims by the rule, each tenant's in CLOCK order: the hand clears and takes only
+ * slots of tenants that may give, and passes the others' untouched. A tenant the hand went two turns past without
+ * finding one to take has none; at most two turns per tenant in all. Fewer found means no room (nothing evicted
+ * yet). ``fresh_tenants``: the tenant of each key to store. */
+static Py_ssize_t sweep_tenants(Seg *s, uint8_t *marks, int64_t *found, Py_ssize_t need,
+                                const uint8_t *fresh_tenants) {
+    Header *h = s->h;
+    uint64_t n = s->n, now = 0, used = h->used < n ? h->used : n;
+    Py_ssize_t got = 0;
+    Rule r = {.storing = 0, .exhausted = 0};
+    for (int t = 0; t < MAX_TENANTS; t++) {
+        uint64_t resident = h->tenant[t].resident < n ? h->tenant[t].resident : n; /* a damaged count: bounded */
+        r.excess[t] = (int64_t)resident * SHARE_ONE - (int64_t)h->tenant[t].share * (int64_t)n;
+    }
+    for (Py_ssize_t i = 0; i < need; i++) {
+        r.excess[fresh_tenants[i]] += SHARE_ONE;
+        r.storing |= 1u << fresh_tenants[i];
+    }
+    if (rule_kind == RULE_HARD_QUOTA)
+        for (int t = 0; t < MAX_TENANTS; t++)
+            if (((r.storing >> t) & 1) && r.excess[t] > 0) return 0;
+    uint64_t hand = h->hand % n;
+    for (uint64_t step = 0, free = n - used; step < n && got < need && free; step++) { /* free slots */
+        uint64_t i = (hand + step) % n;
+        Slot *slot = &s->slots[i];
+        if ((marks[i >> 3] >> (i & 7)) & 1) continue;
+        if (!slot_ok(slot)) {
+            s->bad = 1;
+            continue;
+        }
+        if (reusable(slot, &now)) {
+            take(marks, found, &got, i);
+            free--;
+        }
+    }
+    int chosen = got < need ? choose(&r) : -1;
+    uint64_t since = 0; /* steps since the last victim or choice */
+    for (uint64_t step = 0; got < need && chosen >= 0 && step < 2 * n * (MAX_TENANTS + 1); step++) {
+        uint64_t i = h->hand % n;
+        h->hand = (i + 1) % n;
+        Slot *slot = &s->slots[i];
+        if (++since > 2 * n) { /* two turns without one: nothing more to take there */
+            r.exhausted |= r.tier == 0 ? 1u : 1u << chosen;
+            chosen = choose(&r);
+            since = 0;
+        }
+        if ((marks[i >> 3] >> (i & 7)) & 1) continue;
+        if (!slot_ok(slot)) {
+            s->bad = 1;
+            continue;
+        }
+        if (reusable(slot, &now)) {
+            take(marks, found, &got, i);
+            continue;
+        }
+        if (slot->state != READY || slot->pins) continue;
+        if (slot->tenant >= MAX_TENANTS) s->bad = 1; /* recounted before the lock goes */
+        int t = tenant_of(h, slot);
+        if (!may_give(&r, t, chosen)) continue; /* protected: its reference bit is its own CLOCK's */
+        if (slot->ref) {
+            slot->ref = 0;
+            continue;
+        }
+        take(marks, found, &got, i);
+        r.excess[t] -= SHARE_ONE;
+        chosen = choose(&r);
+        since = 0;
+    }
+    return got;
+}
+
+/* reserve(buffer, attachment, keys, tenants=b"") -> None (no room: nothing changed) or
  * ([positions of the keys to store], [slots], [epochs], evicted keys as bytes). Keys already held (ready or in
- * flight, by any engine) are left out and protected from this call's evictions. */
+ * flight, by any engine) are left out and protected from this call's evictions. ``tenants``: each key's tenant
+ * (a table position; one byte a key, or none: every key "other's"), which evicts by the rule when the pool has a
+ * tenant table (sweep_tenants) and is recorded in the slots either way. */
 static PyObject *py_reserve(PyObject *self, PyObject *args) {
     PyObject *obj;
     int fd, a;
-    Py_buffer keys;
-    if (!PyArg_ParseTuple(args, "Oiiy*", &obj, &fd, &a, &keys)) return NULL;
+    Py_buffer keys, tenants = {0};
+    if (!PyArg_ParseTuple(args, "Oiiy*|y*", &obj, &fd, &a, &keys, &tenants)) return NULL;
     Py_buffer view;
     Seg s;
     PyObject *out = NULL;
+    if (tenants.obj && tenants.len && tenants.len * KEY != keys.len) {
+        PyErr_Format(PyExc_ValueError, "reserve: %zd tenant bytes for %zd keys", tenants.len, keys.len / KEY);
+        PyBuffer_Release(&keys);
+        PyBuffer_Release(&tenants);
+        return NULL;
+    }
     if (!check_attachment(a) || !check_keys(&keys) || !open_seg(obj, &view, &s, 1)) {
         PyBuffer_Release(&keys);
+        if (tenants.obj) PyBuffer_Release(&tenants);
         return NULL;
     }
     s.fd = fd;
@@ -845,7 +1103,8 @@ static PyObject *py_reserve(PyObject *self, PyObject *args) {
     Py_ssize_t *fresh = PyMem_Malloc(sizeof(Py_ssize_t) * (n ? n : 1));
     int64_t *victims = PyMem_Malloc(sizeof(int64_t) * (n ? n : 1));
     uint8_t *marks = PyMem_Calloc((size_t)(s.n + 7) / 8, 1);
-    if (!fresh || !victims || !marks) {
+    uint8_t *fresh_tenants = PyMem_Malloc(n ? (size_t)n : 1);
+    if (!fresh || !victims || !marks || !fresh_tenants) {
         PyErr_NoMemory();
         goto done;
     }
@@ -854,10 +1113,18 @@ static PyObject *py_reserve(PyObject *self, PyObject *args) {
     Py_ssize_t need = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t slot = find(&s, k + i * KEY);
-        if (slot >= 0) marks[slot >> 3] |= (uint8_t)(1 << (slot & 7));
-        else fresh[need++] = i;
+        if (slot >= 0) {
+            marks[slot >> 3] |= (uint8_t)(1 << (slot & 7));
+            continue;
+        }
+        uint8_t t = tenants.obj && tenants.len ? ((const uint8_t *)tenants.buf)[i] : OTHER;
+        fresh_tenants[need] = t < MAX_TENANTS && (!tenants_on(s.h) || (s.h->tenant[t].flags & NAMED)) ? t : OTHER;
+        fresh[need++] = i;
     }
-    Py_ssize_t got = sweep(&s, marks, victims, need);
+    int with_tenants = tenants_on(s.h) && table_ok(s.h);
+    if (tenants_on(s.h) && !with_tenants) s.bad = 1; /* a damaged table: reset before the lock goes */
+    Py_ssize_t got = with_tenants ? sweep_tenants(&s, marks, victims, need, fresh_tenants)
+                                  : sweep(&s, marks, victims, need);
     if (got < need) {
         write_end(&s);
         unlock(&s);
@@ -874,6 +1141,7 @@ static PyObject *py_reserve(PyObject *self, PyObject *args) {
             Slot *slot = &s.slots[victims[i]];
             if (slot->state == READY) {
                 memcpy(ev + nevicted++ * KEY, slot->key, KEY);
+                s.h->tenant[tenant_of(s.h, slot)].evictions++;
                 free_slot(&s, victims[i]);
                 s.h->evictions++;
             }
@@ -886,6 +1154,8 @@ static PyObject *py_reserve(PyObject *self, PyObject *args) {
             slot->pins = 0;
             slot->ref = 0;
             slot->epoch = epoch;
+            slot->tenant = fresh_tenants[i];
+            s.h->tenant[fresh_tenants[i]].resident++;
             memcpy(slot->key, k + fresh[i] * KEY, KEY);
             set_state(slot, IN_FLIGHT);
             insert(&s, slot->key, (int32_t)victims[i]);
@@ -910,8 +1180,10 @@ done:
     PyMem_Free(fresh);
     PyMem_Free(victims);
     PyMem_Free(marks);
+    PyMem_Free(fresh_tenants);
     PyBuffer_Release(&view);
     PyBuffer_Release(&keys);
+    if (tenants.obj) PyBuffer_Release(&tenants);
     return out;
 }
 
@@ -1013,8 +1285,9 @@ static PyObject *py_served(PyObject *self, PyObject *args) {
 /* The first broken law of a locked segment into ``problem`` ("" when none). */
 static void find_problem(Seg *s, char *problem, size_t size) {
     Header *h = s->h;
-    uint64_t used = 0, entries = 0, live = live_mask(s);
+    uint64_t used = 0, entries = 0, live = live_mask(s), resident[MAX_TENANTS] = {0};
     *problem = 0;
+    if (!table_ok(h)) PROBLEM("the tenant table is damaged");
     for (uint64_t i = 0; i < s->n && !*problem; i++) {
         Slot *slot = &s->slots[i];
         unsigned long long u = (unsigned long long)i;
@@ -1027,8 +1300,15 @@ static void find_problem(Seg *s, char *problem, size_t size) {
             PROBLEM("slot %llu's epoch is not below the next one", u);
         else if ((slot->state == READY || slot->state == IN_FLIGHT) && find(s, slot->key) != (int64_t)i)
             PROBLEM("slot %llu's key is not indexed to it", u);
+        else if ((slot->state == READY || slot->state == IN_FLIGHT) && tenant_of(h, slot) != slot->tenant)
+            PROBLEM("slot %llu's tenant %u is not in the tenant table", u, slot->tenant);
         used += slot->state == READY || slot->state == IN_FLIGHT;
+        if (slot->state == READY || slot->state == IN_FLIGHT) resident[tenant_of(h, slot)]++;
     }
+    for (int t = 0; t < MAX_TENANTS && !*problem; t++)
+        if (resident[t] != h->tenant[t].resident)
+            PROBLEM("tenant %d holds %llu slots, its count says %llu", t, (unsigned long long)resident[t],
+                    (unsigned long long)h->tenant[t].resident);
     for (uint64_t i = 0; i <= s->mask && !*problem; i++) {
         int64_t slot = entry(s, i);
         if (slot == -1) continue;
@@ -1066,6 +1346,179 @@ static PyObject *py_check(PyObject *self, PyObject *args) {
     return PyUnicode_FromString(problem);
 }
 
+/* The table read without the lock, retried while a writer overlaps; 0 when it never read whole (a writer died
+ * mid-change: the next holder repairs). */
+static int read_table(Seg *s, uint64_t *gen, int *on, Tenant *copy) {
+    for (int t = 0; t < LOCKFREE_TRIES * 4; t++) {
+        uint64_t before = __atomic_load_n(&s->h->seq, __ATOMIC_ACQUIRE);
+        if (before & 1) continue;
+        *gen = s->h->tenants_gen;
+        *on = table_ok(s->h) && tenants_on(s->h);
+        memcpy(copy, s->h->tenant, sizeof(Tenant) * MAX_TENANTS);
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        if (__atomic_load_n(&s->h->seq, __ATOMIC_ACQUIRE) == before) return 1;
+    }
+    return 0;
+}
+
+/* tenants(buffer) -> (generation, on, [(position, name, hashed, share, resident, stores, evictions)]): the tenant
+ * table, read without the lock (a gauge may be a step behind); a damaged table reads as none (off). */
+static PyObject *py_tenants(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    if (!PyArg_ParseTuple(args, "O", &obj)) return NULL;
+    Py_buffer view;
+    Seg s;
+    if (!open_seg(obj, &view, &s, 0)) return NULL;
+    Tenant table[MAX_TENANTS];
+    uint64_t gen = 0;
+    int on = 0;
+    if (!read_table(&s, &gen, &on, table)) on = 0;
+    PyObject *entries = PyList_New(0);
+    for (int t = 0; on && entries && t < MAX_TENANTS; t++) {
+        Tenant *e = &table[t];
+        if (!(e->flags & NAMED)) continue;
+        size_t len = strnlen((const char *)e->name, TENANT_NAME);
+        if (e->flags & HASHED) len = TENANT_NAME;
+        PyObject *item = Py_BuildValue("(iy#OIKKK)", t, (const char *)e->name, (Py_ssize_t)len,
+                                       (e->flags & HASHED) ? Py_True : Py_False, e->share,
+                                       (unsigned long long)(e->resident < s.n ? e->resident : s.n),
+                                       (unsigned long long)e->stores, (unsigned long long)e->evictions);
+        if (!item || PyList_Append(entries, item) < 0) Py_CLEAR(entries);
+        Py_XDECREF(item);
+    }
+    PyBuffer_Release(&view);
+    if (!entries) return NULL;
+    return Py_BuildValue("(KON)", (unsigned long long)gen, on ? Py_True : Py_False, entries);
+}
+
+/* One named entry of set_tenants' arguments: (name bytes, hashed, share), checked. */
+static int parse_tenant(PyObject *item, Tenant *t) {
+    const char *name;
+    Py_ssize_t len;
+    int hashed;
+    unsigned int share;
+    if (!PyArg_ParseTuple(item, "y#pI", &name, &len, &hashed, &share)) return 0;
+    if (len < 1 || len > TENANT_NAME || (!hashed && memchr(name, 0, (size_t)len)) || share > SHARE_ONE) {
+        PyErr_SetString(PyExc_ValueError, "set_tenants: a name of 1 to 64 bytes (no NUL unless hashed), a share "
+                                          "of at most one million");
+        return 0;
+    }
+    memset(t, 0, sizeof *t);
+    memcpy(t->name, name, (size_t)len);
+    t->share = share;
+    t->flags = NAMED | (hashed ? HASHED : 0);
+    return 1;
+}
+
+static int same_name(const Tenant *a, const Tenant *b) {
+    return (a->flags & (NAMED | HASHED)) == (b->flags & (NAMED | HASHED)) && !memcmp(a->name, b->name, TENANT_NAME);
+}
+
+/* Write ``named`` and "other" into the table. A tenant already in the table keeps its position (its slots keep
+ * counting for it); a new one takes a free position; a position whose tenant went is cleared, and the slots that
+ * counted for it count for "other" (recounted). */
+static void write_table(Seg *s, const Tenant *named, int count, uint32_t other_share) {
+    Header *h = s->h;
+    int was_on = tenants_on(h) && table_ok(h), position[MAX_TENANTS - 1], taken[MAX_TENANTS - 1] = {0};
+    for (int j = 0; j < count; j++) {
+        position[j] = -1;
+        for (int p = 0; was_on && p < OTHER; p++)
+            if (!taken[p] && (h->tenant[p].flags & NAMED) && same_name(&h->tenant[p], &named[j])) {
+                position[j] = p;
+                taken[p] = 1;
+                break;
+            }
+    }
+    for (int j = 0, p = 0; j < count; j++) {
+        if (position[j] >= 0) continue;
+        while (taken[p]) p++;
+        position[j] = p;
+        taken[p] = 1;
+    }
+    Tenant fresh[MAX_TENANTS];
+    memset(fresh, 0, sizeof fresh);
+    for (int j = 0; j < count; j++) fresh[position[j]] = named[j];
+    memcpy(fresh[OTHER].name, "other", 5);
+    fresh[OTHER].flags = NAMED;
+    fresh[OTHER].share = other_share;
+    int kept[MAX_TENANTS];
+    for (int p = 0; p < MAX_TENANTS; p++)
+        kept[p] = p == OTHER || (was_on && (h->tenant[p].flags & NAMED) && same_name(&h->tenant[p], &fresh[p]));
+    for (uint64_t i = 0; i < s->n; i++) /* a tenant gone (or another in its place): its slots go to "other" */
+        if (s->slots[i].tenant < MAX_TENANTS && !kept[s->slots[i].tenant]) s->slots[i].tenant = OTHER;
+    for (int p = 0; p < MAX_TENANTS; p++) {
+        Tenant *t = &h->tenant[p];
+        memcpy(t->name, fresh[p].name, TENANT_NAME);
+        t->share = fresh[p].share;
+        t->flags = fresh[p].flags;
+        if (!kept[p]) t->stores = t->evictions = 0;
+        t->check = tenant_check(t, p);
+    }
+    __atomic_store_n(&h->tenants_on, 1, __ATOMIC_RELEASE);
+    h->tenants_gen++;
+    recount_tenants(h, s->slots, s->n);
+}
+
+/* set_tenants(buffer, attachment, [(name, hashed, share)], other_share, replace) -> whether written: the pool's
+ * tenant table (shares in millionths); ``replace`` False writes it only when the pool has none. */
+static PyObject *py_set_tenants(PyObject *self, PyObject *args) {
+    PyObject *obj, *list;
+    int fd, a, replace;
+    unsigned int other_share;
+    if (!PyArg_ParseTuple(args, "OiiO!Ip", &obj, &fd, &a, &PyList_Type, &list, &other_share, &replace) ||
+        !check_attachment(a))
+        return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(list);
+    Tenant named[MAX_TENANTS - 1];
+    long long total = other_share;
+    if (count > OTHER || other_share > SHARE_ONE) {
+        PyErr_Format(PyExc_ValueError, "set_tenants: at most %d named tenants, shares of at most one million", OTHER);
+        return NULL;
+    }
+    for (Py_ssize_t j = 0; j < count; j++) {
+        if (!parse_tenant(PyList_GET_ITEM(list, j), &named[j])) return NULL;
+        total += named[j].share;
+        for (Py_ssize_t i = 0; i < j; i++)
+            if (same_name(&named[i], &named[j])) {
+                PyErr_SetString(PyExc_ValueError, "set_tenants: a tenant named twice");
+                return NULL;
+            }
+    }
+    if (total > SHARE_ONE + SHARE_SLACK) {
+        PyErr_SetString(PyExc_ValueError, "set_tenants: shares add up to more than the pool");
+        return NULL;
+    }
+    Py_buffer view;
+    Seg s;
+    if (!open_seg(obj, &view, &s, 1)) return NULL;
+    s.fd = fd;
+    int written = 0;
+    if (lock(&s, a)) {
+        if (replace || !tenants_on(s.h) || !table_ok(s.h)) {
+            write_begin(&s);
+            write_table(&s, named, (int)count, other_share);
+            write_end(&s);
+            written = 1;
+        }
+        unlock(&s);
+    }
+    PyBuffer_Release(&view);
+    if (PyErr_Occurred()) return NULL;
+    return PyBool_FromLong(written);
+}
+
+/* set_rule(kind): which rule reserve evicts by with a tenant table; tests only (a mutant shows a test can fail). */
+static PyObject *py_set_rule(PyObject *self, PyObject *args) {
+    int kind;
+    if (!PyArg_ParseTuple(args, "i", &kind)) return NULL;
+    if (kind < RULE || kind > RULE_HARD_QUOTA) {
+        PyErr_SetString(PyExc_ValueError, "set_rule: an unknown rule");
+        return NULL;
+    }
+    rule_kind = kind;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"init", py_init, METH_VARARGS, "Format a new segment."},
     {"size", py_size, METH_VARARGS, "Bytes of a segment of num_slots slots and table_size table entries."},
@@ -1086,6 +1539,9 @@ static PyMethodDef methods[] = {
     {"stats", py_stats, METH_VARARGS, "The pool's counters."},
     {"check", py_check, METH_VARARGS, "None, or the first broken law of the segment (repair: and rebuild it)."},
     {"served", py_served, METH_VARARGS, "Pins other engines took on blocks this attachment stored."},
+    {"tenants", py_tenants, METH_VARARGS, "(generation, on, [(position, name, hashed, share, resident, stores, evictions)])."},
+    {"set_tenants", py_set_tenants, METH_VARARGS, "Write the tenant table (replace: even over another one)."},
+    {"set_rule", py_set_rule, METH_VARARGS, "Tests only: evict by the rule (0) or one of its mutants."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1107,6 +1563,14 @@ PyMODINIT_FUNC PyInit__nodeindex(void) {
         PyModule_AddIntConstant(m, "MAX_RANKS", MAX_RANKS) < 0 ||
         PyModule_AddIntConstant(m, "VERSION", VERSION) < 0 ||
         PyModule_AddIntConstant(m, "READY", READY) < 0 || PyModule_AddIntConstant(m, "IN_FLIGHT", IN_FLIGHT) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_TENANTS", MAX_TENANTS) < 0 || PyModule_AddIntConstant(m, "OTHER", OTHER) < 0 ||
+        PyModule_AddIntConstant(m, "TENANT_NAME", TENANT_NAME) < 0 ||
+        PyModule_AddIntConstant(m, "SHARE_ONE", (long)SHARE_ONE) < 0 ||
+        PyModule_AddIntConstant(m, "TENANT_BYTES", (long)sizeof(Tenant)) < 0 ||
+        PyModule_AddIntConstant(m, "RULE", RULE) < 0 || PyModule_AddIntConstant(m, "RULE_ANY", RULE_ANY) < 0 ||
+        PyModule_AddIntConstant(m, "RULE_NO_TAKE_BACK", RULE_NO_TAKE_BACK) < 0 ||
+        PyModule_AddIntConstant(m, "RULE_NO_OWN", RULE_NO_OWN) < 0 ||
+        PyModule_AddIntConstant(m, "RULE_HARD_QUOTA", RULE_HARD_QUOTA) < 0 ||
         PyModule_AddIntConstant(m, "SLOT_BYTES", (long)sizeof(Slot)) < 0 ||
         PyModule_AddIntConstant(m, "HEADER_BYTES", (long)header_size()) < 0) {
         Py_DECREF(m);
@@ -1114,10 +1578,15 @@ PyMODINIT_FUNC PyInit__nodeindex(void) {
     }
     /* Where fields lie, for tests that damage them on purpose (and tools that read them). */
     PyObject *layout = Py_BuildValue(
-        "{snsnsnsnsnsnsn}", "seq", (Py_ssize_t)offsetof(Header, seq),
+        "{snsnsnsnsnsnsnsnsnsnsnsnsnsnsn}", "seq", (Py_ssize_t)offsetof(Header, seq),
         "hand", (Py_ssize_t)offsetof(Header, hand), "next_epoch", (Py_ssize_t)offsetof(Header, next_epoch),
         "att", (Py_ssize_t)offsetof(Header, att), "slot_epoch", (Py_ssize_t)offsetof(Slot, epoch),
-        "slot_pins", (Py_ssize_t)offsetof(Slot, pins), "slot_state", (Py_ssize_t)offsetof(Slot, state));
+        "slot_pins", (Py_ssize_t)offsetof(Slot, pins), "slot_state", (Py_ssize_t)offsetof(Slot, state),
+        "slot_tenant", (Py_ssize_t)offsetof(Slot, tenant), "tenants_on", (Py_ssize_t)offsetof(Header, tenants_on),
+        "tenant", (Py_ssize_t)offsetof(Header, tenant), "tenant_name", (Py_ssize_t)offsetof(Tenant, name),
+        "tenant_share", (Py_ssize_t)offsetof(Tenant, share), "tenant_flags", (Py_ssize_t)offsetof(Tenant, flags),
+        "tenant_resident", (Py_ssize_t)offsetof(Tenant, resident),
+        "tenant_stores", (Py_ssize_t)offsetof(Tenant, stores));
     if (!layout || PyModule_AddObject(m, "LAYOUT", layout) < 0) {
         Py_XDECREF(layout);
         Py_DECREF(m);

@@ -40,12 +40,16 @@ def test_quotas_parse_into_the_default_and_named_shares_in_order() -> None:
     ({"tenant_by": "lora", "tenant_quota": {"default": 0.7, "a": 0.5}}, "tenant_quota=.*add up to 1.2"),
     ({"tenant_by": "lora", "tenant_quota": {"default": 0.01, **{f"t{i}": 0.01 for i in range(17)}}},
      "tenant_quota=.*names 17 tenants; at most 16"),
-    ({"tenant_by": "lora", "tenant_quota": {"default": 1}, "host_scope": "node"}, "tenant_by cannot be used with "
-                                                                                   "host_scope node"),
 ])
 def test_bad_tenant_keys_are_config_errors_naming_the_key(raw: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         OffloadConfig.from_dict(raw)
+
+
+def test_tenants_are_accepted_with_the_node_pool() -> None:
+    """The node pool keeps tenants' shares in its shared index (docs/node.md, "Tenants")."""
+    config = OffloadConfig.from_dict({"tenant_by": "lora", "tenant_quota": {"default": 1}, "host_scope": "node"})
+    assert config.tenants == TenantConfig(TenantBy.LORA, 1.0)
 
 
 def test_sixteen_named_tenants_and_shares_adding_up_to_one_are_accepted() -> None:

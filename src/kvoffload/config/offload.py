@@ -285,9 +285,6 @@ class _Parser:
         if by is not TenantBy.NONE and "tenant_by" in self.values and not given:
             self.errors.append(f"tenant_by {by.value} given without tenant_quota or tenant_quota_file (the "
                                f"tenants' shares)")
-        if by is not TenantBy.NONE and self.values.get("host_scope") is HostScope.NODE:
-            self.errors.append("tenant_by cannot be used with host_scope node yet (tenants' shares cover the "
-                               "private host tier only)")
 
     def _tenants(self) -> TenantConfig | None:
         v = self.values

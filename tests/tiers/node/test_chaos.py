@@ -1,6 +1,7 @@
 """The chaos loop: engines of two users share a node pool while it is attacked the ways issue 34 found it broke:
 engines SIGKILLed and SIGSTOPped, the pool's files removed, truncated and replaced, random words written into the
-index (its header, slot table, hash table and mutex). Throughout, no engine reads a wrong byte through the index,
+index (its header, slot table, hash table and mutex, its tenant table and the slots' tenant bytes: the engines
+store for three tenants under shares). Throughout, no engine reads a wrong byte through the index,
 no surviving engine crashes, an engine never frozen keeps making progress, and the pool's laws hold afterwards.
 
 Raw writes into the slots' bytes by a trusted user stay outside what the index can catch (docs/node.md), so the
@@ -24,7 +25,7 @@ from pathlib import Path
 from tests.tiers.node.users import GROUP, USERS, as_user
 
 from kvoffload import _nodeindex
-from kvoffload.config import NodeTierConfig
+from kvoffload.config import NodeTierConfig, TenantBy, TenantConfig
 from kvoffload.keys import Namespace
 from kvoffload.tiers.node.files import open_index
 from kvoffload.tiers.node.index import NodeIndex
@@ -40,7 +41,7 @@ ENGINE = textwrap.dedent(f"""
     import os, random, sys, time
     from pathlib import Path
     from kvoffload import _mapguard, _nodeindex
-    from kvoffload.config import NodeTierConfig
+    from kvoffload.config import NodeTierConfig, TenantBy, TenantConfig
     from kvoffload.keys import Namespace
     from kvoffload.tiers.node.files import guard, open_pool
     from kvoffload.tiers.node.index import NodeIndex
@@ -54,11 +55,12 @@ ENGINE = textwrap.dedent(f"""
     ns = Namespace(model="m", dtype="bf16", layout="chaos")
     geometry = NodeGeometry({SLOTS}, {SLOT_BYTES}, ns.chain_root())
     universe = [bytes([i]) * 16 for i in range({UNIVERSE})]
+    TENANTS = TenantConfig(TenantBy.CACHE_SALT, 0.25, (("a", 0.5), ("b", 0.25)))
 
     def attach():
         directory = open_directory(node, ns)
         segment, files, pool = open_pool(directory, 0, geometry, access_of(node))
-        index = NodeIndex(segment, EngineLocks(directory, access_of(node)), files)
+        index = NodeIndex(segment, EngineLocks(directory, access_of(node)), files, tenants=TENANTS)
         guards = [g for g in (guard(pool, index), guard(segment, index)) if g is not None]
         return index, segment, pool, guards
 
@@ -88,7 +90,12 @@ ENGINE = textwrap.dedent(f"""
                 print("WRONG BYTES", flush=True)
                 sys.exit(3)
             index.complete_load(prompt[:hits], success=ok)
+        if index.tenant_book is not None:
+            index.tenant_book.assign(prompt[hits:], rng.choice(["a", "b", "c", None]))
         out = index.prepare_store(prompt[hits:])
+        if index.tenant_book is not None:
+            index.tenant_book.clear()
+        index.tenant_counts()
         if out is not None:
             spec = out.store_spec
             ok = checked(segment, spec.slots, spec.epochs, _nodeindex.IN_FLIGHT) and not lost()  # the worker's check
@@ -152,18 +159,27 @@ def test_a_reader_catches_an_engine_that_writes_wrong_bytes(shared_path: Path) -
 
 def scribble(directory: Path, rng: random.Random) -> str:
     """A random 8-byte word into the index: its sequence counter, hand, counters and attachments, or its slots
-    and table (its geometry and magic make the engines leave it at once: the file faults cover that)."""
+    and table (its geometry and magic make the engines leave it at once: the file faults cover that), or its tenant
+    table; or a random byte as a slot's tenant."""
     path = directory / "index"
+    layout = _nodeindex.LAYOUT
     try:
         size = path.stat().st_size
-        where = rng.choice(["header", "slots"])
+        where = rng.choice(["header", "slots", "tenants", "slot-tenant"])
+        word = rng.randbytes(8)
         if where == "header":
-            at = rng.randrange(_nodeindex.LAYOUT["seq"], _nodeindex.LAYOUT["att"] + 24 * _nodeindex.MAX_ATTACH, 8)
+            at = rng.randrange(layout["seq"], layout["att"] + 24 * _nodeindex.MAX_ATTACH, 8)
+        elif where == "tenants":
+            at = rng.randrange(layout["tenants_on"], layout["tenant"] + _nodeindex.MAX_TENANTS *
+                               _nodeindex.TENANT_BYTES - 8, 8)
+        elif where == "slot-tenant":
+            at = _nodeindex.HEADER_BYTES + rng.randrange(SLOTS) * _nodeindex.SLOT_BYTES + layout["slot_tenant"]
+            word = word[:1]
         else:
             at = rng.randrange(_nodeindex.HEADER_BYTES, max(size - 8, _nodeindex.HEADER_BYTES + 1))
         with open(path, "r+b") as f:
             f.seek(at)
-            f.write(rng.randbytes(8))
+            f.write(word)
         return f"scribble-{where}"
     except OSError:
         return "scribble-missed"
@@ -200,7 +216,7 @@ def test_the_pool_survives_the_chaos_loop(shared_path: Path) -> None:
         while time.monotonic() < deadline:
             time.sleep(rng.uniform(0.1, 0.4))
             victim = rng.choice(engines[1:])
-            kind = rng.choice(["kill", "stop", "file", "scribble", "scribble"])
+            kind = rng.choice(["kill", "stop", "file", "scribble", "scribble", "scribble"])
             if kind == "kill":
                 victim.stop()
                 engines.remove(victim)
@@ -231,14 +247,17 @@ def test_the_pool_survives_the_chaos_loop(shared_path: Path) -> None:
     print(f"chaos loop: {LOOP_S:.0f} s, faults {dict(sorted(faults.items()))}, watcher ops "
           f"{10 * len(watcher.progress)}, longest watcher gap {watcher.longest_gap(end):.2f} s")
     assert faults["sigkill"] and faults["sigstop"] and sum(v for k, v in faults.items() if "scribble" in k)
+    assert faults["scribble-tenants"] and faults["scribble-slot-tenant"], dict(faults)
     # Afterwards: whatever set is there now is whole, or made anew, and keeps its laws.
     node = NodeTierConfig(shared_path, shared_group=GROUP)
     ns = Namespace(model="m", dtype="bf16", layout="chaos")
     directory = open_directory(node, ns)
     segment, files = open_index(directory, NodeGeometry(SLOTS, SLOT_BYTES, ns.chain_root()), access_of(node))
-    index = NodeIndex(segment, EngineLocks(directory, access_of(node)), files)
+    tenants = TenantConfig(TenantBy.CACHE_SALT, 0.25, (("a", 0.5), ("b", 0.25)))  # the engines' (ENGINE)
+    index = NodeIndex(segment, EngineLocks(directory, access_of(node)), files, tenants=tenants)
     index._last_reclaim = 0.0
     index._reclaim()  # the dead released, damage repaired
     assert index.detached is None
     index.check_integrity()
+    assert set(index.tenant_counts()) == {"a", "b", "other"}  # the table, reset by damage, written back
     index.close()

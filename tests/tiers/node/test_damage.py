@@ -16,9 +16,10 @@ import pytest
 from tests.tiers.node.pools import index_in, keys, locks_in, segment_in, slot_field, store, table_offset
 
 from kvoffload import _nodeindex
-from kvoffload.config import NodeTierConfig
+from kvoffload.blocks import HostBlocks
+from kvoffload.config import NodeTierConfig, TenantBy, TenantConfig
 from kvoffload.index.base import IntegrityError
-from kvoffload.keys import Namespace
+from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.tiers.node.index import NodeIndex
 from kvoffload.tiers.node.segment import namespace_directory
 
@@ -222,3 +223,84 @@ def test_random_bytes_anywhere_past_the_header_are_repaired(node_path: Path) -> 
     a.complete_load(blocks[:hits])
     a.prepare_store(keys(8))  # room or not (damaged slots sit out a quarantine): no exception
     a.check_integrity()
+
+
+# ---- the tenant table, the slots' tenant bytes and the counts: fairness only, repaired from the slots ----------
+
+TENANTS = TenantConfig(TenantBy.CACHE_SALT, 0.5, (("acme", 0.5),))
+
+
+def tenant_engine(node_path: Path) -> tuple[NodeIndex, list[OffloadKey], HostBlocks]:
+    """An engine with tenants, and acme's 3 blocks stored in a pool of 8."""
+    a = NodeIndex(segment_in(node_path, 8), locks_in(node_path), tenants=TENANTS)
+    blocks = keys(3)
+    assert a.tenant_book is not None
+    a.tenant_book.assign(blocks, "acme")
+    spec = store(a, blocks)
+    a.tenant_book.clear()
+    return a, blocks, spec
+
+
+def tenant_field(position: int, field: str) -> int:
+    return LAYOUT["tenant"] + position * _nodeindex.TENANT_BYTES + LAYOUT[f"tenant_{field}"]
+
+
+def served_right(a: NodeIndex, blocks: list[OffloadKey], spec: HostBlocks) -> None:
+    """Every block still hits, at the slots and epochs it was stored at (damage to tenants never moves a block)."""
+    assert a.lookup(blocks).hits == len(blocks)
+    load = a.prepare_load(blocks)
+    assert (load.slots, load.epochs) == (spec.slots, spec.epochs)
+    assert _nodeindex.verify(a._segment, load.slots, load.epochs)
+    a.complete_load(blocks)
+
+
+@pytest.mark.parametrize(("damage", "problem"), [
+    ("share", "tenant table is damaged"),
+    ("name", "tenant table is damaged"),
+    ("on", "tenant table is damaged"),
+    ("resident", "tenant 0 holds 3 slots, its count says"),
+    ("slot_tenant", "tenant 200 is not in the tenant table"),
+    ("slot_tenant_unused", "tenant 5 is not in the tenant table"),
+])
+def test_damaged_tenant_fields_are_found_and_repaired_without_losing_a_block(node_path: Path, damage: str,
+                                                                            problem: str) -> None:
+    a, blocks, spec = tenant_engine(node_path)
+    if damage == "share":
+        put(a, tenant_field(0, "share"), "<I", 3_000_000)  # three times the pool
+    elif damage == "name":
+        a._segment[tenant_field(0, "name"):tenant_field(0, "name") + 8] = b"\x00garbage"
+    elif damage == "on":
+        put(a, LAYOUT["tenants_on"], "<Q", 1 << 50)
+    elif damage == "resident":
+        put(a, tenant_field(0, "resident"), "<Q", 1 << 60)
+    else:
+        a._segment[slot_field(a, spec.slots[0], "tenant")] = 200 if damage == "slot_tenant" else 5
+    with pytest.raises(IntegrityError, match=problem):
+        a.check_integrity()
+    served_right(a, blocks, spec)  # before the repair too
+    tick(a)  # repaired: a damaged table reset (and written back), counts recounted, bad bytes to "other"
+    a.check_integrity()
+    served_right(a, blocks, spec)
+    counts = a.tenant_counts()
+    assert set(counts) == {"acme", "other"}
+    assert counts["acme"]["resident"] + counts["other"]["resident"] == 3
+    assert a.prepare_store(keys(5)) is not None  # the free slots: no exception (a sixth would need acme's: refused)
+    a.check_integrity()
+
+
+def test_random_words_in_the_tenant_table_never_raise_out_of_a_step(node_path: Path) -> None:
+    rng = random.Random(7)
+    table = LAYOUT["tenant"], LAYOUT["tenant"] + _nodeindex.MAX_TENANTS * _nodeindex.TENANT_BYTES
+    for seed in range(6):
+        a = NodeIndex(segment_in(node_path, 8, layout=f"damage-tenants-{seed}"),
+                      locks_in(node_path, layout=f"damage-tenants-{seed}"), tenants=TENANTS)
+        blocks = keys(3)
+        spec = store(a, blocks)
+        for _ in range(6):
+            put(a, rng.randrange(table[0], table[1] - 8, 8), "<Q", rng.getrandbits(64))
+        served_right(a, blocks, spec)
+        a.prepare_store(keys(2))
+        a.tenant_counts()
+        tick(a)
+        a.check_integrity()
+        a.close()

@@ -8,6 +8,7 @@ from pathlib import Path
 from kvoffload.testing import sim_workload
 from kvoffload.testing.sim import SimEngine, Status
 from kvoffload.testing.sim_workload import run_checked, tokens
+from kvoffload.tiers.node.index import NodeIndex
 
 
 def make_engine(node_path: Path, host_blocks: int = 16, workers: int = 1, **config: object) -> SimEngine:
@@ -64,3 +65,21 @@ def test_two_tensor_parallel_engines_share_one_pool_file_per_rank(node_path: Pat
     assert second.loaded_tokens == 16 and b.corrupt_blocks == []  # each rank's bytes from its own file
     (directory,) = (d for d in node_path.glob("kvoffload-node-*/*") if d.is_dir())
     assert sorted(p.name for p in directory.iterdir()) == ["engines", "index", "pool.0", "pool.1"]
+
+
+def test_engines_with_tenants_share_one_pool_with_the_first_engines_table(node_path: Path) -> None:
+    """tenant_by with host_scope node: the engines run bit-exact, the pool holds the table, and each engine's
+    index offers the book a scheduler assigns stores in (``tenant_book``)."""
+    quota = {"tenant_by": "cache_salt", "tenant_quota": {"default": 0.5, "acme": 0.5}}
+    a, b = make_engine(node_path, **quota), make_engine(node_path, **quota)
+    prompt = tokens(16, seed=7)
+    a.add_request("a", prompt)
+    run_checked(a)
+    second = b.add_request("b", [*prompt, 7])
+    run_checked(b)
+    assert second.loaded_tokens == 16 and b.corrupt_blocks == []
+    index = b.scheduler.index
+    assert isinstance(index, NodeIndex) and index.tenant_book is not None
+    assert index.tenant_book.names == ("acme", "other")
+    counts = index.tenant_counts()
+    assert set(counts) == {"acme", "other"} and sum(c["resident"] for c in counts.values()) >= 4

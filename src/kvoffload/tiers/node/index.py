@@ -10,7 +10,9 @@ means the same, with what sharing adds:
   block. Each slot's epoch goes with the spec (``HostBlocks.epochs``) so a worker also fails a load whose slot
   was rewritten under it;
 - an engine's repeated pins of one key are counted here, once in the shared index;
-- eviction is CLOCK over the whole pool (``_nodeindex.c``); ``eviction_policy`` applies to the tiers below;
+- eviction is CLOCK over the whole pool (``_nodeindex.c``); ``eviction_policy`` applies to the tiers below; with
+  tenants on, by the tenants' shares of the whole pool, every engine's blocks counted (``tenants``: the pool's
+  table, who writes it, and ``tenant_book``, where the scheduler says whose each store's keys are);
 - ``reset`` drops only the blocks this engine wrote; ``usage`` is the whole pool's;
 - at most once a ``RECLAIM_S`` the index releases what engines that died hold (pins, half-made stores), checks
   the shared index (and repairs it from its slots when damaged) and that the directory still holds this engine's
@@ -41,7 +43,7 @@ from typing import Any, TypeVar
 
 from kvoffload import _nodeindex
 from kvoffload.blocks import HostBlocks, Medium
-from kvoffload.config import ConfigError
+from kvoffload.config import ConfigError, TenantConfig
 from kvoffload.index.base import (
     EventKind,
     HostIndex,
@@ -52,11 +54,13 @@ from kvoffload.index.base import (
     TierTransfer,
     TierUsage,
 )
+from kvoffload.index.tenants import TenantBook
 from kvoffload.keys import KEY_BYTES, OffloadKey
 from kvoffload.tiers.node.announce import Announcements, Described
 from kvoffload.tiers.node.files import BoundFiles
 from kvoffload.tiers.node.liveness import EngineLocks
 from kvoffload.tiers.node.segment import MISSING_EPOCH, own_identity
+from kvoffload.tiers.node.tenants import NodeTenants, Table
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +78,7 @@ _T = TypeVar("_T")
 
 
 _LOCKING = frozenset({_nodeindex.pin, _nodeindex.unpin, _nodeindex.complete, _nodeindex.reserve, _nodeindex.reset,
-                      _nodeindex.release})
+                      _nodeindex.release, _nodeindex.set_tenants})
 """The index's operations that take its lock (lookups read without it): one that returns had the lock."""
 
 class NodeIndex(HostIndex):
@@ -87,13 +91,18 @@ class NodeIndex(HostIndex):
             closes it.
         files: the files this engine mapped (``files.open_index``), watched once a ``RECLAIM_S``; None: not
             watched (tests of the index alone).
+        tenants: this engine's tenants' shares (``OffloadConfig.tenants``); None: tenants off (the engine offers
+            no table, and its stores count for the shared tenant if another engine gave the pool one).
+        book: where the scheduler assigns each store's keys to tenants (``tenant_book``); None: one is made from
+            ``tenants``.
     Raises:
         ConfigError: every attachment of the pool is taken (``_nodeindex.MAX_ATTACH`` engines).
     """
 
     medium = Medium.HOST
 
-    def __init__(self, segment: mmap.mmap, locks: EngineLocks, files: BoundFiles | None = None) -> None:
+    def __init__(self, segment: mmap.mmap, locks: EngineLocks, files: BoundFiles | None = None,
+                 tenants: TenantConfig | None = None, book: TenantBook | None = None) -> None:
         self._segment = segment
         self._locks = locks
         self._files = files
@@ -109,11 +118,21 @@ class NodeIndex(HostIndex):
         self.attachment: int = -1  # none yet: the reclaim below skips no one
         self._identity = (os.getpid(), own_identity()[0])
         self.announcements: Announcements | None = None  # made by the first share_descriptions
+        self._tenants = NodeTenants(tenants, book, self.capacity)
         try:
             self._attach()
         except BaseException:
             locks.close()
             raise
+        if self.attachment >= 0:
+            self._tenants.writer = self._write_table
+            self._tenants.join(self._call, self._mine)
+
+    @property
+    def tenant_book(self) -> TenantBook | None:
+        """The book the scheduler assigns each store's keys to tenants in (``assign`` before ``prepare_store``,
+        ``clear`` after), as in the private host tier's ``TenantPolicy.book``; None with tenants off."""
+        return self._tenants.book
 
     def _attach(self) -> None:
         try:
@@ -210,7 +229,7 @@ class NodeIndex(HostIndex):
         if not self._settled():
             return None  # the lock was busy just now: skipped without a second wait
         unique = list(dict.fromkeys(keys))
-        out = self._call(_nodeindex.reserve, None, *self._mine, b"".join(unique))
+        out = self._call(_nodeindex.reserve, None, *self._mine, b"".join(unique), self._tenants.positions(unique))
         if out is None:
             return None
         positions, slots, epochs, evicted = out
@@ -279,6 +298,36 @@ class NodeIndex(HostIndex):
         if stats and self.attachment >= 0:
             stats["served"] = self._call(_nodeindex.served, 0, self._segment, self.attachment)
         return {name: int(stats.get(name, 0)) for name in POOL_COUNTERS}
+
+    def tenant_counts(self) -> dict[str, dict[str, int]]:
+        """Per tenant of the pool's table, read now: {name: {"resident", "stores", "evictions"}}, the whole pool's
+        (every engine's blocks); "other" is every tenant the table does not name. Empty when the pool has no
+        tenant table, or this engine left it."""
+        if self.detached is not None:
+            return {}
+        self._tenants.read(self._call, self._segment)
+        return self._tenants.counts() if self._tenants.on else {}
+
+    def set_tenant_shares(self, names: Sequence[str], default: float, shares: Sequence[float]) -> bool:
+        """Rewrite the pool's tenant table: ``names`` with ``shares`` (validated fractions, as ``tenant_quota``'s),
+        every tenant not named ``default``; it applies to every engine sharing the pool from its next store. A
+        tenant kept keeps its blocks; one dropped leaves its blocks to "other". This engine's ``tenant_book`` is
+        given the new quotas too (``TenantBook.set_quota``: its other tiers' shares change with the pool's). Whether
+        it was written (False: this engine left the pool, or another held the index's lock past the wait: it is
+        tried again at each look, once a ``RECLAIM_S``).
+
+        Raises:
+            ValueError: more than 16 names, a name twice, or shares of more than the whole pool.
+        """
+        table = Table.of(names, default, shares)  # validates before the book changes
+        book = self._tenants.book
+        if book is None:
+            return self._write_table(names, table)
+        book.set_quota(default, tuple(zip(names, shares, strict=True)))  # the book's tiers regroup: this writes
+        return self._tenants.written
+
+    def _write_table(self, names: Sequence[str], table: Table) -> bool:
+        return self._tenants.set_shares(self._call, self._mine, names, table)
 
     def pool_directory(self) -> str | None:
         """The namespace's directory, while this engine uses the pool."""
@@ -385,6 +434,8 @@ class NodeIndex(HostIndex):
         repaired = self._call(_nodeindex.check, None, *self._mine, True)
         if repaired is not None:
             logger.warning("node tier: repaired the shared index from its slots (%s)", repaired)
+        if self.attachment >= 0:
+            self._tenants.refresh(self._call, self._mine)  # a table reset after damage is written back
         with self._locks.looking() as may:
             if not may:
                 return  # an engine is attaching: look again at the next reclaim

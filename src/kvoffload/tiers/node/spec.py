@@ -40,7 +40,8 @@ class NodeTierSpec(HostSpec):
                             host_slot_bytes(context.layout, context.factor), context.namespace.chain_root())
 
     def make_index(self, context: TierContext) -> NodeIndex:
-        """The scheduler side: this engine attached to the shared index (made if this engine is the first).
+        """The scheduler side: this engine attached to the shared index (made if this engine is the first), with
+        its tenants' shares (``tenant_quota``) offered to the pool and its ``tenant_book`` made from them.
 
         Raises:
             ConfigError: ``node_path`` is unusable or untrusted, or the pool there was made with another size.
@@ -53,7 +54,7 @@ class NodeTierSpec(HostSpec):
         # Guarded before the index first reads it (attaching does), for as long as the index keeps ``files``: a
         # truncated index reads as zeros (damaged: the engine leaves the pool), never SIGBUS.
         guard(segment, files)
-        return NodeIndex(segment, EngineLocks(directory, access), files)
+        return NodeIndex(segment, EngineLocks(directory, access), files, self._config.tenants, context.tenants)
 
     def make_pool(self, context: TierContext, pin_memory: bool) -> NodePool:
         """The worker side: this rank's slots of the shared pool.
