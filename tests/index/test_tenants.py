@@ -13,7 +13,7 @@ from tests.index.workloads import key, keys
 from kvoffload.config import EvictionPolicy, OffloadConfig
 from kvoffload.index.policies import make_policy
 from kvoffload.index.slot_index import SlotIndex
-from kvoffload.index.tenants import OTHER, SHARED, TenantBook, TenantPolicy
+from kvoffload.index.tenants import OTHER, SHARED, TenantBook, TenantPolicy, inner_policies
 from kvoffload.keys import Namespace, OffloadKey
 from kvoffload.layout import KVCacheLayout, KVGroup
 from kvoffload.testing.policy_conformance import POLICY_CHECKS
@@ -27,7 +27,7 @@ def tenant_policy(capacity: int, shares: dict[str, float], default: float,
                   kind: EvictionPolicy = EvictionPolicy.LRU, policy: type[TenantPolicy] = TenantPolicy
                   ) -> TenantPolicy:
     names = list(shares)
-    return policy(capacity, [*shares.values(), default], lambda: make_policy(kind, capacity), TenantBook(names))
+    return policy(capacity, [*shares.values(), default], inner_policies(kind, capacity), TenantBook(names))
 
 
 def tier(capacity: int, shares: dict[str, float], default: float = 0.1,
@@ -247,5 +247,28 @@ def test_tenants_on_builds_a_tenant_policy_of_the_configured_shares() -> None:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("check", POLICY_CHECKS, ids=lambda c: c.__name__)
 def test_one_tenant_passes_the_policy_conformance_suite(check, kind: EvictionPolicy) -> None:  # type: ignore[no-untyped-def]
-    check(lambda capacity: TenantPolicy(capacity, [0.5, 0.5], lambda: make_policy(kind, capacity),
+    check(lambda capacity: TenantPolicy(capacity, [0.5, 0.5], lambda _: make_policy(kind, capacity),
                                         TenantBook([SHARED])))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_group_sized_for_its_quota_may_hold_the_whole_tier_while_share_is_lent(kind: EvictionPolicy) -> None:
+    """Inner policies are sized for their group's quota (S3-FIFO, TinyLFU) yet a lone tenant fills the whole
+    tier, keeps storing (evicting its own), and gives back when another stores: each step checked."""
+    index = tier(20, {"a": 0.1, "b": 0.5}, default=0.4, kind=kind)
+    for first in range(0, 60, 3):
+        assert store(index, "a", range(first, first + 3)) is not None  # store checks the index's integrity
+    policy = index.host_policy
+    assert isinstance(policy, TenantPolicy) and policy.usage()["a"] == 20
+    assert policy.inner_size(0) == 2 and policy.inner_size(1) == 10
+    store_each(index, "b", range(100, 110))
+    assert policy.usage() == {"a": 10, "b": 10, OTHER: 0}
+
+
+def test_s3fifo_and_tinylfu_groups_are_sized_for_their_quota_the_others_for_the_tier() -> None:
+    from kvoffload.index.tenants import SIZED_BY_QUOTA
+
+    make = inner_policies(EvictionPolicy.S3FIFO, 1000)
+    assert make(100)._capacity == 100  # type: ignore[attr-defined]
+    assert inner_policies(EvictionPolicy.ARC, 1000)(100)._capacity == 1000  # type: ignore[attr-defined]
+    assert {EvictionPolicy.S3FIFO, EvictionPolicy.TINYLFU} == SIZED_BY_QUOTA

@@ -13,9 +13,8 @@ from tests.index.workloads import keys as int_keys
 
 from kvoffload.blocks import Medium
 from kvoffload.config import DiskTierConfig, EvictionPolicy, RemoteTierConfig, WritePolicy
-from kvoffload.index.policies import make_policy
 from kvoffload.index.slot_index import SlotIndex
-from kvoffload.index.tenants import OTHER, TenantBook, TenantPolicy, tier_policy
+from kvoffload.index.tenants import OTHER, TenantBook, TenantPolicy, inner_policies, tier_policy
 from kvoffload.index.tiered import Below, TieredIndex
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.disk.spec import DiskTierSpec
@@ -107,7 +106,7 @@ def test_a_block_keeps_its_tenant_written_below_and_promoted_back(lower: Tier) -
 
 
 def host_tier(book: TenantBook, capacity: int = 10, kind: EvictionPolicy = EvictionPolicy.LRU) -> SlotIndex:
-    return SlotIndex(capacity, TenantPolicy(capacity, book.shares, lambda: make_policy(kind, capacity), book))
+    return SlotIndex(capacity, TenantPolicy(capacity, book.shares, inner_policies(kind, capacity), book))
 
 
 def put(index: SlotIndex, book: TenantBook, tenant: str | None, ids: list[int] | range) -> list[OffloadKey]:

@@ -42,6 +42,7 @@ are not resident are not remembered (TinyLFU counts only resident keys' uses und
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 
@@ -60,14 +61,15 @@ class TenantPolicy(Policy):
         capacity: the tier's capacity in keys.
         shares: each group's fraction of the tier, in the book's group order ("other" last); the book keeps them
             (every tier on one book has the same shares).
-        make_inner: builds a fresh inner policy (the configured kind, for the tier's capacity).
+        make_inner: builds a fresh inner policy (the configured kind) for a group whose quota is the given number of
+            keys (at least 1; a group may hold more while unused share is lent to it).
         book: the groups and their keys; this policy joins its ``policies``.
         tier: the tier's name in figures ("host", "disk", ...).
     """
 
     __slots__ = ("_capacity", "_entering", "_inner", "_make", "book", "counts", "of", "tier")
 
-    def __init__(self, capacity: int, shares: Sequence[float], make_inner: Callable[[], Policy],
+    def __init__(self, capacity: int, shares: Sequence[float], make_inner: Callable[[int], Policy],
                  book: TenantBook, tier: str = "host") -> None:
         if len(shares) != len(book.names):
             raise ValueError(f"TenantPolicy: {len(shares)} shares for {len(book.names)} groups")
@@ -77,7 +79,7 @@ class TenantPolicy(Policy):
         self.tier = tier
         self._capacity = capacity
         self._make = make_inner
-        self._inner = [make_inner() for _ in shares]
+        self._inner = [make_inner(self.inner_size(g)) for g in range(len(shares))]
         self.of: dict[OffloadKey, int] = {}
         """Resident keys' groups."""
         self.counts = [TenantCounts() for _ in shares]
@@ -85,13 +87,18 @@ class TenantPolicy(Policy):
         self._entering: Sequence[OffloadKey] = ()
 
     @classmethod
-    def of_config(cls, config: TenantConfig, capacity: int, make_inner: Callable[[], Policy]) -> TenantPolicy:
+    def of_config(cls, config: TenantConfig, capacity: int, make_inner: Callable[[int], Policy]) -> TenantPolicy:
         book = TenantBook.of_config(config)
         return cls(capacity, book.shares, make_inner, book)
 
     def quota(self, group: int) -> float:
         """The group's quota in keys: its share of the tier."""
         return self.book.shares[group] * self._capacity
+
+    def inner_size(self, group: int) -> int:
+        """What the group's inner policy is sized for: its quota in keys, at least 1 (set when the inner policy is
+        made: at start-up, or when new quotas merge groups)."""
+        return max(1, math.ceil(self.quota(group)))
 
     def usage(self) -> dict[str, int]:
         """Resident keys per group, by name ("other" last)."""
@@ -148,7 +155,8 @@ class TenantPolicy(Policy):
             if len(olds) == 1:
                 inner.append(self._inner[olds[0]])
                 continue
-            merged = self._make()  # first to go: the groups joining "other" (in group order), then its own
+            # First to go: the groups joining "other" (in group order), then its own.
+            merged = self._make(self.inner_size(len(inner)))
             merged.insert_all([key for old in olds for key in self._drain(self._inner[old])])
             inner.append(merged)
         self._inner, self.counts = inner, counts
@@ -273,7 +281,7 @@ class TenantPolicy(Policy):
         for group, got in taken:
             back.setdefault(group, []).extend(got)
         for group, got in back.items():
-            fresh = self._make()
+            fresh = self._make(self.inner_size(group))
             fresh.insert_all(got + self._drain(self._inner[group]))
             self._inner[group] = fresh
 
@@ -308,7 +316,27 @@ def tier_policy(book: TenantBook | None, kind: EvictionPolicy, capacity: int, ti
     ``SlotIndex`` get tenants' shares through this (``TierContext.policy``)."""
     if book is None:
         return kind
-    return TenantPolicy(capacity, book.shares, lambda: make_policy(kind, capacity), book, tier)
+    return TenantPolicy(capacity, book.shares, inner_policies(kind, capacity), book, tier)
 
 
-__all__ = ["OTHER", "SHARED", "PolicyOf", "TenantBook", "TenantCounts", "TenantPolicy", "no_tenants", "tier_policy"]
+SIZED_BY_QUOTA = frozenset({EvictionPolicy.S3FIFO, EvictionPolicy.TINYLFU})
+"""Kinds whose inner policy is sized for the group's quota: their queues (S3-FIFO's small queue, TinyLFU's window)
+and sample periods are fractions of what they are sized for, and a tenant's share of the tier is what its keys
+live in (a whole tier's small queue would hold most of a small tenant's keys: replay measured S3-FIFO tenants at
+0.82x their alone-on-their-share hit rate sized for the tier, 1.00x sized for their quota). ARC keeps the tier's
+capacity (its history is bounded by what it is sized for, and a group may hold more while share is lent); LRU and
+the adaptive policy are sized for the tier too."""
+
+
+def inner_policies(kind: EvictionPolicy, capacity: int) -> Callable[[int], Policy]:
+    """The ``make_inner`` of a ``TenantPolicy`` over a tier of ``capacity`` keys: ``kind`` per group, sized for the
+    group's quota where ``SIZED_BY_QUOTA`` says so, else for the tier."""
+    return functools.partial(_inner_policy, kind, capacity)
+
+
+def _inner_policy(kind: EvictionPolicy, capacity: int, quota: int) -> Policy:
+    return make_policy(kind, quota if kind in SIZED_BY_QUOTA else capacity)
+
+
+__all__ = ["OTHER", "SHARED", "SIZED_BY_QUOTA", "PolicyOf", "TenantBook", "TenantCounts", "TenantPolicy",
+           "inner_policies", "no_tenants", "tier_policy"]

@@ -84,5 +84,5 @@ def test_a_block_written_below_the_pool_keeps_its_tenant(node_path: Path, tmp_pa
     sim_workload.run_checked(engine, ship_write_through=True)
     tenants = engine.scheduler.tenants
     assert tenants is not None
-    pool, disk = tenants.book.policies
+    _, disk = tenants.book.policies
     assert disk.tier == "disk" and disk.figures()["acme"][0] == 6 and disk.figures()["other"][0] == 0

@@ -85,14 +85,13 @@ class TenantSide(OurSide):
     """``OurSide`` with tenants on: ``tenants`` named tenants and "other", equal shares, stores assigned in turn."""
 
     def __init__(self, capacity: int, policy: EvictionPolicy, tenants: int) -> None:
-        from kvoffload.index.policies import make_policy
         from kvoffload.index.slot_index import SlotIndex
-        from kvoffload.index.tenants import TenantBook, TenantPolicy
+        from kvoffload.index.tenants import TenantBook, TenantPolicy, inner_policies
 
         names = [f"tenant-{i}" for i in range(tenants)]
         self.book = TenantBook(names)
         shares = [1.0 / (tenants + 1)] * (tenants + 1)
-        self.manager = SlotIndex(capacity, TenantPolicy(capacity, shares, lambda: make_policy(policy, capacity),
+        self.manager = SlotIndex(capacity, TenantPolicy(capacity, shares, inner_policies(policy, capacity),
                                                         self.book))
         self.names = [*names, "other-tenant"]
         self.name = f"kvoffload {policy.value}, {tenants} tenants"

@@ -24,9 +24,8 @@ from typing import NamedTuple
 from kvoffload.config import EvictionPolicy
 from kvoffload.config.values import MAX_TENANTS, tenant_quota
 from kvoffload.index.base import EventKind
-from kvoffload.index.policies import make_policy
 from kvoffload.index.slot_index import SlotIndex
-from kvoffload.index.tenants import SHARED, TenantBook, TenantPolicy
+from kvoffload.index.tenants import SHARED, TenantBook, TenantPolicy, inner_policies
 from kvoffload.keys import OffloadKey
 from kvoffload.tools.replay.engines import merge
 from kvoffload.tools.replay.loop import Counts, load_hits, store_leading
@@ -53,7 +52,7 @@ class Quotas:
     def policy(self, capacity_blocks: int, kind: EvictionPolicy,
                policy: type[TenantPolicy] = TenantPolicy) -> TenantPolicy:
         """A ``TenantPolicy`` of these shares for a tier of ``capacity_blocks``, ``kind`` inside each group."""
-        return policy(capacity_blocks, [*self.shares, self.default], lambda: make_policy(kind, capacity_blocks),
+        return policy(capacity_blocks, [*self.shares, self.default], inner_policies(kind, capacity_blocks),
                       TenantBook(self.names))
 
     def spec(self) -> dict[str, float]:
