@@ -73,6 +73,9 @@ def resident(index: SlotIndex, ids: range | list[int]) -> int:
 class IgnoresShares(TenantPolicy):
     """A wrong rule, for the controls: other tenants' blocks go before the storing tenant's, whatever the shares."""
 
+    def _whole_run(self, used: list[float], storing: set[int], n: int) -> int | None:
+        return None
+
     def _next(self, used: list[float], storing: set[int], avail: dict[int, int], left: int
               ) -> tuple[int | None, int]:
         order = sorted((g for g in range(len(used)) if avail.get(g, 1) > 0 and used[g] > 0),

@@ -46,9 +46,10 @@ import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 
+from kvoffload._stepscan import common_value
 from kvoffload.config import EvictionPolicy, TenantConfig
 from kvoffload.index.base import IntegrityError
-from kvoffload.index.policies.base import CanEvict, Policy, any_key
+from kvoffload.index.policies.base import CanEvict, Policy, any_key, consume
 from kvoffload.index.policies.registry import make_policy
 from kvoffload.index.tenant_book import OTHER, SHARED, TenantBook, TenantCounts
 from kvoffload.keys import OffloadKey
@@ -118,6 +119,14 @@ class TenantPolicy(Policy):
         self._inner[group].insert(key)
 
     def insert_all(self, keys: Iterable[OffloadKey]) -> None:
+        keys = keys if isinstance(keys, list) else list(keys)
+        of = self.of
+        group = common_value(self.book.pending, keys)  # most stores: one tenant's new keys, all assigned
+        if group is not None and not any(map(of.__contains__, keys)):
+            of.update(dict.fromkeys(keys, group))
+            self.counts[group].stored += len(keys)
+            self._inner[group].insert_all(keys)
+            return
         for group, batch in self._by_group(keys, new=True):
             self._inner[group].insert_all(batch)
 
@@ -128,6 +137,12 @@ class TenantPolicy(Policy):
             self._inner[group].touch(key)
 
     def touch_all(self, keys: Iterable[OffloadKey]) -> None:
+        keys = keys if isinstance(keys, list) else list(keys)
+        group = common_value(self.of, keys)  # most loads: one request's keys, one tenant's
+        if group is not None:
+            self.counts[group].hits += len(keys)
+            self._inner[group].touch_all(keys)
+            return
         for group, batch in self._by_group(keys, new=False):
             self.counts[group].hits += len(batch)
             self._inner[group].touch_all(batch)
@@ -169,6 +184,13 @@ class TenantPolicy(Policy):
             return []
         used, storing = self._usage_with_store()
         self._entering = ()
+        group = self._whole_run(used, storing, n)
+        if group is not None:
+            got = self._inner[group].victims(n, can_evict)
+            if got is not None:
+                self.counts[group].evicted += n
+                consume(map(self.of.__delitem__, got))
+                return got
         taken: list[tuple[int, list[OffloadKey]]] = []
         avail: dict[int, int] = {}
         """Groups that could not give what was asked: how many keys ``can_evict`` allowed there (0: none)."""
@@ -178,10 +200,12 @@ class TenantPolicy(Policy):
             if group is None:
                 self._give_back(taken)
                 return None
-            allowed: set[OffloadKey] = set()
-            got = self._inner[group].victims(run, _counting(can_evict, allowed))
+            got = self._inner[group].victims(run, can_evict)
             if got is None:
-                # A refused call changes nothing and has offered every key it could give: now we know how many.
+                # A refused call changes nothing and offers every key it could give: asked again, counting them,
+                # it says how many (only a store short of room pays for the count).
+                allowed: set[OffloadKey] = set()
+                self._inner[group].victims(run, _counting(can_evict, allowed))
                 avail[group] = len(allowed) if len(allowed) < run else 0
                 if self._short(used, storing, avail, left):
                     self._give_back(taken)
@@ -239,8 +263,12 @@ class TenantPolicy(Policy):
         in another tier, as a promoted block or a block written below); without them, those assigned."""
         used: list[float] = [len(inner) for inner in self._inner]
         of, book = self.of, self.book
-        storing: set[int] = set()
         entering = self._entering or [key for key in book.pending if key not in of]
+        group = common_value(book.pending, entering) if entering else None
+        if group is not None:  # most stores: one tenant's keys, all assigned
+            used[group] += len(entering)
+            return used, {group}
+        storing: set[int] = set()
         for key in entering:
             group = book.new_key_group(key, self)
             used[group] += 1
@@ -248,6 +276,14 @@ class TenantPolicy(Policy):
         if not storing:
             storing.add(self.book.shared)  # nobody assigned: the shared tenant's
         return used, storing
+
+    def _whole_run(self, used: list[float], storing: set[int], n: int) -> int | None:
+        """The group all ``n`` victims come from by rule 1, if one does at once: the one tenant storing, over its
+        quota by more than ``n - 1`` (so it stays over until its last victim). Most stores; the rest go by ``_next``."""
+        if len(storing) != 1:
+            return None
+        (group,) = storing
+        return group if used[group] - self.quota(group) > n - 1 else None
 
     def _next(self, used: list[float], storing: set[int], avail: dict[int, int], left: int
               ) -> tuple[int | None, int]:

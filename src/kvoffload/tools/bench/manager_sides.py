@@ -97,9 +97,9 @@ class TenantSide(OurSide):
         self.name = f"kvoffload {policy.value}, {tenants} tenants"
 
     def fill(self, keys: Sequence[OffloadKey]) -> None:
-        n = len(self.names)
-        for i, name in enumerate(self.names):  # every tenant at its share
-            self.book.assign(keys[i::n], name)
+        size = -(-len(keys) // len(self.names))
+        for i, name in enumerate(self.names):  # every tenant at its share, a run of keys each (its requests')
+            self.book.assign(keys[i * size:(i + 1) * size], name)
         super().fill(keys)
         self.book.clear()
 
