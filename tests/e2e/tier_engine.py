@@ -10,15 +10,20 @@ before serving (so a test starts it beside another engine, overlapping the start
 other is done); with ``"hold_before": [i, ...]`` it prints ``round i`` before round ``i`` and waits for a line
 (so a test can break the store between rounds); with ``"loop": true`` it then serves its rounds again and again
 (loads, pins and stores without end) until it is killed. ``counters`` are kvoffload's counters at the end,
-``round_counters`` the same after each round.
+``round_counters`` the same after each round. With ``"flood": {"salt": S, "prompts": N, "tokens": T}`` it serves
+no rounds: it prints ``serving`` once up, then for each line on its stdin (its text the seed) serves N new prompts
+of T random tokens with the cache salt S, printing ``flooded`` after each, until its stdin closes
+(test_tenants.py's flooding tenant).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 from pathlib import Path
+from typing import Any
 
 import vllm
 from tests.e2e.conftest import close, generate, make_llm, metric, prompts
@@ -31,6 +36,10 @@ def main(model_dir: str, request: str) -> None:
     llm = make_llm(Path(model_dir), spec["extra_config"])
     if spec.get("announce"):
         os.write(result_fd, b"serving\n")
+    if "flood" in spec:
+        flood(llm, spec["flood"], result_fd)
+        close(llm)
+        return
     if spec.get("hold"):
         sys.stdin.readline()
     rounds = []
@@ -50,6 +59,18 @@ def main(model_dir: str, request: str) -> None:
             assert llm.reset_prefix_cache()
             generate(llm, prompts(tail))
     close(llm)
+
+
+def flood(llm: vllm.LLM, spec: dict[str, Any], result_fd: int) -> None:
+    """Serve a round of new salted prompts for each line read (its text their seed), until stdin closes."""
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=1)
+    for line in sys.stdin:
+        rng = random.Random(int(line))
+        for _ in range(spec["prompts"]):
+            prompt = {"prompt_token_ids": [rng.randrange(10, 1000) for _ in range(spec["tokens"])],
+                      "cache_salt": spec["salt"]}
+            llm.generate([prompt], params, use_tqdm=False)  # type: ignore[list-item]
+        os.write(result_fd, b"flooded\n")
 
 
 def counters(llm: vllm.LLM) -> dict[str, float]:
