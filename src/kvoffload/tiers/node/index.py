@@ -38,8 +38,7 @@ import logging
 import mmap
 import os
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
 
 from kvoffload import _nodeindex
 from kvoffload.blocks import HostBlocks, Medium
@@ -57,6 +56,7 @@ from kvoffload.index.base import (
 from kvoffload.index.tenants import TenantBook
 from kvoffload.keys import KEY_BYTES, OffloadKey
 from kvoffload.tiers.node.announce import Announcements, Described
+from kvoffload.tiers.node.calls import SharedCalls
 from kvoffload.tiers.node.files import BoundFiles
 from kvoffload.tiers.node.liveness import EngineLocks
 from kvoffload.tiers.node.segment import MISSING_EPOCH, own_identity
@@ -74,14 +74,8 @@ any of them lasts."""
 ATTACH_WAIT_S = 10.0
 """How long a starting engine waits for the index's lock (held by a frozen engine) before it goes without the
 pool."""
-_T = TypeVar("_T")
 
-
-_LOCKING = frozenset({_nodeindex.pin, _nodeindex.unpin, _nodeindex.complete, _nodeindex.reserve, _nodeindex.reset,
-                      _nodeindex.release, _nodeindex.set_tenants})
-"""The index's operations that take its lock (lookups read without it): one that returns had the lock."""
-
-class NodeIndex(HostIndex):
+class NodeIndex(SharedCalls, HostIndex):
     """One engine's view of the node pool's shared index.
 
     Args:
@@ -106,13 +100,10 @@ class NodeIndex(HostIndex):
         self._segment = segment
         self._locks = locks
         self._files = files
-        self.detached: str | None = None
-        """Why this engine left the pool (None while it uses it): every lookup is then a miss."""
+        SharedCalls.__init__(self)
         self._pins: dict[OffloadKey, list[int]] = {}  # key -> [slot, epoch, count] of this engine's pins
         self._in_flight: dict[OffloadKey, tuple[int, int]] = {}  # this engine's stores: key -> (slot, epoch)
         self._events: list[OffloadEvent] = []
-        self._owed: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []  # unpins and completions not yet had
-        self._locked_out = False  # a write gave its wait for the lock up, and none has had it since
         self.capacity: int = _nodeindex.stats(segment)["capacity"]
         self._last_reclaim = 0.0
         self.attachment: int = -1  # none yet: the reclaim below skips no one
@@ -348,78 +339,6 @@ class NodeIndex(HostIndex):
             return {}
         empty: dict[str, int] = {}
         return dict(self._call(_nodeindex.stats, empty, self._segment))
-
-    def _lock_free(self) -> bool:
-        """Whether this engine may have the index's lock now: at once while no wait was given up; else one try
-        (no wait: the lock's outage, ``_nodeindex``), which ends the outage when it has the lock."""
-        if self._locked_out:
-            nothing: list[tuple[int, int]] = []
-            self._call(_nodeindex.pin, nothing, *self._mine, b"")  # locks, pins nothing
-        return not self._locked_out
-
-    def _call(self, operation: Callable[..., _T], default: _T, *args: Any) -> _T:
-        """``operation(*args)`` on the shared index; ``default`` when this engine left the pool, when the lock
-        was busy past the wait, or when the index is found damaged past repair (then this engine leaves it)."""
-        if self.detached is not None:
-            return default
-        try:
-            result = operation(*args)
-        except _nodeindex.Busy:
-            self._locked_out = True
-            return default
-        except _nodeindex.Damaged as e:
-            self._detach(str(e))
-            return default
-        if operation in _LOCKING:
-            self._locked_out = False
-        return result
-
-    def _owe(self, operation: Callable[..., None], *args: Any) -> bool:
-        """Run an unpin or a completion now, or owe it (settled at the next operation) when the lock is busy:
-        a pin or an in-flight slot never stays forever. Whether it ran now."""
-        self._settle()
-        if self._owed or not self._run(operation, args):
-            self._owed.append((operation, args))
-            return False
-        return True
-
-    def _settle(self) -> None:
-        while self._owed:
-            owed = self._owed.pop(0)  # taken first: a run that leaves the pool clears what is owed
-            if not self._run(*owed):
-                self._owed.insert(0, owed)  # the lock is busy: it stays first, in order
-                return
-
-    def _settled(self) -> bool:
-        """Settle what is owed; whether nothing is owed now (False: the lock was busy past the wait)."""
-        self._settle()
-        return not self._owed
-
-    def _run(self, operation: Callable[..., None], args: tuple[Any, ...]) -> bool:
-        """Whether ``operation`` is done with: ran, or will never run (this engine left the pool, or it failed
-        otherwise than on a busy lock: kept, it would hold up everything owed after it for good)."""
-        if self.detached is not None:
-            self._owed.clear()
-            return True
-        try:
-            operation(*args)
-        except _nodeindex.Busy:
-            self._locked_out = True
-            return False
-        except _nodeindex.Damaged as e:
-            self._detach(str(e))
-        except Exception:
-            logger.exception("node tier: an owed %s failed; dropped, so that what is owed after it settles",
-                             getattr(operation, "__name__", operation))
-        else:
-            self._locked_out = False  # owed work is unpins and completions: it had the lock
-        return True
-
-    def _detach(self, reason: str) -> None:
-        if self.detached is None:
-            self.detached = reason
-            logger.warning("node tier: %s; this engine goes on without the node pool (misses) until it restarts",
-                           reason)
 
     def _reclaim(self, force: bool = False) -> None:
         now = time.monotonic()
