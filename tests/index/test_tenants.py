@@ -256,7 +256,7 @@ def test_one_tenant_passes_the_policy_conformance_suite(check, kind: EvictionPol
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_group_sized_for_its_quota_may_hold_the_whole_tier_while_share_is_lent(kind: EvictionPolicy) -> None:
-    """Inner policies are sized for their group's quota (S3-FIFO, TinyLFU) yet a lone tenant fills the whole
+    """Inner policies are sized for their group's quota (S3-FIFO) yet a lone tenant fills the whole
     tier, keeps storing (evicting its own), and gives back when another stores: each step checked."""
     index = tier(20, {"a": 0.1, "b": 0.5}, default=0.4, kind=kind)
     for first in range(0, 60, 3):
@@ -268,10 +268,11 @@ def test_a_group_sized_for_its_quota_may_hold_the_whole_tier_while_share_is_lent
     assert policy.usage() == {"a": 10, "b": 10, OTHER: 0}
 
 
-def test_s3fifo_and_tinylfu_groups_are_sized_for_their_quota_the_others_for_the_tier() -> None:
+def test_s3fifo_groups_are_sized_for_their_quota_the_others_for_the_tier() -> None:
     from kvoffload.index.tenants import SIZED_BY_QUOTA
 
     make = inner_policies(EvictionPolicy.S3FIFO, 1000)
     assert make(100)._capacity == 100  # type: ignore[attr-defined]
     assert inner_policies(EvictionPolicy.ARC, 1000)(100)._capacity == 1000  # type: ignore[attr-defined]
-    assert {EvictionPolicy.S3FIFO, EvictionPolicy.TINYLFU} == SIZED_BY_QUOTA
+    assert {EvictionPolicy.S3FIFO} == SIZED_BY_QUOTA
+    assert inner_policies(EvictionPolicy.TINYLFU, 1000)(100)._window_target == 10  # type: ignore[attr-defined]

@@ -355,13 +355,14 @@ def tier_policy(book: TenantBook | None, kind: EvictionPolicy, capacity: int, ti
     return TenantPolicy(capacity, book.shares, inner_policies(kind, capacity), book, tier)
 
 
-SIZED_BY_QUOTA = frozenset({EvictionPolicy.S3FIFO, EvictionPolicy.TINYLFU})
-"""Kinds whose inner policy is sized for the group's quota: their queues (S3-FIFO's small queue, TinyLFU's window)
-and sample periods are fractions of what they are sized for, and a tenant's share of the tier is what its keys
-live in (a whole tier's small queue would hold most of a small tenant's keys: replay measured S3-FIFO tenants at
-0.82x their alone-on-their-share hit rate sized for the tier, 1.00x sized for their quota). ARC keeps the tier's
-capacity (its history is bounded by what it is sized for, and a group may hold more while share is lent); LRU and
-the adaptive policy are sized for the tier too."""
+SIZED_BY_QUOTA = frozenset({EvictionPolicy.S3FIFO})
+"""Kinds whose inner policy is sized for the group's quota, as measured by replay (docs/planning.md): S3-FIFO's
+small queue is a tenth of what it is sized for, and sized for the whole tier it held most of a 0.2-share tenant's
+keys (0.82x the tenant's alone-on-its-share hit rate on the flooded Mooncake trace; 1.00x sized for its quota).
+TinyLFU is sized for the tier: sized for the quota its window and sample period shrink with it and the tenants did
+worse (calm synthetic trace: total hit rate 0.520 against 0.666 sized for the tier; flooded Mooncake trace:
+0.97-1.03x alone against 1.05-1.30x). ARC keeps the tier's capacity (its history is bounded by what it is sized
+for, and a group may hold more while share is lent); LRU and the adaptive policy are sized for the tier too."""
 
 
 def inner_policies(kind: EvictionPolicy, capacity: int) -> Callable[[int], Policy]:
