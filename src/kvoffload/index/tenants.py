@@ -1,14 +1,18 @@
 """Tenants' shares of a tier: ``TenantPolicy`` orders each tenant's keys with its own policy and picks victims so
 that one tenant's flood cannot flush another's blocks.
 
-Built only when tenants are on (``tenant_by`` not none; tiers/host/spec.py), for the private host tier's
-``SlotIndex``; with tenants off no ``TenantPolicy`` exists and the tier's policy is the configured one, as before.
+Built only when tenants are on (``tenant_by`` not none), for every tier on a ``SlotIndex`` (the private host tier,
+the disk, this engine's budgets in the remote store and the bucket, plug-ins: ``tier_policy``, which
+``TierContext.policy`` calls), all on one ``TenantBook`` (index/tenant_book.py); with tenants off no ``TenantPolicy``
+exists and each tier's policy is the configured one, as before.
 
 Groups: each tenant named in ``tenant_quota`` is a group with its share, and every tenant not named counts in one
 group, "other", with the default share. A group's quota is its share times the tier's capacity in keys; its usage is
 its resident keys (ready or in flight), plus, while a store is being prepared, that store's new keys of that group.
-The scheduler says whose the keys of a store are (``TenantBook.assign``, before ``prepare_store``; ``clear`` after):
-a key nobody assigned counts for the shared tenant. A key stays in the group it entered with until it leaves.
+The scheduler says whose the keys of a store are (``TenantBook.assign``, before ``prepare_store``; ``clear`` after);
+a key nobody assigned joins the group it has in another tier of the book (a block written below, or promoted), else
+the shared tenant's. The store's new keys are those the ``SlotIndex`` names (``entering``). A key stays in the group
+it entered with until it leaves (or new quotas regroup it: ``TenantBook.set_quota``).
 
 The rule, for each victim of ``victims(n, can_evict)``, with usages updated as victims are taken:
 
@@ -25,9 +29,11 @@ quotas never refuse a store while some group is over its quota and has a key ``c
 evicted while the tier has free slots (the index asks for victims only when full). If shares add up to 1 and every
 group is at or under quota, the tier has room; so a store refused by the rule needs keys refused by ``can_evict``.
 
-Costs: ``victims`` is O(groups) per run of victims taken from one group, plus the inner policies' costs; the other
-methods add one dict operation per key. Bounds: at most ``MAX_TENANTS`` + 1 groups; the book maps only resident keys
-(at most the tier's capacity) and the store being prepared.
+Costs: ``victims`` is O(groups) per run of victims taken from one group, plus the inner policies' costs, and one
+call into one policy for most stores (one tenant storing, over its quota: ``_whole_run``); the other methods add one
+dict lookup per key, done in C for a run of one tenant's keys (``_stepscan.common_value``: a request's keys are one
+tenant's), which is then handed to its policy whole. Bounds: at most ``MAX_TENANTS`` + 1 groups; each policy maps
+only its tier's resident keys (at most the tier's capacity), the book only the store being prepared.
 
 Atomicity: inner policies are asked group by group, each atomic. A group that cannot give the run asked changes
 nothing and has offered every key it may give, so the rule then knows how many it can and asks for no more. Only
