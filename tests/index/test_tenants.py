@@ -73,8 +73,8 @@ def resident(index: SlotIndex, ids: range | list[int]) -> int:
 class IgnoresShares(TenantPolicy):
     """A wrong rule, for the controls: other tenants' blocks go before the storing tenant's, whatever the shares."""
 
-    def _whole_run(self, used: list[float], storing: set[int], n: int) -> int | None:
-        return None
+    def _whole_run(self, group: int, used: int, n: int) -> bool:
+        return False
 
     def _next(self, used: list[float], storing: set[int], avail: dict[int, int], left: int
               ) -> tuple[int | None, int]:

@@ -128,7 +128,7 @@ class TenantPolicy(Policy):
         keys = keys if isinstance(keys, list) else list(keys)
         of = self.of
         group = common_value(self.book.pending, keys)  # most stores: one tenant's new keys, all assigned
-        if group is not None and not any(map(of.__contains__, keys)):
+        if group is not None and of.keys().isdisjoint(keys):
             of.update(dict.fromkeys(keys, group))
             self.counts[group].stored += len(keys)
             self._inner[group].insert_all(keys)
@@ -188,15 +188,15 @@ class TenantPolicy(Policy):
     def victims(self, n: int, can_evict: CanEvict) -> list[OffloadKey] | None:
         if n <= 0:
             return []
-        used, storing = self._usage_with_store()
-        self._entering = ()
-        group = self._whole_run(used, storing, n)
-        if group is not None:
+        entering, self._entering = self._entering or self._assigned(), ()
+        group = common_value(self.book.pending, entering) if entering else None  # most stores: one tenant's keys
+        if group is not None and self._whole_run(group, len(self._inner[group]) + len(entering), n):
             got = self._inner[group].victims(n, can_evict)
             if got is not None:
                 self.counts[group].evicted += n
                 consume(map(self.of.__delitem__, got))
                 return got
+        used, storing = self._usage_with_store(entering, group)
         taken: list[tuple[int, list[OffloadKey]]] = []
         avail: dict[int, int] = {}
         """Groups that could not give what was asked: how many keys ``can_evict`` allowed there (0: none)."""
@@ -262,16 +262,21 @@ class TenantPolicy(Policy):
             batches.setdefault(group, []).append(key)
         return list(batches.items())
 
-    def _usage_with_store(self) -> tuple[list[float], set[int]]:
+    def _assigned(self) -> list[OffloadKey]:
+        """The store's keys when ``entering`` named none (a caller of ``victims`` other than ``SlotIndex``): those
+        assigned that are not resident."""
+        of = self.of
+        return [key for key in self.book.pending if key not in of]
+
+    def _usage_with_store(self, entering: Sequence[OffloadKey], group: int | None
+                          ) -> tuple[list[float], set[int]]:
         """Each group's usage counting the store being prepared, and the groups storing now.
 
-        The store's keys are those ``entering`` named (each in the group it will join: assigned, else its group
-        in another tier, as a promoted block or a block written below); without them, those assigned."""
+        The store's keys are ``entering``, each in the group it will join: assigned, else its group in another tier
+        (a promoted block, a block written below); ``group``: the one group all of them were assigned, if so."""
         used: list[float] = [len(inner) for inner in self._inner]
-        of, book = self.of, self.book
-        entering = self._entering or [key for key in book.pending if key not in of]
-        group = common_value(book.pending, entering) if entering else None
-        if group is not None:  # most stores: one tenant's keys, all assigned
+        book = self.book
+        if group is not None:
             used[group] += len(entering)
             return used, {group}
         storing: set[int] = set()
@@ -283,13 +288,11 @@ class TenantPolicy(Policy):
             storing.add(self.book.shared)  # nobody assigned: the shared tenant's
         return used, storing
 
-    def _whole_run(self, used: list[float], storing: set[int], n: int) -> int | None:
-        """The group all ``n`` victims come from by rule 1, if one does at once: the one tenant storing, over its
-        quota by more than ``n - 1`` (so it stays over until its last victim). Most stores; the rest go by ``_next``."""
-        if len(storing) != 1:
-            return None
-        (group,) = storing
-        return group if used[group] - self.quota(group) > n - 1 else None
+    def _whole_run(self, group: int, used: int, n: int) -> bool:
+        """Whether all ``n`` victims come from ``group`` by rule 1 at once: it is the one tenant storing (``used``
+        keys with its new ones) and over its quota by more than ``n - 1``, so it stays over until its last victim.
+        Most stores; the rest go by ``_next``."""
+        return used - self.quota(group) > n - 1
 
     def _next(self, used: list[float], storing: set[int], avail: dict[int, int], left: int
               ) -> tuple[int | None, int]:
