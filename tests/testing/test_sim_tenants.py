@@ -54,14 +54,12 @@ def test_sim_requests_give_their_salt_or_lora_as_their_tenant() -> None:
 # ---- quotas changed on a running engine, and per-tenant figures ----------------------------------------------------
 
 
-class Clock:
-    """A fake monotonic clock: the engine re-reads its quota file once a second of it."""
 
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+def look_at_quota_file(engine: SimEngine) -> None:
+    """What the quota file's watcher thread does once a second, now (the engine applies it at its next step)."""
+    tenants = engine.scheduler.tenants
+    assert tenants is not None and tenants.quota_file is not None
+    tenants.quota_file.check()
 
 
 def flood_and_return(engine: SimEngine, prefix: list[int], tag: str) -> int:
@@ -79,12 +77,11 @@ def flood_and_return(engine: SimEngine, prefix: list[int], tag: str) -> int:
 def test_quotas_written_to_the_quota_file_take_effect_without_a_restart(tmp_path: Path) -> None:
     quota = tmp_path / "quota.json"
     quota.write_text(json.dumps({"default": 1.0}))  # nobody named: acme and the flood share "other"
-    clock = Clock()
-    engine = make_engine(host_blocks=16, clock=clock, tenant_by="cache_salt", tenant_quota_file=str(quota))
+    engine = make_engine(host_blocks=16, tenant_by="cache_salt", tenant_quota_file=str(quota))
     assert flood_and_return(engine, tokens(24, seed=1), "a") == 0  # the control: the flood evicts acme's prefix
     quota.write_text(json.dumps({"default": 0.1, "acme": 0.5, "flood": 0.4}))
     os.utime(quota, ns=(1, 1))  # a new modification time, whatever the file system's resolution
-    clock.now += 1.5
+    look_at_quota_file(engine)
     assert flood_and_return(engine, tokens(24, seed=2), "bb") == 24
     tenants = engine.scheduler.tenants
     assert tenants is not None and tenants.quotas() == (0.1, (("acme", 0.5), ("flood", 0.4)))
@@ -93,18 +90,17 @@ def test_quotas_written_to_the_quota_file_take_effect_without_a_restart(tmp_path
 def test_a_bad_quota_file_is_refused_and_the_quotas_stay(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     quota = tmp_path / "quota.json"
     quota.write_text(json.dumps({"default": 0.5, "acme": 0.5}))
-    clock = Clock()
-    engine = make_engine(host_blocks=16, clock=clock, tenant_by="cache_salt", tenant_quota_file=str(quota))
+    engine = make_engine(host_blocks=16, tenant_by="cache_salt", tenant_quota_file=str(quota))
     tenants = engine.scheduler.tenants
     assert tenants is not None
     for bad in ('{"default": 0.5, "acme": 0.9}', "not json", '{"acme": 0.5}'):
         quota.write_text(bad)
         os.utime(quota, ns=(len(bad), len(bad)))
-        clock.now += 1.5
+        look_at_quota_file(engine)
         engine.add_request(f"r-{len(bad)}", tokens(8, seed=len(bad)), extra_keys=("salt:acme",))
         run_checked(engine)
         assert tenants.quotas() == (0.5, (("acme", 0.5),))
-    assert tenants.quota_errors == 3
+    assert tenants.quota_file is not None and tenants.quota_file.errors == 3
     assert "add up to 1.4" in caplog.text and "is not JSON" in caplog.text and 'with a "default"' in caplog.text
 
 

@@ -69,7 +69,7 @@ class ConnectorScheduler:
         self.index = index or build_index(config, TierContext(namespace, layout, self.factor, book))
         if index is not None:
             book = _book_of(index)
-        self.tenants = make_tenants(config.tenants, book, host_slot_bytes(layout, self.factor), clock)
+        self.tenants = make_tenants(config.tenants, book, host_slot_bytes(layout, self.factor))
         """With tenants on, whose blocks are and each tenant's figures (None: tenants off)."""
         self.flush_stores_next_step = flush_stores_next_step
         self.load_cost = LoadCost(config.load_policy, self.offload_tokens, host_slot_bytes(layout, self.factor),
@@ -274,6 +274,8 @@ class ConnectorScheduler:
     def close(self) -> None:
         """The engine stops: the tiers release what they hold outside this process, the trace is flushed."""
         self.index.close()
+        if self.tenants is not None:
+            self.tenants.close()
         if self._trace is not None:
             self._trace.close()
 

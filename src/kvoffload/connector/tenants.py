@@ -1,5 +1,6 @@
 """The scheduler half's tenants (docs/tenants.md): whose each stored block is, each tenant's prompt and hit
-tokens, the quota file a running engine re-reads, and the per-tenant figures shipped with the step's stats.
+tokens, the quota file a running engine re-reads (on a thread of its own: no file I/O in the engine step), and the
+per-tenant figures shipped with the step's stats.
 
 Built only with tenants on (``tenant_by`` not none). The tiers' ``TenantPolicy``s share one ``TenantBook``
 (index/tenants.py); this feeds it and reads it, at most a few dict operations per request and per stored block.
@@ -9,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 QUOTA_POLL_S = 1.0
-"""How often a running engine looks at its quota file's modification time (one ``stat``)."""
+"""How often the quota file's watcher looks at its modification time (one ``stat``, on its own thread)."""
 
 
 class SchedulerTenants:
@@ -36,22 +37,16 @@ class SchedulerTenants:
         config: the tenants' configuration.
         book: the book every tier's ``TenantPolicy`` was built on.
         block_bytes: bytes of one offload block (a host slot), for resident bytes.
-        clock: monotonic seconds (tests drive a fake one).
     """
 
-    def __init__(self, config: TenantConfig, book: TenantBook, block_bytes: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: TenantConfig, book: TenantBook, block_bytes: int) -> None:
         self.by = config.by
         self.book = book
         self._block_bytes = block_bytes
         self._tokens: dict[str, list[int]] = {}
         self._reported: dict[tuple[str, str], tuple[int, int, int, int]] = {}
-        self._quota_file = config.quota_file
-        self._clock = clock
-        self._next_poll = clock() + QUOTA_POLL_S
-        self._mtime = _mtime(config.quota_file) if config.quota_file is not None else None
-        self.quota_errors = 0
-        """Quota file contents refused since start-up (each logged once, the old quotas kept)."""
+        self.quota_file = None if config.quota_file is None else QuotaFile(config.quota_file)
+        """The quota file's watcher (``tenant_quota_file``; None: quotas fixed at start-up)."""
 
     def group_name(self, request: EngineRequest) -> str:
         """The name of the request's group: its tenant if named in the quotas, else "other"."""
@@ -78,29 +73,21 @@ class SchedulerTenants:
         counts[1] += hit_tokens
 
     def poll(self) -> bool:
-        """Re-read the quota file if it changed (looked at once a ``QUOTA_POLL_S``); answers whether the quotas
-        changed. A file that cannot be read or holds a refused mapping is logged and the old quotas stay."""
-        if self._quota_file is None:
+        """Apply quotas the quota file's watcher read since the last call (no I/O here: the watcher's thread stats
+        and reads the file); answers whether the quotas changed."""
+        if self.quota_file is None:
             return False
-        now = self._clock()
-        if now < self._next_poll:
+        quota = self.quota_file.take()
+        if quota is None or quota == self.quotas():
             return False
-        self._next_poll = now + QUOTA_POLL_S
-        mtime = _mtime(self._quota_file)
-        if mtime == self._mtime:
-            return False
-        self._mtime = mtime
-        try:
-            default, shares = read_tenant_quota(self._quota_file)
-        except ValueError as e:
-            self.quota_errors += 1
-            logger.error("kvoffload: tenant_quota_file refused, the quotas stay as they were: %s", e)
-            return False
-        if (default, shares) == self.quotas():
-            return False
+        default, shares = quota
         self.book.set_quota(default, shares)
-        logger.info("kvoffload: tenants' quotas now %s (from %s)", self.describe(), self._quota_file)
+        logger.info("kvoffload: tenants' quotas now %s (from %s)", self.describe(), self.quota_file.path)
         return True
+
+    def close(self) -> None:
+        if self.quota_file is not None:
+            self.quota_file.close()
 
     def quotas(self) -> tuple[float, tuple[tuple[str, float], ...]]:
         """The quotas in force: (default, ((name, fraction), ...))."""
@@ -132,6 +119,60 @@ class SchedulerTenants:
         return TenantFigures(tokens, tiers) if changed else None
 
 
+class QuotaFile:
+    """Watches ``tenant_quota_file`` off the engine step: a daemon thread looks at its modification time once a
+    ``QUOTA_POLL_S`` and reads it when it changed; the step takes what it read (``take``). A file that cannot be
+    read or holds a refused mapping is logged and counted (``errors``), and nothing is taken: the quotas stay.
+
+    Args:
+        path: the file (read valid at start-up by the configuration's parser).
+        start: run the thread (tests call ``check`` themselves instead).
+    """
+
+    def __init__(self, path: Path, start: bool = True) -> None:
+        self.path = path
+        self.errors = 0
+        self._mtime = _mtime(path)
+        self._lock = threading.Lock()  # guards _read, between the thread and the step
+        self._looking = threading.Lock()
+        self._read: tuple[float, tuple[tuple[str, float], ...]] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if start:
+            self._thread = threading.Thread(target=self._watch, name="kvoffload-quota-file", daemon=True)
+            self._thread.start()
+
+    def check(self) -> None:
+        """Read the file if its modification time changed since the last look (the thread's step; one look at a
+        time, so a change is read and counted once)."""
+        with self._looking:
+            mtime = _mtime(self.path)
+            if mtime == self._mtime:
+                return
+            self._mtime = mtime
+            try:
+                quota = read_tenant_quota(self.path)
+            except ValueError as e:
+                self.errors += 1
+                logger.error("kvoffload: tenant_quota_file refused, the quotas stay as they were: %s", e)
+                return
+        with self._lock:
+            self._read = quota
+
+    def take(self) -> tuple[float, tuple[tuple[str, float], ...]] | None:
+        """The latest quotas read since the last call, else None."""
+        with self._lock:
+            quota, self._read = self._read, None
+        return quota
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(QUOTA_POLL_S):
+            self.check()
+
+
 def _mtime(file: Path) -> int | None:
     try:
         return os.stat(file).st_mtime_ns
@@ -139,11 +180,9 @@ def _mtime(file: Path) -> int | None:
         return None
 
 
-def make_tenants(config: TenantConfig | None, book: TenantBook | None, block_bytes: int,
-                 clock: Callable[[], float] = time.monotonic) -> SchedulerTenants | None:
+def make_tenants(config: TenantConfig | None, book: TenantBook | None, block_bytes: int
+                 ) -> SchedulerTenants | None:
     """The scheduler's tenants, None with tenants off (or an index built without a book)."""
     if config is None or book is None:
         return None
-    return SchedulerTenants(config, book, block_bytes, clock)
-
-
+    return SchedulerTenants(config, book, block_bytes)

@@ -18,13 +18,6 @@ from kvoffload.tiers.node.index import NodeIndex
 QUOTAS = {"tenant_by": "cache_salt", "tenant_quota": {"default": 0.1, "acme": 0.5, "flood": 0.4}}
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
 
 def make_engine(node_path: Path, **config: Any) -> SimEngine:
     return sim_workload.make_engine(host_blocks=16, host_scope="node", node_path=str(node_path), **config)
@@ -65,13 +58,14 @@ def test_control_without_quotas_the_other_engines_flood_evicts_the_prefix(node_p
 def test_new_quotas_in_the_quota_file_reach_the_pools_table(node_path: Path, tmp_path: Path) -> None:
     quota = tmp_path / "quota.json"
     quota.write_text(json.dumps({"default": 0.5, "acme": 0.5}))
-    clock = Clock()
-    a = make_engine(node_path, clock=clock, tenant_by="cache_salt", tenant_quota_file=str(quota))
+    a = make_engine(node_path, tenant_by="cache_salt", tenant_quota_file=str(quota))
     b = make_engine(node_path, tenant_by="cache_salt", tenant_quota={"default": 0.5, "acme": 0.5})
     assert set(pool_of(b).tenant_counts()) == {"acme", "other"}
     quota.write_text(json.dumps({"default": 0.2, "acme": 0.4, "zed": 0.4}))
     os.utime(quota, ns=(1, 1))
-    clock.now += 1.5
+    tenants = a.scheduler.tenants
+    assert tenants is not None and tenants.quota_file is not None
+    tenants.quota_file.check()  # what its watcher thread does once a second, now
     a.add_request("z", tokens(8, seed=3), extra_keys=("salt:zed",))
     run_checked(a)
     assert set(pool_of(b).tenant_counts()) == {"acme", "zed", "other"}  # the other engine sees the pool's table
