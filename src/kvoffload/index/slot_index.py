@@ -191,6 +191,32 @@ class SlotIndex(HostIndex):
                 free.append(slot)
                 policy.remove(key)
 
+    def restore(self, placed: Sequence[tuple[OffloadKey, int]]) -> None:
+        """Make an empty index hold ``placed`` (key, slot) pairs as ready: a tier whose slots are places on a
+        medium (the disk tier's slot file) finds them there at start-up. No events: they were there before.
+
+        Raises:
+            ValueError: the index is not empty, or a key or slot repeats, or a slot is out of range.
+        """
+        if self._ready or self._in_flight or self._doomed or self._fresh:
+            raise ValueError("SlotIndex.restore: the index is not empty")
+        keys = [key for key, _ in placed]
+        slots = {slot for _, slot in placed}
+        if len(set(keys)) != len(keys) or len(slots) != len(keys) or not all(0 <= s < self.capacity for s in slots):
+            raise ValueError("SlotIndex.restore: keys and slots must be distinct, slots within the capacity")
+        self._ready.update(placed)
+        self._policy.insert_all(reversed(keys))
+        self._fresh = self.capacity
+        self._free = [s for s in range(self.capacity - 1, -1, -1) if s not in slots]  # slot 0 is handed out first
+
+    def placed(self) -> dict[OffloadKey, int]:
+        """Every ready key's slot (a copy)."""
+        return dict(self._ready)
+
+    def slot_of(self, key: OffloadKey) -> int | None:
+        """The slot of a ready key (None if it is not ready)."""
+        return self._ready.get(key)
+
     def take_events(self) -> list[OffloadEvent]:
         events, self._events = self._events, []
         return events

@@ -1,8 +1,10 @@
 """What the disk handler's tests build jobs and handlers with: keys, a host pool of random bytes, store and load
-jobs, running one to its result, and where a key's block file lies."""
+jobs (each key at a fixed slot of engine 0's slot file, ``place``), running one to its result, and where a key's
+block and table entry lie in the slot file."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -11,13 +13,18 @@ from tests.tiers.jobs import Groups, TierJobs, run
 from kvoffload.blocks import Medium
 from kvoffload.config import DiskTierConfig
 from kvoffload.keys import Namespace, OffloadKey, offload_key
+from kvoffload.tiers.disk.engine_files import prepare_engine
 from kvoffload.tiers.disk.handler import DiskHandler
-from kvoffload.tiers.disk.paths import block_path, rank_directory
+from kvoffload.tiers.disk.paths import rank_directory, slot_file_path
+from kvoffload.tiers.disk.slot_file import Layout, location, split_location
+from kvoffload.tiers.lower.block_format import BlockFormat
 from kvoffload.transfer.host_pool import HostPool
 
 NS = Namespace(model="m", dtype="bf16", layout="pages=64")
 ENTRY = (48, 32)  # two KV-cache groups with different block sizes
 SLOT = 64
+BUDGET = 256 << 10
+"""The tests' ``disk_bytes``: a slot file of a few thousand slots (the default budget would make a huge table)."""
 
 
 class FakeClock:
@@ -38,20 +45,63 @@ def make_pool(slots: int = 8) -> HostPool:
     return pool
 
 
+_places: dict[OffloadKey, int] = {}
+
+
+def place(key: OffloadKey) -> int:
+    """``key``'s place in the tests' jobs: its own slot of engine 0's file (the same key always the same slot)."""
+    return location(0, _places.setdefault(key, len(_places) % 1024))
+
+
 __all__ = ["Groups", "load", "run", "store"]  # the shared job builders, bound to this tier (tests/tiers/jobs.py)
 
-_jobs = TierJobs(Medium.DISK)
+_jobs = TierJobs(Medium.DISK, place)
 store, load = _jobs.store, _jobs.load
 
 
-def path_of(config: DiskTierConfig, key: OffloadKey, ns: Namespace = NS) -> Path:
-    return Path(block_path(rank_directory(config.path, ns), key))
+def prepare(config: DiskTierConfig, ns: Namespace = NS, engine: int = 0) -> Layout:
+    """Make ``engine``'s slot files for ``config`` as a scheduler would before any job (a handler alone needs it)."""
+    return prepare_engine(config, ns, BlockFormat.of(config.secret).file_bytes(max(ENTRY)), engine)
+
+
+@dataclass(frozen=True)
+class BlockAt:
+    """Where a key's block and its table entry lie in the slot file (``place``)."""
+
+    path: Path
+    offset: int
+    nbytes: int
+    entry_offset: int
+
+
+def block_at(config: DiskTierConfig, key: OffloadKey, ns: Namespace = NS) -> BlockAt:
+    fmt = BlockFormat.of(config.secret)
+    engine, slot = split_location(place(key))
+    layout = Layout.for_budget(config.capacity_bytes, fmt.file_bytes(max(ENTRY)))
+    assert layout is not None
+    path = Path(slot_file_path(rank_directory(config.path, ns, fmt), engine))
+    return BlockAt(path, layout.slot_offset(slot), layout.stride, layout.entry_offset(slot))
+
+
+def read_block(config: DiskTierConfig, key: OffloadKey, ns: Namespace = NS) -> bytes:
+    at = block_at(config, key, ns)
+    with open(at.path, "rb") as f:
+        f.seek(at.offset)
+        return f.read(at.nbytes)
+
+
+def write_at(path: Path, offset: int, data: bytes) -> None:
+    """Damage a slot file in place (what a disk, a crash or another user could do)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
 
 
 class DiskHandlerContext:
-    """A handler over a fresh pool, shut down on exit."""
+    """A handler over a fresh pool (its slot files prepared), shut down on exit."""
 
     def __init__(self, config: DiskTierConfig, ns: Namespace, **kwargs: object) -> None:
+        prepare(config, ns)
         self.handler = DiskHandler(config, make_pool(), ns, ENTRY, **kwargs)  # type: ignore[arg-type]
 
     def __enter__(self) -> DiskHandler:

@@ -1,27 +1,28 @@
-"""Writing and reading one block file, through a small file-operations seam.
+"""Writing and reading one block at its slot of a slot file (``tiers.disk.slot_file``), through a system-call seam.
 
 The ``DiskHandler`` calls ``write_block`` / ``read_for_slot`` from its I/O threads. Every system call goes
 through a ``FileOps`` object so tests can inject the operating system's failures (EIO, ENOSPC, slow or stuck
 reads) without mocking any kvoffload logic. Both functions raise ``OSError`` or ``CorruptBlockError``; the
 handler turns them into failed results.
 
-Only regular files are ever read, and no symbolic link is followed: a FIFO, a device or a directory at a block
-path (planted, or left by an accident) is ``NotABlockFileError``, found without blocking on it.
+Only regular files are ever opened, and no symbolic link is followed: anything else at a slot file's path (planted,
+or left by an accident) is ``NotABlockFileError``, found without blocking on it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import itertools
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterator
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 from kvoffload.keys import OffloadKey
-from kvoffload.tiers.disk.paths import BLOCK_SUFFIX, TMP_SUFFIX
-from kvoffload.tiers.lower.block_codec import check_length, open_into, seal_into
+from kvoffload.tiers.disk.slot_file import EMPTY_ENTRY, ENTRY_BYTES, PAGE, Layout, decode_file_header, encode_entry
+from kvoffload.tiers.lower.block_codec import open_into, seal_into
 from kvoffload.tiers.lower.block_format import (
     HEADER_BYTES,
     PLAIN,
@@ -33,14 +34,17 @@ from kvoffload.tiers.lower.block_format import (
 )
 from kvoffload.tiers.lower.trust import FILE_MODE
 
-_tmp_counter = itertools.count()
-# O_NONBLOCK: opening a FIFO for reading would wait for a writer forever; on a regular file it changes nothing.
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: opening a FIFO would wait for a writer forever; on a regular file it changes nothing.
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 class NotABlockFileError(CorruptBlockError):
-    """A block path names a symbolic link, directory, FIFO or device: never read, removed like a corrupt file."""
+    """A slot file's path names a symbolic link, directory, FIFO or device: never read or written."""
+
+
+class SlotReusedError(CorruptBlockError):
+    """The slot holds a whole block of another key: its engine gave the slot to another block since its entry was
+    read (a miss, not damage)."""
 
 
 class FileOps:
@@ -52,68 +56,87 @@ class FileOps:
     file_mode = FILE_MODE
     """Mode of new files, exactly (the ``DiskHandler`` sets 0660 for a tier shared with a group)."""
 
-    def write_new(self, path: str, buffers: list[memoryview | bytes]) -> None:
-        """Create ``path`` (which must not exist, not even as a link) with ``file_mode``; write ``buffers``."""
-        fd = os.open(path, _WRITE_FLAGS, self.file_mode)
-        try:
-            if self.file_mode != FILE_MODE:
-                os.fchmod(fd, self.file_mode)  # the umask cut the group's bits
-            total = sum(len(b) for b in buffers)
-            written = os.writev(fd, buffers)
-            if written != total:  # Rare short write: finish it with plain writes.
-                _write_rest(fd, buffers, written)
-        finally:
-            os.close(fd)
-
-    def read_into(self, path: str, buffers: list[memoryview]) -> int:
-        """Fill ``buffers`` from the start of ``path``; return the bytes read (fewer at end of file).
+    def open(self, path: str, create: bool = False) -> int:
+        """A read-write descriptor of the regular file ``path`` (read-only where writing is refused), created
+        with ``file_mode`` when ``create``; never blocks on it, never follows a link.
 
         Raises:
-            NotABlockFileError: ``path`` is not a regular file.
+            NotABlockFileError: ``path`` is a symbolic link, or not a regular file.
+            OSError: it cannot be opened.
         """
-        fd = open_regular(path)
-        try:
-            total = os.readv(fd, buffers)
-            want = sum(len(b) for b in buffers)
-            while total < want:
-                more = os.preadv(fd, _tail(buffers, total), total)
-                if more == 0:
-                    break
-                total += more
-            return total
-        finally:
-            os.close(fd)
+        return open_regular(path, create, self.file_mode)
 
-    def rename(self, src: str, dst: str) -> None:
-        os.rename(src, dst)
+    def pwrite(self, fd: int, buffers: list[memoryview | bytes], offset: int) -> None:
+        """Write all of ``buffers`` at ``offset``."""
+        total = sum(len(b) for b in buffers)
+        written = os.pwritev(fd, buffers, offset)
+        while written < total:  # Rare short write: finish it.
+            written += os.pwritev(fd, _tail([memoryview(b) for b in buffers], written), offset + written)
 
-    def unlink(self, path: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+    def pread_into(self, fd: int, buffers: list[memoryview], offset: int) -> int:
+        """Fill ``buffers`` from ``offset``; return the bytes read (fewer at end of file)."""
+        total = os.preadv(fd, buffers, offset)
+        want = sum(len(b) for b in buffers)
+        while 0 < total < want:
+            more = os.preadv(fd, _tail(buffers, total), offset + total)
+            if more == 0:
+                break
+            total += more
+        return total
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
 
 
-def open_regular(path: str) -> int:
-    """A read-only descriptor of ``path`` if it is a regular file; never blocks on it, never follows a link.
-
-    Raises:
-        NotABlockFileError: ``path`` is a symbolic link, or not a regular file.
-        OSError: it cannot be opened.
-    """
+def open_regular(path: str, create: bool = False, mode: int = FILE_MODE) -> int:
+    """``FileOps.open`` with the real system calls (the scheduler's index uses it directly)."""
+    flags = _OPEN_FLAGS | (os.O_CREAT if create else 0)
     try:
-        fd = os.open(path, _READ_FLAGS)
+        try:
+            fd = os.open(path, os.O_RDWR | flags, mode)
+        except PermissionError:
+            fd = os.open(path, os.O_RDONLY | flags & ~os.O_CREAT)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise NotABlockFileError(f"{path}: a symbolic link, not a block file") from None
+            raise NotABlockFileError(f"{path}: a symbolic link, not a slot file") from None
         raise
     try:
-        mode = os.fstat(fd).st_mode  # of what was opened: nothing can be swapped in between
+        info = os.fstat(fd)  # of what was opened: nothing can be swapped in between
+        if not stat.S_ISREG(info.st_mode):
+            raise NotABlockFileError(f"{path}: not a regular file (mode {info.st_mode:o})")
+        if create and stat.S_IMODE(info.st_mode) != mode and info.st_uid == os.geteuid():
+            os.fchmod(fd, mode)  # the umask cut the group's bits
     except BaseException:
         os.close(fd)
         raise
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise NotABlockFileError(f"{path}: not a regular file (mode {mode:o})")
     return fd
+
+
+@dataclass(frozen=True)
+class SlotFile:
+    """An open slot file: its descriptor and the layout its header states."""
+
+    path: str
+    fd: int
+    layout: Layout
+
+
+def open_slot_file(ops: FileOps, path: str) -> SlotFile:
+    """Open a slot file another half (the scheduler) prepared, and read its layout.
+
+    Raises:
+        NotABlockFileError, SlotFileError: not a slot file; OSError: cannot be opened or read.
+    """
+    fd = ops.open(path)
+    try:
+        header = memoryview(bytearray(PAGE))
+        got = ops.pread_into(fd, [header], 0)
+        with _naming(path):
+            layout = decode_file_header(header[:got])
+    except BaseException:
+        ops.close(fd)
+        raise
+    return SlotFile(path, fd, layout)
 
 
 def _tail(buffers: list[memoryview], skip: int) -> list[memoryview]:
@@ -128,92 +151,116 @@ def _tail(buffers: list[memoryview], skip: int) -> list[memoryview]:
     return out
 
 
-def _write_rest(fd: int, buffers: list[memoryview | bytes], written: int) -> None:
-    for part in _tail([memoryview(b) for b in buffers], written):
-        view = part
-        while len(view):
-            view = view[os.write(fd, view):]
+def write_run(ops: FileOps, file: SlotFile, first: int, keys: Sequence[OffloadKey], payloads: Sequence[memoryview],
+              fingerprint: bytes, fmt: BlockFormat = PLAIN) -> None:
+    """Write blocks at the consecutive slots from ``first`` (``tiers.lower.block_codec``'s bytes; one positioned
+    write), then the table entries naming them (one more).
 
-
-def write_block(ops: FileOps, path: str, fingerprint: bytes, key: OffloadKey, payload: memoryview,
-                fmt: BlockFormat = PLAIN) -> None:
-    """Write one block (``tiers.lower.block_codec``'s bytes) to a temporary name, then rename into place (atomic on
-    POSIX).
-
-    A plain block goes out as header and payload straight from the slot; a sealed one is encrypted into this
-    thread's scratch buffer first.
+    The entries go last: a crash between the two leaves entries naming what was there before (whose reads then
+    fail their header check) or none, never one naming a block that is not whole.
 
     Raises:
-        OSError: the write or rename failed; the temporary file is removed.
+        OSError: a write failed.
     """
-    tmp = f"{path[:-len(BLOCK_SUFFIX)]}.{os.getpid()}-{next(_tmp_counter)}{TMP_SUFFIX}"
-    parts: list[memoryview | bytes]
+    nbytes = fmt.file_bytes(len(payloads[0]))
+    _check_run(file, first, len(keys), nbytes)
+    parts: list[memoryview | bytes] = []
     if fmt.auth is None:
-        parts = [encode_header(fingerprint, key, len(payload), checksum(payload)), payload]
+        for key, payload in zip(keys, payloads, strict=True):
+            parts += (encode_header(fingerprint, key, len(payload), checksum(payload)), payload)
     else:
-        out = _scratch(fmt.file_bytes(len(payload)))
-        parts = [out[:seal_into(fmt, fingerprint, key, payload, out)]]
-    try:
-        ops.write_new(tmp, parts)
-        ops.rename(tmp, path)  # replaces a link at ``path``; never writes through it
-    except BaseException:
-        with contextlib.suppress(OSError):  # the write's own error is the one to report
-            ops.unlink(tmp)
-        raise
+        out = _scratch(nbytes * len(keys))
+        for i, (key, payload) in enumerate(zip(keys, payloads, strict=True)):
+            seal_into(fmt, fingerprint, key, payload, out[i * nbytes:(i + 1) * nbytes])
+        parts.append(out)
+    ops.pwrite(file.fd, parts, file.layout.slot_offset(first))
+    entries = b"".join(encode_entry(bytes.fromhex(fmt.name(key)), first + i) for i, key in enumerate(keys))
+    ops.pwrite(file.fd, [entries], file.layout.entry_offset(first))
 
 
-def read_block(ops: FileOps, path: str, fingerprint: bytes, key: OffloadKey, out: memoryview,
-               fmt: BlockFormat = PLAIN) -> None:
-    """Read one block's payload into ``out`` (exactly its length) and verify it (``tiers.lower.block_codec``).
-
-    A plain block is read straight into ``out`` and checked there; a sealed one is read into this thread's
-    scratch buffer and decrypted into ``out``. ``out`` may hold garbage afterwards when this raises.
+def clear_entry(ops: FileOps, file: SlotFile, slot: int, key: OffloadKey, fmt: BlockFormat = PLAIN) -> None:
+    """Empty ``slot``'s table entry if it still names ``key`` (a failed store's, or a damaged block's), so that no
+    engine indexes it again; an entry since written for another key is left alone.
 
     Raises:
-        FileNotFoundError: no such block.
-        OSError: the read failed.
-        CorruptBlockError: the file is truncated, too long, damaged, or belongs to another namespace or key;
-            ``NotABlockFileError`` when it is not a regular file; ``UnauthenticBlockError`` when it is not sealed
-            by this secret for this name.
+        OSError: the entry could not be read or written.
     """
-    if fmt.auth is not None:
-        read_for_slot(ops, path, fingerprint, key, len(out), fmt)(out)
+    if not 0 <= slot < file.layout.capacity:
         return
-    header = memoryview(bytearray(HEADER_BYTES))
-    extra = memoryview(bytearray(1))
-    got = ops.read_into(path, [header, out, extra])
-    with _naming(path):
-        # The header first: it says what the file claims to be; a short file fails its header checksum.
-        expected = decode_header(header, fingerprint, key, len(out))
-        check_length(fmt, key, got, len(out))
-        if checksum(out) != expected:
-            raise CorruptBlockError("payload checksum mismatch")
+    at = file.layout.entry_offset(slot)
+    raw = memoryview(bytearray(ENTRY_BYTES))
+    if ops.pread_into(file.fd, [raw], at) == ENTRY_BYTES and raw == encode_entry(bytes.fromhex(fmt.name(key)), slot):
+        ops.pwrite(file.fd, [EMPTY_ENTRY], at)
 
 
-def read_for_slot(ops: FileOps, path: str, fingerprint: bytes, key: OffloadKey, payload_bytes: int,
-                  fmt: BlockFormat = PLAIN) -> Callable[[memoryview], None]:
-    """Read one block into this thread's buffers and return what puts its payload into a slot, so the I/O runs
-    before the caller takes hold of the slot and only the copy runs while it does.
+Put = Callable[[memoryview], None]
+"""Puts a block read by ``read_run`` into a host slot (raises ``CorruptBlockError`` for a sealed block that does
+not open)."""
 
-    A plain block is verified here and ``put`` copies it. A sealed one is only read here: ``put`` decrypts it
-    into the slot (the decryption is the copy) and raises ``UnauthenticBlockError`` when its tag fails, leaving
-    garbage in the slot, which a failed load drops. The buffers stay valid until this thread's next read.
+
+def read_run(ops: FileOps, file: SlotFile, first: int, keys: Sequence[OffloadKey], payload_bytes: int,
+             fingerprint: bytes, fmt: BlockFormat = PLAIN) -> list[Put | CorruptBlockError]:
+    """Read the blocks at the consecutive slots from ``first`` into this thread's buffers (one positioned read)
+    and return, per block, what puts its payload into a host slot, so the I/O runs before the caller takes hold of
+    the host slots and only the copies run while it does.
+
+    A plain block is verified here (header: fingerprint, key, length; then the payload's CRC32C) and its ``put``
+    copies it. A sealed one is only read here: its ``put`` decrypts it into the slot (the decryption is the copy)
+    and raises ``UnauthenticBlockError`` when its tag fails, leaving garbage in the slot, which a failed load
+    drops. The buffers stay valid until this thread's next read.
+
+    A block that is not there comes back as its ``CorruptBlockError`` in its place: ``SlotReusedError`` for a
+    whole block of another key, else a torn or damaged block or a file cut short.
 
     Raises:
-        The errors of ``read_block``.
+        OSError: the read failed.
     """
-    if fmt.auth is None:
-        buffer = _scratch(payload_bytes)
-        read_block(ops, path, fingerprint, key, buffer, fmt)
-        return lambda out: _put(out, buffer)
-    scratch = _scratch(fmt.file_bytes(payload_bytes) + 1)  # a byte past the block proves the file is too long
-    block = scratch[:ops.read_into(path, [scratch])]
+    nbytes = fmt.file_bytes(payload_bytes)
+    _check_run(file, first, len(keys), nbytes)
+    scratch = _scratch(nbytes * len(keys))
+    got = ops.pread_into(file.fd, [scratch], file.layout.slot_offset(first))
+    puts: list[Put | CorruptBlockError] = []
+    for i, key in enumerate(keys):
+        block = scratch[i * nbytes:min(got, (i + 1) * nbytes)] if got > i * nbytes else scratch[:0]
+        try:
+            with _naming(file.path, first + i):
+                puts.append(_plain(block, key, payload_bytes, fingerprint) if fmt.auth is None
+                            else _sealed(block, key, fingerprint, fmt, file.path, first + i))
+        except CorruptBlockError as e:
+            puts.append(e)
+    return puts
 
+
+def _plain(block: memoryview, key: OffloadKey, payload_bytes: int, fingerprint: bytes) -> Put:
+    header, payload = block[:HEADER_BYTES], block[HEADER_BYTES:]
+    if len(header) == HEADER_BYTES and _other_key(header, key):
+        raise SlotReusedError("the slot holds another block now")
+    expected = decode_header(header, fingerprint, key, payload_bytes)  # a short read fails its checksum
+    if len(payload) != payload_bytes:
+        raise CorruptBlockError(f"cut short at {len(block)} bytes")
+    if checksum(payload) != expected:
+        raise CorruptBlockError("payload checksum mismatch")
+    return lambda out: _put(out, payload)
+
+
+def _sealed(block: memoryview, key: OffloadKey, fingerprint: bytes, fmt: BlockFormat, path: str, slot: int) -> Put:
     def put(out: memoryview) -> None:
-        with _naming(path):
+        with _naming(path, slot):
             open_into(fmt, fingerprint, key, block, out)
 
     return put
+
+
+def _other_key(header: memoryview, key: OffloadKey) -> bool:
+    """A whole plain header (its checksum holds) naming another key."""
+    return bytes(header[32:48]) != key and zlib.crc32(header[:60]) == int.from_bytes(header[60:64], "little")
+
+
+def _check_run(file: SlotFile, first: int, n: int, nbytes: int) -> None:
+    """Slots the file's layout does not have, or a stride not the blocks' size, mean a damaged or foreign file (or
+    another engine's budget): never I/O outside its slots."""
+    if not 0 <= first <= first + n <= file.layout.capacity or n < 1 or nbytes != file.layout.stride:
+        raise CorruptBlockError(f"{file.path}: no {n} slots of {nbytes} bytes from {first} (layout {file.layout})")
 
 
 def _put(out: memoryview, payload: memoryview) -> None:
@@ -221,12 +268,13 @@ def _put(out: memoryview, payload: memoryview) -> None:
 
 
 @contextlib.contextmanager
-def _naming(path: str) -> Iterator[None]:
-    """Prefix a ``CorruptBlockError``'s message with the file's path (keeping its class)."""
+def _naming(path: str, slot: int | None = None) -> Iterator[None]:
+    """Prefix a ``CorruptBlockError``'s message with the file's path and slot (keeping its class)."""
     try:
         yield
     except CorruptBlockError as e:
-        raise type(e)(f"{path}: {e}") from None
+        where = path if slot is None else f"{path} slot {slot}"
+        raise type(e)(f"{where}: {e}") from None
 
 
 _scratch_of_thread = threading.local()

@@ -1,42 +1,55 @@
-"""Worker side of the disk tier: copies blocks between the host pool and block files, both ways.
+"""Worker side of the disk tier: copies blocks between the host pool and slot files, both ways.
 
-The router sends this handler the jobs of (HOST, DISK) and (DISK, HOST). Each job is split into one task per
-block, run on ``io_threads`` daemon threads (``IoThreads``); a task writes or reads the first ``max(entry_bytes)``
-bytes of a host slot (an entry of any KV-cache group: ``tiers.lower.handler`` says why) in the format of
-``tiers.lower.block_format``. Files live in this
-rank's directory, checked at start-up (``tiers.disk.tree.open_tree``), and carry this rank's namespace fingerprint, so
-a block is only loaded by the rank and namespace that wrote it. A replicated namespace (every rank holds the same
-bytes) has one directory and one fingerprint for all ranks: rank 0 writes it (the other ranks' handlers are wrapped
-in ``transfer.skip_writes.SkipWrites``) and every rank reads it.
+The router sends this handler the jobs of (HOST, DISK) and (DISK, HOST). Each job is split into one task per block,
+run on ``io_threads`` daemon threads (``IoThreads``); a task writes or reads the first ``max(entry_bytes)`` bytes of
+a host slot (an entry of any KV-cache group: ``tiers.lower.handler`` says why) in the format of
+``tiers.lower.block_format``, at the (engine, slot) ``location`` the spec names: one positioned write of the block
+and one of its table entry, or one positioned read (``tiers.disk.file_io``). Slot files live in this rank's
+directory, checked at start-up (``tiers.disk.tree.open_tree``), are opened once each and kept open, and their blocks
+carry this rank's namespace fingerprint, so a block is only loaded by the rank and namespace that wrote it. A
+replicated namespace (every rank holds the same bytes) has one directory and one fingerprint for all ranks: rank 0
+writes it (the other ranks' handlers are wrapped in ``transfer.skip_writes.SkipWrites``) and every rank reads it.
 
-Failures are outcomes: a missing, corrupt or foreign file, something other than a regular file, an I/O error,
-or a read slower than ``read_deadline_s`` fails the job (its other blocks are skipped). A failed write removes
-the files the job wrote, so nothing unindexed stays on disk; a corrupt file is removed, and a removal that fails
-is an I/O error too. Repeated errors open a ``CircuitBreaker``: jobs then fail at once, without I/O.
+Failures are outcomes: a missing file, a slot that holds another block now, a corrupt or foreign block, something
+other than a regular file, an I/O error, or a read slower than ``read_deadline_s`` fails the job (its other blocks
+are skipped). A failed write empties the table entries the job wrote, so no engine finds its blocks; a corrupt
+block's entry is emptied too, and an entry that cannot be emptied is an I/O error. Repeated errors open a
+``CircuitBreaker``: jobs then fail at once, without I/O.
 
-Reads that never return (a hung mount): a read job fails when its deadline passes, whether or not its threads
-came back (``get_finished``, ``wait`` and ``shutdown`` check the deadlines). A read lands in its thread's own
-buffer and is copied into the host slot only while its job is live, so a late read never writes a slot that the
-scheduler has since given to another block. While every I/O thread is stuck the tier is off (jobs fail at
-once). ``shutdown`` waits for reads until their deadline and for writes ``SHUTDOWN_GRACE_S`` at most, then
-fails what is left and leaves stuck threads behind (they are daemons).
+Reads that never return (a hung mount): a read job fails when its deadline passes, whether or not its threads came
+back (``get_finished``, ``wait`` and ``shutdown`` check the deadlines). A read lands in its thread's own buffer and
+is copied into the host slot only while its job is live, so a late read never writes a slot that the scheduler has
+since given to another block. While every I/O thread is stuck the tier is off (jobs fail at once). ``shutdown``
+waits for reads until their deadline and for writes ``SHUTDOWN_GRACE_S`` at most, then fails what is left and leaves
+stuck threads behind (they are daemons).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from kvoffload.blocks import Medium, TransferJob
 from kvoffload.config import DiskTierConfig
 from kvoffload.keys import Namespace, OffloadKey
-from kvoffload.tiers.disk.file_io import FileOps, read_for_slot, write_block
-from kvoffload.tiers.disk.paths import block_path, rank_directory
-from kvoffload.tiers.disk.tree import Access, open_tree, scan
+from kvoffload.tiers.disk.file_io import (
+    FileOps,
+    SlotFile,
+    SlotReusedError,
+    clear_entry,
+    open_slot_file,
+    read_run,
+    write_run,
+)
+from kvoffload.tiers.disk.paths import rank_directory, slot_file_path
+from kvoffload.tiers.disk.slot_file import split_location
+from kvoffload.tiers.disk.tree import Access, open_tree
 from kvoffload.tiers.lower.block_format import CorruptBlockError, UnauthenticBlockError
 from kvoffload.tiers.lower.breaker import CircuitBreaker
 from kvoffload.tiers.lower.handler import SHUTDOWN_GRACE_S, LowerJob, LowerTierHandler
@@ -50,16 +63,18 @@ logger = logging.getLogger(__name__)
 HOST_TO_DISK = (Medium.HOST, Medium.DISK)
 DISK_TO_HOST = (Medium.DISK, Medium.HOST)
 __all__ = ["DISK_TO_HOST", "HOST_TO_DISK", "SHUTDOWN_GRACE_S", "DiskHandler"]
+RUN_BYTES = 1 << 20
+"""A task moves at most this much of consecutive slots with one system call (fewer calls and Python steps per byte
+for small blocks; more, smaller tasks would not read faster)."""
 
 
 @dataclass(frozen=True)
 class _Block:
     slot: int
     key: OffloadKey
-    path: str
     nbytes: int
-    usable: bool
-    """False in a fan-out directory that is a symbolic link: never read or written."""
+    place: int = -1
+    """The (engine, slot) ``location`` in the tier (``_plan`` sets it from the spec)."""
 
 
 @dataclass(eq=False)
@@ -69,10 +84,10 @@ class _Job(LowerJob[_Block]):
     blockers: int = 0
     """Earlier unfinished jobs with the same destinations; this job starts when they finish."""
     dependents: list[_Job] = field(default_factory=list)
-    written: list[str] = field(default_factory=list)
+    written: list[_Block] = field(default_factory=list)
 
     def destinations(self) -> list[object]:
-        return [b.path for b in self.blocks] if self.is_store else [b.slot for b in self.blocks]
+        return [b.place for b in self.blocks] if self.is_store else [b.slot for b in self.blocks]
 
 
 class DiskHandler(LowerTierHandler[_Block, _Job]):
@@ -102,7 +117,8 @@ class DiskHandler(LowerTierHandler[_Block, _Job]):
         super().__init__(pool, namespace, entry_bytes, config.secret, clock)
         access = Access(config.shared_group)
         self._tree = open_tree(config.path, rank_directory(config.path, namespace, self._fmt), access, self._fmt)
-        scan(self._tree)  # Removes temporary files a crashed writer left here.
+        self._files: dict[int, SlotFile] = {}
+        self._retired: list[SlotFile] = []
         self._ops = file_ops or FileOps()
         if self._ops.file_mode != access.file_mode:
             self._ops.file_mode = access.file_mode
@@ -120,8 +136,15 @@ class DiskHandler(LowerTierHandler[_Block, _Job]):
         return str(self._tree.rank_dir)
 
     def _block(self, slot: int, key: OffloadKey, nbytes: int) -> _Block:
-        tree = self._tree
-        return _Block(slot, key, block_path(tree.rank_dir, key, tree.fmt), nbytes, tree.usable(key))
+        return _Block(slot, key, nbytes)
+
+    def _plan(self, job: TransferJob) -> _Job:
+        state = super()._plan(job)
+        places = self._sides(job)[1].slots
+        if len(places) != len(state.blocks):
+            raise ValueError(f"job {job.job_id}: the disk tier's spec names no slot for its keys")
+        state.blocks = [replace(b, place=p) for b, p in zip(state.blocks, places, strict=True)]
+        return state
 
     def _new_job(self, job: TransferJob, blocks: list[_Block]) -> _Job:
         return _Job(job, blocks, remaining=len(blocks))
@@ -144,55 +167,90 @@ class DiskHandler(LowerTierHandler[_Block, _Job]):
 
     def _stop(self) -> None:
         self._threads.stop()
+        with self._lock:
+            files, self._files = [*self._files.values(), *self._retired], {}
+            self._retired = []
+        for file in files:
+            with contextlib.suppress(OSError):
+                self._ops.close(file.fd)
+
+    def _file(self, engine: int) -> SlotFile:
+        """Engine ``engine``'s slot file in this rank's directory, opened on first use and kept open.
+
+        Raises:
+            FileNotFoundError: there is none (its engine's files were trimmed); OSError, CorruptBlockError: it
+                cannot be opened or is not a slot file.
+        """
+        file = self._files.get(engine)
+        if file is None:
+            opened = open_slot_file(self._ops, slot_file_path(self._tree.rank_dir, engine))
+            with self._lock:
+                file = self._files.setdefault(engine, opened)
+            if file is not opened:
+                self._ops.close(opened.fd)
+        return file
+
+    def _reopen(self, file: SlotFile) -> None:
+        """After a failed read: open the file again on next use if another file stands at its path now (a
+        trimmed and remade file of that engine number). The old descriptor is closed at shutdown only, as another
+        thread may be reading through it."""
+        try:
+            if os.path.samestat(os.stat(file.path, follow_symlinks=False), os.fstat(file.fd)):
+                return
+        except OSError:
+            pass  # gone: open it again (and fail then) next time
+        with self._lock:
+            for engine in [e for e, open_file in self._files.items() if open_file is file]:
+                del self._files[engine]
+                self._retired.append(file)
 
     def _launch(self, state: _Job) -> None:
         state.start = self._clock()
         if not state.blocks or not self.breaker.allow() or self._all_stuck():
             self._end(state, failed=bool(state.blocks))
             return
-        for block in state.blocks:
-            self._threads.submit(functools.partial(self._run_block, state, block))
+        for run in runs(state.blocks, self._threads.size):
+            self._threads.submit(functools.partial(self._run_task, state, run))
 
-    def _run_block(self, state: _Job, block: _Block) -> None:
+    def _run_task(self, state: _Job, run: list[_Block]) -> None:
         ok = False
         try:
-            ok = self._copy(state, block)
+            ok = self._copy(state, run)
         except Exception:  # A data-path bug must fail the job, not kill an I/O thread silently.
             logger.exception("disk tier: unexpected error in job %d", state.job.job_id)
         with self._lock:
             if state.finished:
                 return  # It failed at its deadline: its result is out.
             state.failed |= not ok
-            state.copied += block.nbytes if ok else 0
-            if ok and state.is_store:
-                state.written.append(block.path)
-            state.remaining -= 1
+            if ok:
+                state.copied += sum(b.nbytes for b in run)
+                if state.is_store:
+                    state.written.extend(run)
+            state.remaining -= len(run)
             last = state.remaining == 0
         if last:
             self._end(state, failed=False)
 
-    def _copy(self, state: _Job, block: _Block) -> bool:
-        """Move one block; False on any data-path failure (the breaker hears of all but plain misses)."""
-        if state.failed or state.finished or not block.usable or not self.breaker.allow() or self._is_late(state):
+    def _copy(self, state: _Job, run: list[_Block]) -> bool:
+        """Move a run of blocks at consecutive slots; False on any data-path failure (the breaker hears of all but
+        plain misses)."""
+        if state.failed or state.finished or not self.breaker.allow() or self._is_late(state):
             return False  # The job fails anyway (a block failed, tier off, deadline passed): skip the I/O.
         since = self.breaker.errors
+        engine, first = split_location(run[0].place)
+        file = None
         try:
-            if state.is_store:
-                write_block(self._ops, block.path, self._fingerprint, block.key,
-                            self._slots[block.slot, :block.nbytes].data, self._fmt)
-            elif not self._read(state, block):
-                if not state.finished:
-                    self.breaker.record(False)  # Late, not yet failed by its deadline: a slow disk.
-                return False
+            file = self._file(engine)
+            if not state.is_store:
+                return self._read(state, run, file, first)
+            write_run(self._ops, file, first, [b.key for b in run],
+                      [self._slots[b.slot, :b.nbytes].data for b in run], self._fingerprint, self._fmt)
         except FileNotFoundError:
-            return False  # A miss (evicted by another engine sharing the directory), not a disk fault.
-        except UnauthenticBlockError as e:
-            self._note_unauthentic(e)  # someone without the secret wrote it: not the disk's fault
-            self._unlink(block.path)
-            return False
-        except CorruptBlockError as e:
+            self._reopen_after(file)
+            return False  # A miss (its engine's files were trimmed), not a disk fault.
+        except CorruptBlockError as e:  # not a slot file where one should be
             self.breaker.record(False)
-            self._discard(block.path, e)
+            logger.warning("disk tier: %s", e)
             return False
         except OSError as e:
             self._note_io_error(state, e)
@@ -200,13 +258,43 @@ class DiskHandler(LowerTierHandler[_Block, _Job]):
         self.breaker.record(True, since)
         return True
 
-    def _read(self, state: _Job, block: _Block) -> bool:
-        """Read the block off the disk, then put it into its slot if the job is live and on time (False if not)."""
-        put = read_for_slot(self._ops, block.path, self._fingerprint, block.key, block.nbytes, self._fmt)
+    def _read(self, state: _Job, run: list[_Block], file: SlotFile, first: int) -> bool:
+        """Read the run off the disk, then put it into its host slots if the job is live and on time."""
+        since = self.breaker.errors
+        puts = read_run(self._ops, file, first, [b.key for b in run], run[0].nbytes, self._fingerprint, self._fmt)
+        for i, put in enumerate(puts):
+            if isinstance(put, CorruptBlockError):
+                return self._bad_block(file, first + i, run[i].key, put)
+        bad: tuple[int, CorruptBlockError] | None = None
         with self._holding_slots(state) as held:
-            if held:
-                put(self._slots[block.slot, :block.nbytes].data)
-        return held
+            for i, block in enumerate(run if held else ()):
+                try:
+                    puts[i](self._slots[block.slot, :block.nbytes].data)  # type: ignore[operator]
+                except CorruptBlockError as e:  # a sealed block that does not open
+                    bad = (i, e)
+                    break
+        if bad is not None:
+            return self._bad_block(file, first + bad[0], run[bad[0]].key, bad[1])
+        if not held:
+            if not state.finished:
+                self.breaker.record(False)  # Late, not yet failed by its deadline: a slow disk.
+            return False
+        self.breaker.record(True, since)
+        return True
+
+    def _bad_block(self, file: SlotFile, slot: int, key: OffloadKey, error: CorruptBlockError) -> bool:
+        """A slot that does not hold ``key``'s block: a miss when it was reused, else its entry is emptied."""
+        if isinstance(error, SlotReusedError):
+            self._reopen(file)
+            return False
+        if isinstance(error, UnauthenticBlockError):
+            self._note_unauthentic(error)  # someone without the secret wrote it: not the disk's fault
+        else:
+            self.breaker.record(False)
+            logger.warning("disk tier: dropping a corrupt block: %s", error)
+        self._clear(file, slot, key)
+        self._reopen(file)
+        return False
 
     def _is_late(self, state: _Job) -> bool:
         """A read job past its deadline is a miss: the engine recomputes rather than wait on a slow disk."""
@@ -240,24 +328,27 @@ class DiskHandler(LowerTierHandler[_Block, _Job]):
                 logger.warning("disk tier: an I/O thread came back; disk jobs run again")
         return down
 
-    def _discard(self, path: str, why: Exception) -> None:
-        logger.warning("disk tier: removing corrupt block file: %s", why)
-        self._unlink(path)
+    def _reopen_after(self, file: SlotFile | None) -> None:
+        if file is not None:
+            self._reopen(file)
 
-    def _unlink(self, path: str) -> None:
-        """Remove ``path``; failing to is an I/O error (a file system that turned read-only), logged once."""
+    def _clear(self, file: SlotFile | None, slot: int, key: OffloadKey) -> None:
+        """Empty ``slot``'s entry if it names ``key``; failing to is an I/O error (a file system that turned
+        read-only), logged once."""
+        if file is None:
+            return
         try:
-            self._ops.unlink(path)
+            clear_entry(self._ops, file, slot, key, self._fmt)
         except OSError as e:
             self.breaker.record(False)
             with self._lock:
                 self._removal_failures += 1
                 first = self._removal_failures == 1
             if first:
-                logger.warning("disk tier: cannot remove block file %s: %s (later failures are logged at debug "
-                               "level)", path, e)
+                logger.warning("disk tier: cannot empty the entry of slot %d of %s: %s (later failures are logged "
+                               "at debug level)", slot, file.path, e)
             else:
-                logger.debug("disk tier: cannot remove block file %s: %s", path, e)
+                logger.debug("disk tier: cannot empty the entry of slot %d of %s: %s", slot, file.path, e)
 
     def _note_unauthentic(self, error: UnauthenticBlockError) -> None:
         with self._lock:
@@ -276,8 +367,27 @@ class DiskHandler(LowerTierHandler[_Block, _Job]):
 
     def _settle(self, state: _Job) -> None:
         if state.failed:
-            for path in state.written:  # A failed store is never indexed: leave none of its files behind.
-                self._unlink(path)
+            for block in state.written:  # A failed store is never indexed: no engine may find its blocks.
+                engine, slot = split_location(block.place)
+                self._clear(self._files.get(engine), slot, block.key)
+
+
+def runs(blocks: list[_Block], threads: int) -> list[list[_Block]]:
+    """A job's blocks as tasks: blocks at consecutive places of one file, at most ``RUN_BYTES`` and an even share
+    of the job, so that every thread has work and a task is one system call."""
+    most = max(1, min(RUN_BYTES // max(1, blocks[0].nbytes), -(-len(blocks) // threads)))
+    out: list[list[_Block]] = []
+    run: list[_Block] = []
+    for block in sorted(blocks, key=lambda b: b.place):
+        last = run[-1].place if run else -2
+        if run and (block.place != last + 1 or len(run) == most or split_location(last)[0] != split_location(
+                block.place)[0]):
+            out.append(run)
+            run = []
+        run.append(block)
+    if run:
+        out.append(run)
+    return out
 
 
 def _unblock(dependent: _Job) -> bool:

@@ -1,13 +1,12 @@
-"""The disk tier's directory tree: created private, trusted only when no one else can write it, scanned at start.
+"""The disk tier's directory tree: created private, trusted only when no one else can write it.
 
 Both halves call ``open_tree`` at start-up (the scheduler's ``DiskIndex`` for rank 0's directory, each
 worker's ``DiskHandler`` for its own). It creates what is missing with its modes set explicitly (the umask would
 cut them), refuses with a ``ConfigError`` naming it any directory of the tree another user could write, and any
-directory above it whose writers could swap the tree (only a warning when a tier secret authenticates blocks), and
-lists the fan-out directories that are not real directories (symbolic links): those are skipped, never followed.
-``scan`` then lists the blocks from their names. Only what nobody else could have planted is trusted: a regular
-file (never followed) with its exact canonical name in its own fan-out directory; only our own temporary names
-are removed. docs/security.md says what this protects against. No torch, no block I/O.
+directory above it whose writers could swap the tree (only a warning when a tier secret authenticates blocks).
+Slot files in it are opened without following links (``tiers.disk.file_io``); a directory of the old per-block
+format is named in a warning and never read. ``WorldLock`` tells an engine whether it starts alone.
+docs/security.md says what this protects against. No torch, no block I/O.
 """
 
 from __future__ import annotations
@@ -18,14 +17,10 @@ import logging
 import os
 import re
 import stat
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvoffload.config import ConfigError
-from kvoffload.keys import KEY_BYTES, OffloadKey
-from kvoffload.tiers.disk.paths import BLOCK_SUFFIX, STALE_TMP_S, TMP_SUFFIX
 from kvoffload.tiers.lower.block_format import PLAIN, BlockFormat
 from kvoffload.tiers.lower.trust import (
     Access,
@@ -35,24 +30,16 @@ from kvoffload.tiers.lower.trust import (
 
 logger = logging.getLogger(__name__)
 
-FAN_OUTS = tuple(f"{i:02x}" for i in range(256))
-_KEY_HEX = KEY_BYTES * 2
-_OUR_TMP = re.compile(rf"([0-9a-f]{{{_KEY_HEX}}})\.(\d+)-\d+{re.escape(TMP_SUFFIX)}")
-"""``<key hex>.<pid>-<n>.tmp``, the only temporary name ``tiers.disk.file_io.write_block`` makes."""
+_FAN_OUT = re.compile("[0-9a-f]{2}")
+"""A fan-out directory of the per-block format (versions 1 and 2)."""
 
 
 @dataclass(frozen=True)
 class Tree:
-    """A rank directory checked at start-up; ``skipped`` names its fan-out entries that must not be used; ``fmt``
-    how its files are named (and sealed)."""
+    """A rank directory checked at start-up; ``fmt`` how its blocks are named (and sealed)."""
 
     rank_dir: Path
-    skipped: frozenset[str] = frozenset()
     fmt: BlockFormat = PLAIN
-
-    def usable(self, key: OffloadKey) -> bool:
-        """Whether ``key``'s fan-out directory is a real one (blocks behind a symbolic link are never used)."""
-        return not self.skipped or self.fmt.name(key)[:2] not in self.skipped
 
 
 def open_tree(disk_path: Path, rank_dir: Path, access: Access, fmt: BlockFormat = PLAIN) -> Tree:
@@ -74,10 +61,10 @@ def open_tree(disk_path: Path, rank_dir: Path, access: Access, fmt: BlockFormat 
             _make(directory, access)
             # disk_path itself may be a link an administrator made; nothing below it may be.
             _check(directory, access, follow=directory == disk_path, disk_path=disk_path)
-        skipped = _fan_outs(rank_dir, access, disk_path)
     except OSError as e:
         raise ConfigError(f"disk_path={str(disk_path)!r} cannot hold the disk tier: {e}") from e
-    return Tree(rank_dir, frozenset(skipped), fmt)
+    _note_old_format(rank_dir)
+    return Tree(rank_dir, fmt)
 
 
 def _missing_ancestors(path: Path) -> list[Path]:
@@ -127,116 +114,18 @@ def _check_ancestors(disk_path: Path, access: Access, fmt: BlockFormat) -> None:
                    "fail authentication (tier secret set)", str(disk_path), found)
 
 
-def _fan_outs(rank_dir: Path, access: Access, disk_path: Path) -> list[str]:
-    """Create the 256 fan-out directories; return those that are not real directories (logged once)."""
-    skipped = []
-    for name in FAN_OUTS:
-        path = rank_dir / name
-        _make(path, access)
-        info = os.lstat(path)
-        if not stat.S_ISDIR(info.st_mode):  # a symbolic link's mode says link, whatever it points at
-            skipped.append(name)
-            continue
-        problem = untrusted(info, access)
-        if problem:
-            raise ConfigError(f"disk_path={str(disk_path)!r}: {path} is {problem}")
-    if skipped:
-        logger.warning("disk tier: skipping %d fan-out entries of %s that are symbolic links or not directories "
-                       "(never followed, never written): %s", len(skipped), rank_dir, ", ".join(skipped))
-    return skipped
-
-
-@dataclass(frozen=True)
-class ScanResult:
-    """What a start-up scan found: final block keys (in directory order) and temporary files it removed."""
-
-    keys: tuple[OffloadKey, ...]
-    removed_tmp: int
-    seconds: float
-
-
-def scan(tree: Tree) -> ScanResult:
-    """List the blocks of ``tree`` from their names, and remove the temporary files of dead writers.
-
-    A block counts only as a regular file (not followed) named ``<name hex>.kvb`` in fan-out ``<name hex>[:2]``,
-    hex in lower case; anything else is left alone. Payloads are checked on load.
-    """
-    start = time.perf_counter()
-    keys: list[OffloadKey] = []
-    removed = 0
-    for fan_out, entry in _entries(tree):
-        name = entry.name
-        if name.endswith(BLOCK_SUFFIX):
-            key = _block_key(name, fan_out, tree.fmt)
-            if key is not None and entry.is_file(follow_symlinks=False):
-                keys.append(key)
-        elif name.endswith(TMP_SUFFIX) and _is_our_stale_tmp(entry, fan_out):
-            removed += _remove(entry.path)
-    if removed:
-        logger.info("disk tier: removed %d temporary files left by a crash in %s", removed, tree.rank_dir)
-    return ScanResult(tuple(keys), removed, time.perf_counter() - start)
-
-
-def _entries(tree: Tree) -> Iterator[tuple[str, os.DirEntry[str]]]:
-    for fan_out in FAN_OUTS:
-        if fan_out in tree.skipped:
-            continue
-        try:
-            with os.scandir(tree.rank_dir / fan_out) as it:
-                for entry in it:
-                    yield fan_out, entry
-        except FileNotFoundError:
-            continue
-
-
-def _block_key(name: str, fan_out: str, fmt: BlockFormat) -> OffloadKey | None:
-    """The key a block file's name gives, when it is exactly the name ``block_path`` would give it here."""
-    digits = name[:-len(BLOCK_SUFFIX)]
-    if len(digits) != _KEY_HEX or not digits.startswith(fan_out):
-        return None
+def _note_old_format(rank_dir: Path) -> None:
+    """Warn once about a directory of the per-block format (versions 1 and 2): it is never read, and its files are
+    outside ``disk_bytes``."""
     try:
-        raw = bytes.fromhex(digits)
-    except ValueError:
-        return None
-    return fmt.key_of(raw) if raw.hex() == digits else None  # fromhex also takes upper case and spaces
-
-
-def _is_our_stale_tmp(entry: os.DirEntry[str], fan_out: str) -> bool:
-    """One of our temporary files whose writer (pid in its name, on this machine) is dead, or that is old.
-
-    Another live engine sharing the directory may be writing the others: leave those alone.
-    """
-    match = _OUR_TMP.fullmatch(entry.name)
-    if match is None or not match.group(1).startswith(fan_out) or not entry.is_file(follow_symlinks=False):
-        return False
-    pid = int(match.group(2))
-    if pid != os.getpid() and not _pid_alive(pid):
-        return True
-    try:
-        return time.time() - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_S
-    except FileNotFoundError:
-        return False
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True
-    return True
-
-
-def _remove(path: str) -> int:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        return 0
-    except OSError as e:  # a read-only file system: the file is only a leftover, not worth stopping for
-        logger.debug("disk tier: cannot remove temporary file %s: %s", path, e)
-        return 0
-    return 1
+        with os.scandir(rank_dir) as entries:
+            old = sum(1 for e in entries if _FAN_OUT.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
+    except OSError:
+        return
+    if old:
+        logger.warning("disk tier: %s holds %d fan-out directories of the one-file-per-block format (versions 1-2), "
+                       "which this version does not read; their files count against no budget: delete them to "
+                       "free the space", rank_dir, old)
 
 
 LOCK_NAME = "engines.lock"

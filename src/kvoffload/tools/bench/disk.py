@@ -164,7 +164,10 @@ def bench_block_size(root: Path, block_bytes: int, args: argparse.Namespace, dro
     from kvoffload.blocks import HostBlocks, JobId, Medium, TierBlocks, TransferJob
     from kvoffload.config import DiskTierConfig
     from kvoffload.keys import Namespace, offload_key
+    from kvoffload.tiers.disk.engine_files import prepare_engine
     from kvoffload.tiers.disk.handler import DiskHandler
+    from kvoffload.tiers.disk.slot_file import ENTRY_BYTES, PAGE, location
+    from kvoffload.tiers.lower.block_format import BlockFormat
     from kvoffload.transfer.host_pool import HostPool
 
     blocks = max(1, args.total_mib * MIB // block_bytes)
@@ -173,8 +176,12 @@ def bench_block_size(root: Path, block_bytes: int, args: argparse.Namespace, dro
     pool.buffer.copy_(torch.randint(-128, 128, (slots, block_bytes), dtype=torch.int8))
     ns = Namespace(model="bench", dtype="int8", layout=f"bench-{block_bytes}")
     secrets = {"": None} | ({"s": TierSecret("bench --tier-secret", os.urandom(32))} if args.tier_secret else {})
-    handlers = {side: DiskHandler(DiskTierConfig(path=root / "tier", io_threads=args.io_threads, secret=secret),
-                                  pool, ns, (block_bytes,)) for side, secret in secrets.items()}
+    budget = 4 * PAGE + blocks * (BlockFormat.of(None).file_bytes(block_bytes) + 16 + ENTRY_BYTES)
+    configs = {side: DiskTierConfig(path=root / "tier", io_threads=args.io_threads, secret=secret,
+                                    capacity_bytes=budget) for side, secret in secrets.items()}
+    for config in configs.values():
+        prepare_engine(config, ns, BlockFormat.of(config.secret).file_bytes(block_bytes))  # the scheduler's part
+    handlers = {side: DiskHandler(config, pool, ns, (block_bytes,)) for side, config in configs.items()}
     data = memoryview(os.urandom(block_bytes))
     buf = memoryview(bytearray(block_bytes))
     results: dict[str, list[float]] = {k: [] for k in ("rw", "rr", *(d + s for s in handlers for d in "wr"))}
@@ -184,7 +191,7 @@ def bench_block_size(root: Path, block_bytes: int, args: argparse.Namespace, dro
         for rnd in range(args.rounds):
             keys = tuple(offload_key(rnd.to_bytes(4, "little") + i.to_bytes(8, "little"), 0)  # type: ignore[arg-type]
                          for i in range(blocks))
-            disk = TierBlocks(Medium.DISK, keys, (blocks,))
+            disk = TierBlocks(Medium.DISK, keys, (blocks,), tuple(location(0, i) for i in range(blocks)))
             # Which handler goes first turns round by round: the second writes while the first's pages are
             # still being written back.
             order = list(handlers.items())[rnd % len(handlers):] + list(handlers.items())[:rnd % len(handlers)]
@@ -209,25 +216,28 @@ def bench_block_size(root: Path, block_bytes: int, args: argparse.Namespace, dro
 
 
 def bench_rebuild(root: Path, blocks: int) -> float:
-    """Seconds for ``DiskIndex.create`` over ``blocks`` block files."""
+    """Seconds for ``DiskIndex.create`` over a slot file whose table names ``blocks`` blocks."""
     from kvoffload.config import DiskTierConfig
     from kvoffload.keys import Namespace, offload_key
+    from kvoffload.tiers.disk.engine_files import prepare_engine
     from kvoffload.tiers.disk.index import DiskIndex
-    from kvoffload.tiers.disk.paths import block_path, rank_directory
-    from kvoffload.tiers.disk.tree import Access, open_tree
+    from kvoffload.tiers.disk.paths import rank_directory, slot_file_path
+    from kvoffload.tiers.disk.slot_file import ENTRY_BYTES, PAGE, encode_entry
     from kvoffload.tiers.lower.block_format import file_bytes
 
     ns = Namespace(model="bench", dtype="int8", layout="rebuild")
-    directory = rank_directory(root / "rebuild", ns)
-    open_tree(root / "rebuild", directory, Access())
-    for i in range(blocks):
-        os.close(os.open(block_path(directory, offload_key(i.to_bytes(8, "little"), 0)),  # type: ignore[arg-type]
-                         os.O_WRONLY | os.O_CREAT, 0o600))
     size = file_bytes(64 * KIB)
+    config = DiskTierConfig(path=root / "rebuild", capacity_bytes=4 * PAGE + blocks * (size + ENTRY_BYTES))
+    layout = prepare_engine(config, ns, size)
+    table = b"".join(encode_entry(offload_key(i.to_bytes(8, "little"), 0), i)  # type: ignore[arg-type]
+                     for i in range(blocks))
+    with open(slot_file_path(rank_directory(config.path, ns), 0), "r+b") as f:
+        f.seek(layout.table_offset)
+        f.write(table)
     start = time.perf_counter()
-    manager = DiskIndex.create(DiskTierConfig(path=root / "rebuild", capacity_bytes=blocks * size), ns,
-                                     size)
+    manager = DiskIndex.create(config, ns, size)
     elapsed = time.perf_counter() - start
+    manager.close()
     if manager.usage()[0].used_blocks != blocks:
         raise RuntimeError("bench disk: the rebuilt index lost blocks")
     return elapsed
