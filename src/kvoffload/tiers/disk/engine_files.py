@@ -21,7 +21,6 @@ from pathlib import Path
 
 from kvoffload.config import ConfigError, DiskTierConfig
 from kvoffload.keys import Namespace
-from kvoffload.tiers.disk.file_io import open_regular
 from kvoffload.tiers.disk.paths import MAX_ENGINES, engine_lock_path, engine_of, rank_directories, slot_file_path
 from kvoffload.tiers.disk.slot_file import (
     ENTRY_BYTES,
@@ -30,6 +29,7 @@ from kvoffload.tiers.disk.slot_file import (
     SlotFileError,
     decode_file_header,
     encode_file_header,
+    open_regular,
     table_names,
 )
 from kvoffload.tiers.disk.tree import open_tree

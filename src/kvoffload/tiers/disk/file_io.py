@@ -12,16 +12,22 @@ or left by an accident) is ``NotABlockFileError``, found without blocking on it.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
-import stat
 import threading
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvoffload.keys import OffloadKey
-from kvoffload.tiers.disk.slot_file import EMPTY_ENTRY, ENTRY_BYTES, PAGE, Layout, decode_file_header, encode_entry
+from kvoffload.tiers.disk.slot_file import (
+    EMPTY_ENTRY,
+    ENTRY_BYTES,
+    PAGE,
+    Layout,
+    decode_file_header,
+    encode_entry,
+    open_regular,
+)
 from kvoffload.tiers.lower.block_codec import open_into, seal_into
 from kvoffload.tiers.lower.block_format import (
     HEADER_BYTES,
@@ -33,13 +39,6 @@ from kvoffload.tiers.lower.block_format import (
     encode_header,
 )
 from kvoffload.tiers.lower.trust import FILE_MODE
-
-# O_NONBLOCK: opening a FIFO would wait for a writer forever; on a regular file it changes nothing.
-_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-
-
-class NotABlockFileError(CorruptBlockError):
-    """A slot file's path names a symbolic link, directory, FIFO or device: never read or written."""
 
 
 class SlotReusedError(CorruptBlockError):
@@ -86,30 +85,6 @@ class FileOps:
 
     def close(self, fd: int) -> None:
         os.close(fd)
-
-
-def open_regular(path: str, create: bool = False, mode: int = FILE_MODE) -> int:
-    """``FileOps.open`` with the real system calls (the scheduler's index uses it directly)."""
-    flags = _OPEN_FLAGS | (os.O_CREAT if create else 0)
-    try:
-        try:
-            fd = os.open(path, os.O_RDWR | flags, mode)
-        except PermissionError:
-            fd = os.open(path, os.O_RDONLY | flags & ~os.O_CREAT)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise NotABlockFileError(f"{path}: a symbolic link, not a slot file") from None
-        raise
-    try:
-        info = os.fstat(fd)  # of what was opened: nothing can be swapped in between
-        if not stat.S_ISREG(info.st_mode):
-            raise NotABlockFileError(f"{path}: not a regular file (mode {info.st_mode:o})")
-        if create and stat.S_IMODE(info.st_mode) != mode and info.st_uid == os.geteuid():
-            os.fchmod(fd, mode)  # the umask cut the group's bits
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 @dataclass(frozen=True)

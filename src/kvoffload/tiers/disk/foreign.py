@@ -18,9 +18,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvoffload.keys import OffloadKey
-from kvoffload.tiers.disk.file_io import open_regular
 from kvoffload.tiers.disk.paths import engine_of
-from kvoffload.tiers.disk.slot_file import ENTRY_BYTES, PAGE, SlotFileError, decode_file_header, location, table_names
+from kvoffload.tiers.disk.slot_file import (
+    ENTRY_BYTES,
+    PAGE,
+    SlotFileError,
+    decode_file_header,
+    location,
+    open_regular,
+    table_names,
+)
 from kvoffload.tiers.lower.block_format import BlockFormat, CorruptBlockError
 
 logger = logging.getLogger(__name__)

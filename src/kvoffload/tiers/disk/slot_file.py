@@ -8,19 +8,26 @@ So a crash between the two writes, a torn write or a slot reused since an entry 
 block. docs/disk-format.md is this module's twin: change both together.
 
 Layout (``Layout``): a 4 KiB file header (``encode_file_header``), the table (``capacity`` entries), zeros up to
-the next 4 KiB, then ``capacity`` slots of ``stride`` bytes. No torch; no I/O beyond the helpers' descriptors.
+the next 4 KiB, then ``capacity`` slots of ``stride`` bytes. ``open_regular`` is how both halves open a slot file.
+No torch.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 import struct
 import zlib
 from dataclasses import dataclass
 
 from kvoffload.keys import KEY_BYTES
 from kvoffload.tiers.lower.block_format import CorruptBlockError
+from kvoffload.tiers.lower.trust import FILE_MODE
 
 FILE_MAGIC = b"KVOFFSLT"
+# O_NONBLOCK: opening a FIFO would wait for a writer forever; on a regular file it changes nothing.
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 SLOT_FORMAT_VERSION = 3
 """Version 1 and 2 were one file per block (plain and sealed); a directory of those is not read (``tree``)."""
 PAGE = 4096
@@ -30,8 +37,13 @@ _FILE_HEADER = struct.Struct("<8sHHIQQQ")
 _ENTRY = struct.Struct(f"<{KEY_BYTES}sQ")
 """the name (a key, or its keyed permutation in a sealed tier), the slot; a crc32 of these follows."""
 EMPTY_ENTRY = bytes(ENTRY_BYTES)
+_ZERO_PAGE = bytes(PAGE)
 MAX_STRIDE = 1 << 31
 MAX_CAPACITY = 1 << 32
+
+
+class NotABlockFileError(CorruptBlockError):
+    """A slot file's path names a symbolic link, directory, FIFO or device: never read or written."""
 
 
 class SlotFileError(CorruptBlockError):
@@ -78,6 +90,36 @@ class Layout:
 
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
+
+
+def open_regular(path: str, create: bool = False, mode: int = FILE_MODE) -> int:
+    """A read-write descriptor of the regular file ``path`` (read-only where writing is refused), created with
+    ``mode`` when ``create``; never blocks on it, never follows a link. Both halves open slot files through it.
+
+    Raises:
+        NotABlockFileError: ``path`` is a symbolic link, or not a regular file.
+        OSError: it cannot be opened.
+    """
+    flags = _OPEN_FLAGS | (os.O_CREAT if create else 0)
+    try:
+        try:
+            fd = os.open(path, os.O_RDWR | flags, mode)
+        except PermissionError:
+            fd = os.open(path, os.O_RDONLY | flags & ~os.O_CREAT)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise NotABlockFileError(f"{path}: a symbolic link, not a slot file") from None
+        raise
+    try:
+        info = os.fstat(fd)  # of what was opened: nothing can be swapped in between
+        if not stat.S_ISREG(info.st_mode):
+            raise NotABlockFileError(f"{path}: not a regular file (mode {info.st_mode:o})")
+        if create and stat.S_IMODE(info.st_mode) != mode and info.st_uid == os.geteuid():
+            os.fchmod(fd, mode)  # the umask cut the group's bits
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def encode_file_header(layout: Layout) -> bytes:
@@ -129,13 +171,18 @@ def table_names(table: bytes | memoryview, first_slot: int = 0) -> list[tuple[in
     """(slot, name) of every valid entry of ``table`` (entries from ``first_slot`` on, in slot order)."""
     view = memoryview(table)
     out = []
-    for i in range(len(view) // ENTRY_BYTES):
-        raw = view[i * ENTRY_BYTES:(i + 1) * ENTRY_BYTES]
-        if raw == EMPTY_ENTRY:
-            continue
-        name = entry_name(raw, first_slot + i)
-        if name is not None:
-            out.append((first_slot + i, name))
+    per_page = PAGE // ENTRY_BYTES
+    for page in range(0, len(view) // ENTRY_BYTES, per_page):
+        chunk = view[page * ENTRY_BYTES:(page + per_page) * ENTRY_BYTES]
+        if chunk == _ZERO_PAGE[:len(chunk)]:
+            continue  # a page of empty slots: one compare instead of 128 steps
+        for i in range(page, page + len(chunk) // ENTRY_BYTES):
+            raw = view[i * ENTRY_BYTES:(i + 1) * ENTRY_BYTES]
+            if raw == EMPTY_ENTRY:
+                continue
+            name = entry_name(raw, first_slot + i)
+            if name is not None:
+                out.append((first_slot + i, name))
     return out
 
 
