@@ -151,9 +151,9 @@ class ForeignTables:
 
     def _update(self, table: _Table, raw: bytes) -> _Table:
         names = table.names
-        old = table.raw
+        old, new = memoryview(table.raw), memoryview(raw)  # slices of views compare without copies
         for start in range(0, len(raw), CHUNK):
-            chunk = raw[start:start + CHUNK]
+            chunk = new[start:start + CHUNK]
             if old[start:start + CHUNK] == chunk:
                 continue
             first = start // ENTRY_BYTES
