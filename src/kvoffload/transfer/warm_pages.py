@@ -1,11 +1,12 @@
 """Populating a host buffer's pages before its first stores: ``warm(tensor)``.
 
 A fresh private host pool (``host_pool.py``) is address space only: the kernel gives each 4 KiB page its memory on
-the first write to it, one page fault per page, so the first stores into a new pool ran at page-fault speed (1.4
-GB/s on this project's 2-core VM against 5 GB/s into the same pages once present; 0.3 against 10+ GB/s on other
-machines). ``warm`` asks the kernel to fault every page in ahead with ``madvise(MADV_POPULATE_WRITE)`` (Linux >=
-5.14): the pages are allocated and mapped writable *without their contents changing*, so stores may already write
-into the buffer while it runs, from any thread, and nothing they wrote is lost.
+the first write to it, one page fault per page, so the first stores into a new pool ran at page-fault speed (1.0-1.5
+GB/s on this project's 2-core VM, 0.28-0.40x the speed into the same pages once present; 0.3 against 10+ GB/s
+reported on larger machines). ``warm`` asks the kernel to fault every page in ahead with
+``madvise(MADV_POPULATE_WRITE)`` (Linux >= 5.14): the pages are allocated and mapped writable *without their
+contents changing*, so stores may already write into the buffer while it runs, from any thread, and nothing they
+wrote is lost.
 
 Where it runs: in the caller's thread for up to ``SYNC_BUDGET_S`` (start-up waits that long at most, plus one
 chunk), then, for what is left, on a daemon thread. Both go a chunk (``CHUNK_BYTES``) per call, so ``stop`` (the
