@@ -23,6 +23,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "copy": ("kvoffload.tools.bench.copy", "device<->host copy GB/s beside memcpy of the same bytes"),
     "disk": ("kvoffload.tools.bench.disk", "host<->disk GB/s beside raw sequential I/O, index rebuild time"),
     "node": ("kvoffload.tools.bench.node", "loads from the node pool engines share beside a private host pool"),
+    "pool": ("kvoffload.tools.bench.pool", "a fresh host pool's first stores, cold and warmed, beside warm ones"),
     "remote": ("kvoffload.tools.bench.remote", "host<->Redis GB/s beside raw redis-py pipelines of the same bytes"),
     "object": ("kvoffload.tools.bench.object", "host<->S3 GB/s beside boto3's own PUT/GET, lookup round trips"),
     "faults": ("kvoffload.tools.bench.faults", "longest engine step under store faults, lookups off vs on the step"),
