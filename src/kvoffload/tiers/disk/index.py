@@ -203,7 +203,8 @@ class DiskIndex(BlockIndex):
         self._index.reset()
         events = self._index.take_events()
         self._events.extend(events)
-        dropped = [before[key] for event in events for key in event.keys if key in before]
+        after = self._index.placed()
+        dropped = [slot for key, slot in before.items() if key not in after]  # not every pending event's keys
         if dropped and self._layout is not None:
             try:
                 for directory in self._directories:
