@@ -105,6 +105,17 @@ def test_engine_numbers_are_distinct_while_held_and_the_lowest_free_one_comes_ba
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"engine-{n}.lock" for n in range(4)]
 
 
+def test_the_number_locks_have_the_access_mode_whatever_the_umask(
+        tmp_path: Path, numbers: list[EngineNumber]) -> None:
+    old = os.umask(0o022)
+    try:
+        numbers += [EngineNumber(tmp_path, PRIVATE), EngineNumber(tmp_path, Access(gid=os.getegid()))]
+    finally:
+        os.umask(old)
+    modes = [stat.S_IMODE((tmp_path / f"engine-{n}.lock").stat().st_mode) for n in (0, 1)]
+    assert modes == [0o600, 0o660]
+
+
 def test_an_engine_number_is_held_against_another_process(tmp_path: Path, numbers: list[EngineNumber]) -> None:
     numbers.append(EngineNumber(tmp_path, PRIVATE))
     code = ("import sys; from pathlib import Path; from kvoffload.tiers.disk.engine_files import EngineNumber; "
