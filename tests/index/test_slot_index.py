@@ -244,3 +244,106 @@ def test_a_hundred_million_slot_tier_allocates_little_until_its_slots_are_used(p
     assert peak < 64 * 1024
     assert manager.usage() == [TierUsage(Medium.HOST, 3, 100_000_000)]
     manager.check_integrity()
+
+
+# ---- a tier whose slots are places on a medium: restore, placed, slot_of ----------------------------------------
+
+def test_restore_makes_the_keys_ready_at_their_slots_without_events() -> None:
+    manager = SlotIndex(8, medium=Medium.DISK)
+    manager.restore([(key(1), 5), (key(2), 0), (key(3), 2)])
+    assert manager.lookup(keys(1, 2, 3)) == LookupResult(3)
+    assert manager.prepare_load(keys(3, 1)) == HostBlocks(slots=(2, 5), group_sizes=(2,))
+    assert manager.take_events() == []
+    assert manager.usage() == [TierUsage(Medium.DISK, 3, 8)]
+    manager.check_integrity()
+
+
+def test_stores_after_a_restore_take_the_free_slots_lowest_first_and_never_a_restored_one() -> None:
+    manager = SlotIndex(6)
+    manager.restore([(key(1), 1), (key(2), 3)])
+    out = manager.prepare_store(keys(4, 5, 6, 7))
+    assert out is not None and out.evicted_keys == ()
+    assert out.store_spec == HostBlocks(slots=(0, 2, 4, 5), group_sizes=(4,))
+    manager.complete_store(out.keys_to_store)
+    manager.check_integrity()
+    before = manager.placed()
+    out = manager.prepare_store(keys(8))  # full: the policy evicts, and the victim's slot is the one reused
+    assert out is not None and len(out.evicted_keys) == 1
+    assert out.store_spec == HostBlocks(slots=(before[out.evicted_keys[0]],), group_sizes=(1,))
+    manager.complete_store(out.keys_to_store)
+    assert len(manager.placed()) == 6 and set(manager.placed().values()) == set(range(6))
+    manager.check_integrity()
+
+
+def test_restored_keys_are_evicted_by_the_policy_like_stored_ones() -> None:
+    manager = SlotIndex(2)
+    manager.restore([(key(1), 0), (key(2), 1)])
+    manager.touch(keys(1))
+    out = manager.prepare_store(keys(3))
+    assert out is not None and out.evicted_keys == tuple(keys(2))
+    assert out.store_spec == HostBlocks(slots=(1,), group_sizes=(1,))
+
+
+@pytest.mark.parametrize("placed", [
+    [(key(1), 0), (key(1), 1)],
+    [(key(1), 0), (key(2), 0)],
+    [(key(1), 4)],
+    [(key(1), -1)],
+], ids=["repeated-key", "repeated-slot", "beyond-capacity", "negative"])
+def test_restore_refuses_repeated_keys_or_slots_and_slots_out_of_range(placed) -> None:  # type: ignore[no-untyped-def]
+    manager = SlotIndex(4)
+    with pytest.raises(ValueError, match="distinct"):
+        manager.restore(placed)
+    assert manager.usage() == [TierUsage(Medium.HOST, 0, 4)]
+    manager.check_integrity()
+
+
+def test_restore_refuses_an_index_that_is_not_empty() -> None:
+    in_flight = SlotIndex(4)
+    in_flight.prepare_store(keys(1))
+    for manager in (stored(SlotIndex(4), 1), in_flight):
+        with pytest.raises(ValueError, match="not empty"):
+            manager.restore([(key(2), 3)])
+        manager.check_integrity()
+    manager = SlotIndex(4)
+    manager.restore([])  # nothing was there: as new
+    manager.restore([(key(2), 3)])
+    assert manager.slot_of(key(2)) == 3
+
+
+def test_placed_is_a_copy_of_the_ready_keys_slots() -> None:
+    manager = stored(SlotIndex(4), 1, 2)
+    manager.prepare_store(keys(3))
+    placed = manager.placed()
+    assert placed == {key(1): 0, key(2): 1}
+    placed[key(9)] = 3
+    del placed[key(1)]
+    assert manager.placed() == {key(1): 0, key(2): 1}
+    manager.check_integrity()
+
+
+def test_slot_of_answers_only_for_a_ready_key() -> None:
+    manager = stored(SlotIndex(4), 1, 2)
+    manager.prepare_store(keys(3))
+    assert manager.slot_of(key(2)) == 1
+    assert manager.slot_of(key(3)) is None and manager.slot_of(key(9)) is None  # in flight; unknown
+    manager.prepare_load(keys(1))
+    manager.prepare_load(keys(1))
+    manager.complete_load(keys(1), success=False)  # doomed: still pinned, no longer loadable
+    assert manager.slot_of(key(1)) is None
+
+
+@pytest.mark.parametrize("policy", list(EvictionPolicy), ids=lambda p: p.value)
+def test_restoring_a_few_keys_into_a_hundred_million_slots_allocates_little(policy: EvictionPolicy) -> None:
+    tracemalloc.start()
+    try:
+        manager = SlotIndex(100_000_000, policy)
+        manager.restore([(key(1), 0), (key(2), 1000), (key(3), 7)])
+        stored(manager, 4, 5)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 1024
+    assert manager.slot_of(key(4)) == 1 and manager.slot_of(key(5)) == 2  # the holes below first
+    assert manager.usage() == [TierUsage(Medium.HOST, 5, 100_000_000)]
+    manager.check_integrity()

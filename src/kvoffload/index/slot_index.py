@@ -206,10 +206,10 @@ class SlotIndex(HostIndex):
             raise ValueError("SlotIndex.restore: keys and slots must be distinct, slots within the capacity")
         self._ready.update(placed)
         self._policy.insert_all(reversed(keys))
-        # Slots above the highest restored one stay never-used (no list as long as the capacity); the holes below it
-        # are given back, the lowest handed out first.
+        # Slots above the highest restored one stay never-used (a counter, as in a new index); only the holes below
+        # it are listed, so restoring a few blocks into a huge file allocates little.
         self._fresh = max(slots) + 1 if slots else 0
-        self._free = [s for s in range(self._fresh - 1, -1, -1) if s not in slots]
+        self._free = [s for s in range(self._fresh - 1, -1, -1) if s not in slots]  # slot 0 is handed out first
 
     def placed(self) -> dict[OffloadKey, int]:
         """Every ready key's slot (a copy)."""

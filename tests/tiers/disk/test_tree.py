@@ -1,8 +1,11 @@
-"""disk_tree.open_tree and the directories above disk_path: whoever can write one of them could swap the tier's
-tree after start-up, so each must be safe (as OpenSSH's StrictModes), or a tier secret must authenticate blocks."""
+"""tree.open_tree and the directories above disk_path: whoever can write one of them could swap the tier's tree
+after start-up, so each must be safe (as OpenSSH's StrictModes), or a tier secret must authenticate blocks. Nothing
+below disk_path may be a symbolic link. A rank directory of the old one-file-per-block format is named in one
+warning and never read."""
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import re
@@ -12,9 +15,10 @@ import pytest
 
 from kvoffload.auth import TierSecret
 from kvoffload.config import ConfigError, DiskTierConfig
-from kvoffload.keys import Namespace
+from kvoffload.keys import Namespace, offload_key
 from kvoffload.tiers.disk.handler import DiskHandler
 from kvoffload.tiers.disk.index import DiskIndex
+from kvoffload.tiers.disk.paths import rank_directory
 from kvoffload.tiers.disk.tree import Access, Tree, open_tree
 from kvoffload.tiers.lower.block_format import PLAIN, BlockFormat
 from kvoffload.transfer.host_pool import HostPool
@@ -137,3 +141,61 @@ def test_both_halves_refuse_an_unsafe_ancestor_with_the_same_error(tmp_path: Pat
     with refused(disk_path, "writable by others") as worker:
         DiskHandler(config, HostPool(1, 64), ns, (64,))
     assert str(worker.value) == str(scheduler.value)
+
+
+@pytest.mark.parametrize("below", ["world", "world/0"], ids=["world", "rank"])
+def test_a_symbolic_link_below_disk_path_is_refused_naming_it_and_what_it_points_at_is_left_alone(
+        tmp_path: Path, below: str) -> None:
+    disk_path, victim = tmp_path / "kv", tmp_path / "victim"
+    link = disk_path / below
+    for directory in (link.parent, victim):
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    link.symlink_to(victim, target_is_directory=True)
+    with refused(disk_path, f"{re.escape(str(link))} is a symbolic link"):
+        opened(disk_path)
+    assert list(victim.iterdir()) == []
+
+
+# ---- the old format: one file per block, in fan-out directories -------------------------------------------------
+
+def test_an_old_format_rank_directory_draws_one_warning_naming_it_and_is_never_read(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    disk_path, ns = tmp_path / "kv", Namespace("m", "bf16", "pages=64")
+    rank_dir = rank_directory(disk_path, ns)
+    old_key = offload_key(b"o" * 16, 0)  # type: ignore[arg-type]
+    block = rank_dir / old_key.hex()[:2] / f"{old_key.hex()}.kvb"  # where version 1 kept a block
+    block.parent.mkdir(parents=True)
+    block.write_bytes(b"a version 1 block")
+    (rank_dir / "0f").mkdir()
+    (rank_dir / "AB").mkdir()  # not a fan-out name
+    (rank_dir / "cd").write_bytes(b"")  # a file, not a directory
+    (rank_dir / "ef").symlink_to(tmp_path, target_is_directory=True)
+    touched: list[str] = []
+
+    def watch(real):  # type: ignore[no-untyped-def]
+        def call(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+            touched.append(os.fspath(path))
+            return real(path, *args, **kwargs)
+        return call
+
+    for module, name in ((os, "open"), (os, "scandir"), (os, "listdir"), (os, "stat"), (builtins, "open")):
+        monkeypatch.setattr(module, name, watch(getattr(module, name)))
+    with caplog.at_level(logging.WARNING, logger="kvoffload"):
+        opened_tree = open_tree(disk_path, rank_dir, PRIVATE)
+        index = DiskIndex.create(DiskTierConfig(path=disk_path, capacity_bytes=1 << 20), ns, 1024)
+        assert index.lookup([old_key]).hits == 0
+        index.close()
+    monkeypatch.undo()
+    assert opened_tree.rank_dir == rank_dir
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2  # one per start-up: open_tree here, then the index's
+    assert str(rank_dir) in warnings[0] and "holds 2 fan-out directories" in warnings[0]
+    assert not [p for p in touched if p.startswith(str(block.parent)) or p.startswith(str(rank_dir / "0f"))]
+    assert block.read_bytes() == b"a version 1 block"  # not read, not removed (the engine started alone)
+    caplog.clear()
+    block.unlink()
+    for name in ("0f", block.parent.name):
+        (rank_dir / name).rmdir()
+    with caplog.at_level(logging.WARNING, logger="kvoffload"):
+        open_tree(disk_path, rank_dir, PRIVATE)
+    assert caplog.records == []  # AB, cd and ef are no fan-outs

@@ -108,13 +108,18 @@ class DiskIndex(BlockIndex):
         open_tree(config.path, directories[0], access, fmt)
         if not os.access(directories[0], os.R_OK | os.W_OK | os.X_OK):
             raise ConfigError(f"disk_path={str(config.path)!r} is not readable and writable by this user")
+        held: list[WorldLock | EngineNumber] = []  # let go of when the start fails: a retry may take them
         try:
             lock = WorldLock(directories[0].parent, access)
+            held.append(lock)
             number = EngineNumber(directories[0].parent, access)
+            held.append(number)
             for directory in directories[1:]:
                 open_tree(config.path, directory, access, fmt)
             found = prepare_files(directories, number.engine, layout, access)
         except (OSError, ValueError) as e:
+            for thing in held:
+                thing.close()
             raise ConfigError(f"disk_path={str(config.path)!r} cannot hold the disk tier: {e}") from e
         index = cls(layout.capacity, policy(config.policy, layout.capacity, "disk"), directories, number.engine,
                     layout=layout)
@@ -203,7 +208,8 @@ class DiskIndex(BlockIndex):
         self._index.reset()
         events = self._index.take_events()
         self._events.extend(events)
-        dropped = [before[key] for event in events for key in event.keys if key in before]
+        after = self._index.placed()
+        dropped = [slot for key, slot in before.items() if key not in after]  # not every pending event's keys
         if dropped and self._layout is not None:
             try:
                 for directory in self._directories:

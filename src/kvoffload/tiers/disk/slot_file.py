@@ -64,7 +64,8 @@ class Layout:
     @classmethod
     def for_budget(cls, budget_bytes: int, stride: int) -> Layout | None:
         """The largest layout of ``stride``-byte slots whose file fits in ``budget_bytes`` (None: not one slot)."""
-        capacity = min(MAX_CAPACITY, max(0, (budget_bytes - 2 * PAGE) // (stride + ENTRY_BYTES)))
+        # An upper bound (the table is never padded below it), stepped down to the largest that fits.
+        capacity = min(MAX_CAPACITY, max(0, (budget_bytes - PAGE) // (stride + ENTRY_BYTES)))
         while capacity > 0 and cls(stride, capacity).file_bytes > budget_bytes:
             capacity -= 1
         return cls(stride, capacity) if capacity > 0 else None
