@@ -24,6 +24,7 @@ from kvoffload.tiers.disk.slot_file import (
     ENTRY_BYTES,
     PAGE,
     Layout,
+    NotABlockFileError,
     decode_file_header,
     encode_entry,
     open_regular,
@@ -40,6 +41,8 @@ from kvoffload.tiers.lower.block_format import (
 )
 from kvoffload.tiers.lower.trust import FILE_MODE
 
+__all__ = ["FileOps", "NotABlockFileError", "SlotFile", "SlotReusedError", "clear_entry", "open_slot_file", "read_run",
+           "write_run"]
 
 class SlotReusedError(CorruptBlockError):
     """The slot holds a whole block of another key: its engine gave the slot to another block since its entry was

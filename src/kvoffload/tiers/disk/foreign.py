@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvoffload.keys import OffloadKey
-from kvoffload.tiers.disk.paths import engine_of
+from kvoffload.tiers.disk.paths import engine_of, slot_file_path
 from kvoffload.tiers.disk.slot_file import (
     ENTRY_BYTES,
     PAGE,
@@ -63,6 +63,7 @@ class ForeignTables:
         self._found: dict[OffloadKey, int] = {}
         self._forgotten: OrderedDict[tuple[OffloadKey, int], None] = OrderedDict()
         self._lock = threading.Lock()
+        self._reading = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.reads = 0
@@ -89,7 +90,12 @@ class ForeignTables:
                 self._found = found
 
     def refresh(self) -> None:
-        """Read every other engine's table now (the thread calls it; tests and start-up may too)."""
+        """Read every other engine's table now (the thread calls it; tests and start-up may too: one read at a
+        time, so that an older read never publishes after a newer one)."""
+        with self._reading:
+            self._refresh()
+
+    def _refresh(self) -> None:
         seen = {}
         for engine in self._engines():
             table = self._read(engine, self._tables.get(engine))
@@ -130,7 +136,7 @@ class ForeignTables:
 
     def _read(self, engine: int, last: _Table | None) -> _Table | None:
         """The table of ``engine``'s file, parsing only what changed since ``last``; None when it is not one."""
-        path = os.path.join(self._dir, f"engine-{engine}.kvs")
+        path = slot_file_path(self._dir, engine)
         try:
             fd = open_regular(path)
         except (OSError, CorruptBlockError):

@@ -91,7 +91,7 @@ class _Job(LowerJob[_Block]):
 
 
 class DiskHandler(LowerTierHandler[_Block, _Job]):
-    """Host pool <-> block files of one rank. Register it for both (HOST, DISK) and (DISK, HOST).
+    """Host pool <-> the slot files of one rank. Register it for both (HOST, DISK) and (DISK, HOST).
 
     Args:
         config: the disk tier's settings (``path``, ``io_threads``, ``read_deadline_s``, breaker settings,
@@ -129,7 +129,7 @@ class DiskHandler(LowerTierHandler[_Block, _Job]):
         self._down = False
         self._removal_failures = 0
         self.unauthentic_blocks = 0
-        """Block files refused because their MAC was not this tier's secret's (never loaded)."""
+        """Blocks refused because their MAC was not this tier's secret's (never loaded)."""
 
     @property
     def directory(self) -> str:

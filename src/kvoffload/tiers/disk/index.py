@@ -62,13 +62,15 @@ def disk_blocks(keys: Sequence[OffloadKey], slots: Sequence[int], engine: int = 
 
 
 class DiskIndex(BlockIndex):
-    """Index of the disk tier's block files.
+    """Index of the blocks in this engine's slot file, and a way to the other engines'.
 
     Args:
-        capacity_blocks: how many block files the budget allows.
-        policy: eviction policy among ready, unpinned files.
+        capacity_blocks: the slot file's slots (``Layout.capacity``).
+        policy: eviction policy among ready, unpinned blocks.
         directories: every rank's directory, rank 0 (the indexed one) first.
-        tree: rank 0's checked tree (its skipped fan-out directories); by default, all of them are used.
+        engine: this engine's number (its file in each directory).
+        foreign: the other engines' tables (None: this index finds only its own blocks).
+        layout: the slot file's layout (a reset empties entries through it; None: it cannot).
     Raises:
         ValueError: ``capacity_blocks`` is not positive or ``directories`` is empty.
     """

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 class DiskTierSpec(TierSpec):
-    """Block files under ``config.path``, one directory per rank and namespace, shared by the ranks of a replicated
+    """Slot files under ``config.path``, one directory per rank and namespace, shared by the ranks of a replicated
     namespace."""
 
     def __init__(self, config: DiskTierConfig) -> None:
@@ -35,7 +35,7 @@ class DiskTierSpec(TierSpec):
         return True
 
     def make_index(self, context: TierContext) -> DiskIndex:
-        """The index of the block files already there.
+        """The index of this engine's slot file (what it already holds, and the other engines' blocks).
 
         Raises:
             ConfigError: ``disk_bytes`` is below one block file, or ``disk_path`` cannot be used.

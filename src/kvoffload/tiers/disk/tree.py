@@ -137,7 +137,8 @@ class WorldLock:
     ``alone`` is True when this engine took it exclusively at start-up: no other engine ran on the directory
     then, so files beyond this engine's budget are leftovers that it may trim. Call ``share`` once the trim is
     done (engines starting meanwhile wait for it). Released when the process ends, or when this object is
-    collected. On a file system without ``flock`` an engine is never alone: it never trims.
+    collected. On a file system without ``flock`` an engine is never alone (and ``engine_files.EngineNumber``
+    refuses to start the tier: two engines could take one number and write one file).
     """
 
     def __init__(self, world_dir: Path, access: Access) -> None:
