@@ -1,6 +1,6 @@
-"""DiskHandler on a file system that misbehaves: reads that never return, paths that are not block files (a FIFO,
-a symlink), a corrupt file that cannot be removed, and a directory tree it must not trust; each a failed result or
-a clear error, never a hang."""
+"""DiskHandler on a file system that misbehaves: reads that never return, a path that is not a slot file (a FIFO, a
+symlink, a directory), a table entry that cannot be emptied (a file system turned read-only), and a directory tree
+it must not trust; each a failed result or a clear error, never a hang and never a wrong block."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import errno
 import logging
 import os
 import re
-import stat
+import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,12 +21,16 @@ from tests.tiers.disk.handlers import (
     NS,
     DiskHandlerContext,
     FakeClock,
+    block_at,
     keys,
     load,
     make_pool,
-    path_of,
+    mode_of,
+    names,
+    prepare,
     run,
     store,
+    write_at,
 )
 
 from kvoffload.blocks import TransferJob
@@ -33,6 +38,8 @@ from kvoffload.config import ConfigError, DiskTierConfig
 from kvoffload.tiers.disk.file_io import FileOps
 from kvoffload.tiers.disk.handler import DiskHandler
 from kvoffload.tiers.disk.index import DiskIndex
+from kvoffload.tiers.disk.paths import rank_directory, slot_file_path, world_directory
+from kvoffload.tiers.lower.block_format import PLAIN
 from kvoffload.transfer.base import TransferResult
 
 # ---- reads that never return ----------------------------------------------------------------------------------
@@ -55,61 +62,75 @@ def unblock_fifo(path: Path) -> None:
         os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
 
 
-def test_a_fifo_at_a_block_path_fails_its_load_without_blocking(
-        handler: DiskHandler, config: DiskTierConfig) -> None:
+def _make_fifo(path: Path, genuine: Path) -> None:
+    os.mkfifo(path)
+
+
+def _make_directory(path: Path, genuine: Path) -> None:
+    path.mkdir()
+
+
+def _make_symlink(path: Path, genuine: Path) -> None:
+    """A link to the genuine slot file (its blocks valid): refused all the same."""
+    path.symlink_to(genuine)
+
+
+@pytest.mark.parametrize("make", [_make_fifo, _make_directory, _make_symlink], ids=["fifo", "directory", "symlink"])
+def test_what_is_not_a_regular_file_at_the_slot_file_path_is_refused_without_blocking(
+        config: DiskTierConfig, tmp_path: Path, make: Callable[[Path, Path], None]) -> None:
+    """A planted file or an accident: the genuine file moved away and something else made at its path. The
+    handler neither reads nor writes through it, and never blocks on it (a FIFO would hold an I/O thread)."""
     (key,) = keys(1)
-    fifo = path_of(config, key)
-    os.mkfifo(fifo)
+    with DiskHandlerContext(config, NS) as writer:
+        assert run(writer, store((0,), (key,))).success
+    path = Path(slot_file_path(rank_directory(config.path, NS), 0))
+    genuine = tmp_path / "genuine.kvs"
+    shutil.move(path, genuine)
+    make(path, genuine)
+    before = genuine.read_bytes()
+    h = DiskHandler(config, make_pool(), NS, ENTRY)  # opens the path on its first job
+    h._slots[1] = 0
     try:
-        result = finishes(handler, load((key,), (0,)))
+        loaded = finishes(h, load((key,), (1,)))
+        stored = finishes(h, store((2,), keys(1, salt=5)))
     finally:
-        unblock_fifo(fifo)
-    assert result is not None and not result.success
-    assert not fifo.exists()  # not a block file: removed like a corrupt one
-
-
-def test_a_symlink_at_a_block_path_is_never_followed(handler: DiskHandler, config: DiskTierConfig,
-                                                     tmp_path: Path) -> None:
-    a, b = keys(2)
-    assert run(handler, store((0,), (a,))).success
-    target = tmp_path / "target.kvb"
-    target.write_bytes(path_of(config, a).read_bytes())
-    path_of(config, a).unlink()
-    path_of(config, a).symlink_to(target)  # a valid block, but behind a link
-    assert not run(handler, load((a,), (1,))).success
-    assert target.exists()
-    path_of(config, b).symlink_to(tmp_path / "written-through-the-link")
-    assert run(handler, store((2,), (b,))).success  # the link is replaced, never written through
-    assert not (tmp_path / "written-through-the-link").exists() and not path_of(config, b).is_symlink()
+        unblock_fifo(path)
+        h.shutdown()
+    assert loaded is not None and not loaded.success and not h._slots[1].any()
+    assert stored is not None and not stored.success
+    assert os.path.lexists(path)  # not removed, never replaced: only a scheduler makes slot files
+    assert genuine.read_bytes() == before  # nothing written through a link
 
 
 class StuckOps(FileOps):
-    """Reads of ``stuck_path`` (or of any path, with ``stuck_path`` "*") block inside the read until ``release``
-    is set (a hung mount). ``entered`` counts the reads stuck so far."""
+    """Reads of blocks at offsets ``stuck`` says (a hung mount) block inside the read until ``release`` is set.
+    ``entered`` counts the reads stuck so far; ``reads`` the block reads (not the file header's)."""
 
     def __init__(self) -> None:
-        self.stuck_path = ""
+        self.stuck: Callable[[int], bool] = lambda offset: False
         self.entered = threading.Semaphore(0)
         self.release = threading.Event()
         self.reads = 0
 
-    def read_into(self, path: str, buffers: list[memoryview]) -> int:
-        self.reads += 1
-        if self.stuck_path not in (path, "*"):
-            return super().read_into(path, buffers)
-        self.entered.release()
-        self.release.wait()
-        return super().read_into(path, buffers)
+    def pread_into(self, fd: int, buffers: list[memoryview], offset: int) -> int:
+        if offset:
+            self.reads += 1
+        if self.stuck(offset):
+            self.entered.release()
+            self.release.wait()
+        return super().pread_into(fd, buffers, offset)
 
 
 def test_a_stuck_read_fails_its_job_at_the_deadline_and_the_tier_keeps_serving(config: DiskTierConfig) -> None:
     clock, ops = FakeClock(), StuckOps()
+    prepare(config)
     h = DiskHandler(config, make_pool(), NS, ENTRY, file_ops=ops, clock=clock)
     try:
         stuck, fine = keys(2)
         assert run(h, store((0,), (stuck,))).success and run(h, store((1,), (fine,))).success
         h._slots[3] = 0
-        ops.stuck_path = str(path_of(config, stuck))
+        at = block_at(config, stuck).offset
+        ops.stuck = lambda offset: offset == at
         job = load((stuck,), (3,))
         assert h.submit(job)
         assert ops.entered.acquire(timeout=30)
@@ -122,14 +143,41 @@ def test_a_stuck_read_fails_its_job_at_the_deadline_and_the_tier_keeps_serving(c
         ops.release.set()
         h.shutdown()
     assert not h._slots[3].any()  # the late read never landed in a slot the job no longer owns
+    assert names(config, stuck)  # a late read is no sign of damage: the block stays
+
+
+def test_a_late_read_never_writes_a_host_slot_given_away_since(config: DiskTierConfig) -> None:
+    """The late read returns a genuine, whole block after its job failed and its host slot was given to another
+    block: the slot keeps what was put there since."""
+    clock, ops = FakeClock(), StuckOps()
+    prepare(config)
+    h = DiskHandler(config, make_pool(), NS, ENTRY, file_ops=ops, clock=clock)
+    try:
+        (key,) = keys(1)
+        assert run(h, store((0,), (key,))).success
+        at = block_at(config, key).offset
+        ops.stuck = lambda offset: offset == at
+        assert h.submit(load((key,), (3,)))
+        assert ops.entered.acquire(timeout=30)
+        clock.now += 5.0
+        assert [r.success for r in h.get_finished()] == [False]
+        h._slots[3] = 7  # the scheduler gave the slot to another block
+        ops.stuck = lambda offset: False
+        ops.release.set()
+        assert h._threads.wait_idle(30)  # the read came back and its task ended
+        assert (h._slots[3] == 7).all()
+    finally:
+        ops.release.set()
+        h.shutdown()
 
 
 def test_shutdown_returns_while_a_read_is_stuck(config: DiskTierConfig) -> None:
     clock, ops = FakeClock(), StuckOps()
+    prepare(config)
     h = DiskHandler(config, make_pool(), NS, ENTRY, file_ops=ops, clock=clock)
     (key,) = keys(1)
     assert run(h, store((0,), (key,))).success
-    ops.stuck_path = str(path_of(config, key))
+    ops.stuck = lambda offset: offset >= block_at(config, key).offset
     try:
         assert h.submit(load((key,), (3,)))
         assert ops.entered.acquire(timeout=30)
@@ -143,25 +191,64 @@ def test_shutdown_returns_while_a_read_is_stuck(config: DiskTierConfig) -> None:
         ops.release.set()
 
 
-# ---- a corrupt file that cannot be removed --------------------------------------------------------------------
+def test_while_every_io_thread_is_stuck_jobs_fail_at_once_and_run_again_when_one_returns(
+        config: DiskTierConfig) -> None:
+    clock, ops = FakeClock(), StuckOps()
+    prepare(config)
+    h = DiskHandler(config, make_pool(), NS, ENTRY, file_ops=ops, clock=clock)  # two I/O threads
+    try:
+        ks = keys(3)
+        for slot, key in enumerate(ks):
+            assert run(h, store((slot,), (key,))).success
+        data = min(block_at(config, k).offset for k in ks)
+        ops.stuck = lambda offset: offset >= data  # every block read
+        for slot, key in enumerate(ks[:2]):
+            assert h.submit(load((key,), (4 + slot,)))
+            assert ops.entered.acquire(timeout=30)
+        clock.now += 5.0
+        reads = ops.reads
+        result = finishes(h, load(ks[2:], (6,)))
+        assert result is not None and not result.success and ops.reads == reads  # failed without a read
+        ops.stuck = lambda offset: False
+        ops.release.set()
+        assert h._threads.wait_idle(30)
+        clock.now += 100.0  # past the breaker's cool-down too: the deadlines counted as errors
+        assert run(h, load(ks[2:], (6,))).success
+    finally:
+        ops.release.set()
+        h.shutdown()
+
+
+# ---- an entry that cannot be emptied ----------------------------------------------------------------------------
 
 class ReadOnlyOps(FileOps):
-    def unlink(self, path: str) -> None:
-        raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+    """Writes fail with EROFS once ``read_only`` is set (the file system was remounted read-only)."""
+
+    read_only = False
+
+    def pwrite(self, fd: int, buffers: list[memoryview | bytes], offset: int) -> None:
+        if self.read_only:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        super().pwrite(fd, buffers, offset)
 
 
-def test_a_corrupt_file_that_cannot_be_removed_is_an_io_error_logged_once(
+def test_an_entry_that_cannot_be_emptied_is_an_io_error_logged_once(
         config: DiskTierConfig, caplog: pytest.LogCaptureFixture) -> None:
-    with DiskHandlerContext(config, NS, file_ops=ReadOnlyOps()) as h:
+    ops = ReadOnlyOps()
+    with DiskHandlerContext(config, NS, file_ops=ops) as h:
         (key,) = keys(1)
         assert run(h, store((0,), (key,))).success
-        path_of(config, key).write_bytes(b"garbage")
+        at = block_at(config, key)
+        write_at(at.path, at.offset, b"garbage")
+        ops.read_only = True
         with caplog.at_level(logging.DEBUG, logger="kvoffload"):
             for _ in range(2):
                 assert not run(h, load((key,), (1,))).success
         assert [r for r in caplog.records if r.exc_info] == []
-        assert len([r for r in caplog.records if r.levelno >= logging.WARNING and "remove" in r.getMessage()]) == 1
-        assert h.breaker.errors == 4  # each load: the corrupt file, and the failed removal
+        assert len([r for r in caplog.records
+                    if r.levelno >= logging.WARNING and "cannot empty the entry" in r.getMessage()]) == 1
+        assert h.breaker.errors == 4  # each load: the corrupt block, and the entry that stayed
+    assert names(config, key)  # it did stay: the next load fails again, never loads garbage
 
 
 # ---- the tier's directory tree --------------------------------------------------------------------------------
@@ -173,51 +260,34 @@ def test_the_worker_refuses_a_world_writable_pre_created_tier_directory(config: 
         DiskHandler(config, make_pool(), NS, ENTRY)
 
 
-def test_the_worker_never_writes_into_a_symlinked_fan_out_directory(config: DiskTierConfig, tmp_path: Path) -> None:
-    (key,) = keys(1)
+def test_the_worker_never_writes_into_a_symlinked_rank_directory(config: DiskTierConfig, tmp_path: Path) -> None:
     victim = tmp_path / "victim"
-    victim.mkdir()
-    fan_out = path_of(config, key).parent
-    fan_out.parent.mkdir(parents=True)
-    fan_out.symlink_to(victim, target_is_directory=True)
-    with DiskHandlerContext(config, NS) as h:
-        assert not run(h, store((0,), (key,))).success
+    victim.mkdir(mode=0o700)
+    rank_dir = rank_directory(config.path, NS)
+    rank_dir.parent.mkdir(parents=True, mode=0o700)
+    config.path.chmod(0o700)
+    rank_dir.symlink_to(victim, target_is_directory=True)
+    with pytest.raises(ConfigError, match="symbolic link"):
+        DiskHandler(config, make_pool(), NS, ENTRY)
+    with pytest.raises(ConfigError, match="symbolic link"):
+        prepare(config)
     assert list(victim.iterdir()) == []
 
 
-def test_a_shared_group_tier_writes_group_readable_files(config: DiskTierConfig) -> None:
+def test_a_shared_group_tier_makes_group_readable_slot_and_lock_files(config: DiskTierConfig) -> None:
     shared = dataclasses.replace(config, shared_group=4242)
-    with DiskHandlerContext(shared, NS) as h:
-        (key,) = keys(1)
-        assert run(h, store((0,), (key,))).success
-    info = path_of(shared, key).stat()
-    assert stat.S_IMODE(info.st_mode) == 0o660 and info.st_gid == 4242
-
-
-def test_while_every_io_thread_is_stuck_jobs_fail_at_once_and_run_again_when_one_returns(
-        config: DiskTierConfig) -> None:
-    clock, ops = FakeClock(), StuckOps()
-    h = DiskHandler(config, make_pool(), NS, ENTRY, file_ops=ops, clock=clock)  # two I/O threads
+    index = DiskIndex.create(shared, NS, PLAIN.file_bytes(max(ENTRY)))  # the scheduler makes the files
     try:
-        ks = keys(3)
-        for slot, key in enumerate(ks):
-            assert run(h, store((slot,), (key,))).success
-        ops.stuck_path = "*"
-        for slot, key in enumerate(ks[:2]):
-            assert h.submit(load((key,), (4 + slot,)))
-            assert ops.entered.acquire(timeout=30)
-        clock.now += 5.0
-        reads = ops.reads
-        result = finishes(h, load(ks[2:], (6,)))
-        assert result is not None and not result.success and ops.reads == reads  # failed without a read
-        ops.stuck_path = ""
-        ops.release.set()
-        assert h._threads.wait_idle(30)
-        clock.now += 100.0  # past the breaker's cool-down too: the deadlines counted as errors
-        assert run(h, load(ks[2:], (6,))).success
+        with DiskHandlerContext(shared, NS) as h:
+            (key,) = keys(1)
+            assert run(h, store((0,), (key,))).success
+        world = world_directory(shared.path, NS)
+        for path in (block_at(shared, key).path, world / "engine-0.lock", world / "engines.lock"):
+            assert (mode_of(path), path.stat().st_gid) == (0o660, 4242), path
+        for directory in (shared.path, world, world / "rank0"):
+            assert (mode_of(directory), directory.stat().st_gid) == (0o2770, 4242), directory
     finally:
-        ops.release.set()
-        h.shutdown()
+        index.close()
 
 
 def test_a_disk_path_that_cannot_hold_the_tier_is_the_same_config_error_in_both_halves(tmp_path: Path) -> None:

@@ -50,6 +50,8 @@ class EngineNumber:
         for engine in range(MAX_ENGINES):
             fd = os.open(engine_lock_path(world_dir, engine), os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
                          access.file_mode)
+            with contextlib.suppress(OSError):  # the umask cut the group's bits; not ours to change when another
+                os.fchmod(fd, access.file_mode)  # engine of the group made it
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
