@@ -60,8 +60,6 @@ class EngineNumber:
             except OSError as e:  # no flock on this file system: numbers cannot be held, so none is shared
                 os.close(fd)
                 raise OSError(f"cannot lock {engine_lock_path(world_dir, engine)}: {e}") from e
-            with contextlib.suppress(OSError):  # the umask cut a shared group's bits; not ours if another made it
-                os.fchmod(fd, access.file_mode)
             self.engine, self._fd = engine, fd
             return
         raise OSError(f"{MAX_ENGINES} engines already run on {world_dir}")
