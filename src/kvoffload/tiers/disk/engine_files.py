@@ -50,8 +50,6 @@ class EngineNumber:
         for engine in range(MAX_ENGINES):
             fd = os.open(engine_lock_path(world_dir, engine), os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
                          access.file_mode)
-            with contextlib.suppress(OSError):  # the umask cut the group's bits; not ours to change when another
-                os.fchmod(fd, access.file_mode)  # engine of the group made it
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -60,6 +58,8 @@ class EngineNumber:
             except OSError as e:  # no flock on this file system: numbers cannot be held, so none is shared
                 os.close(fd)
                 raise OSError(f"cannot lock {engine_lock_path(world_dir, engine)}: {e}") from e
+            with contextlib.suppress(OSError):  # the umask cut a shared group's bits; only the number we hold
+                os.fchmod(fd, access.file_mode)
             self.engine, self._fd = engine, fd
             return
         raise OSError(f"{MAX_ENGINES} engines already run on {world_dir}")
