@@ -175,3 +175,25 @@ def test_two_engines_store_at_once_and_each_loads_the_others_blocks_bit_exact(co
         for h in engines:
             h.shutdown()
 
+
+
+def test_stores_into_a_slot_file_that_is_gone_are_disk_errors_that_trip_the_breaker(
+        handler: DiskHandler, config: DiskTierConfig) -> None:
+    """A load from a file that is not there is a miss (its engine stopped and was trimmed); a store into this
+    engine's own file that is not there is a fault, counted, or every store would fail unseen."""
+    os.unlink(block_at(config, keys(1)[0]).path)
+    for i in range(3):  # the config's breaker opens at three errors
+        assert not run(handler, store((0,), keys(1, salt=40 + i))).success
+    assert handler.breaker.is_open
+    prepare(config)
+    assert not run(handler, load(keys(1, salt=40), (1,))).success  # tier off for the cool-down: no I/O at all
+
+
+def test_a_load_from_a_slot_file_that_is_gone_is_a_miss_not_a_disk_error(
+        handler: DiskHandler, config: DiskTierConfig) -> None:
+    assert run(handler, store((0,), keys(1, salt=50))).success
+    os.unlink(block_at(config, keys(1, salt=50)[0]).path)
+    handler._reopen(handler._files[0])  # as after a failed read: the path no longer names the open file
+    errors = handler.breaker.errors
+    assert not run(handler, load(keys(1, salt=50), (1,))).success
+    assert handler.breaker.errors == errors

@@ -245,9 +245,11 @@ class DiskHandler(LowerTierHandler[_Block, _Job]):
                 return self._read(state, run, file, first)
             write_run(self._ops, file, first, [b.key for b in run],
                       [self._slots[b.slot, :b.nbytes].data for b in run], self._fingerprint, self._fmt)
-        except FileNotFoundError:
+        except FileNotFoundError as e:
+            if state.is_store:  # this engine's own file is gone: a fault, or every store would fail unseen
+                self._note_io_error(state, e)
             self._reopen_after(file)
-            return False  # A miss (its engine's files were trimmed), not a disk fault.
+            return False  # A load's miss (its engine's files were trimmed), not a disk fault.
         except CorruptBlockError as e:  # not a slot file where one should be
             self.breaker.record(False)
             logger.warning("disk tier: %s", e)
