@@ -32,7 +32,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvoffload.blocks import Medium, TransferJob
@@ -48,11 +48,12 @@ from kvoffload.tiers.disk.file_io import (
     write_run,
 )
 from kvoffload.tiers.disk.paths import rank_directory, slot_file_path
+from kvoffload.tiers.disk.runs import DiskBlock, DiskJob, runs
 from kvoffload.tiers.disk.slot_file import split_location
 from kvoffload.tiers.disk.tree import Access, open_tree
 from kvoffload.tiers.lower.block_format import CorruptBlockError, UnauthenticBlockError
 from kvoffload.tiers.lower.breaker import CircuitBreaker
-from kvoffload.tiers.lower.handler import SHUTDOWN_GRACE_S, LowerJob, LowerTierHandler
+from kvoffload.tiers.lower.handler import SHUTDOWN_GRACE_S, LowerTierHandler
 from kvoffload.tiers.lower.io_threads import IoThreads
 
 if TYPE_CHECKING:
@@ -63,34 +64,7 @@ logger = logging.getLogger(__name__)
 HOST_TO_DISK = (Medium.HOST, Medium.DISK)
 DISK_TO_HOST = (Medium.DISK, Medium.HOST)
 __all__ = ["DISK_TO_HOST", "HOST_TO_DISK", "SHUTDOWN_GRACE_S", "DiskHandler"]
-RUN_BYTES = 1 << 20
-"""A task moves at most this much of consecutive slots with one system call (fewer calls and Python steps per byte
-for small blocks; more, smaller tasks would not read faster)."""
-
-
-@dataclass(frozen=True)
-class _Block:
-    slot: int
-    key: OffloadKey
-    nbytes: int
-    place: int = -1
-    """The (engine, slot) ``location`` in the tier (``_plan`` sets it from the spec)."""
-
-
-@dataclass(eq=False)
-class _Job(LowerJob[_Block]):
-    remaining: int = 0
-    """Blocks not done yet (``_new_job`` sets it to all of them)."""
-    blockers: int = 0
-    """Earlier unfinished jobs with the same destinations; this job starts when they finish."""
-    dependents: list[_Job] = field(default_factory=list)
-    written: list[_Block] = field(default_factory=list)
-
-    def destinations(self) -> list[object]:
-        return [b.place for b in self.blocks] if self.is_store else [b.slot for b in self.blocks]
-
-
-class DiskHandler(LowerTierHandler[_Block, _Job]):
+class DiskHandler(LowerTierHandler[DiskBlock, DiskJob]):
     """Host pool <-> the slot files of one rank. Register it for both (HOST, DISK) and (DISK, HOST).
 
     Args:
@@ -125,7 +99,7 @@ class DiskHandler(LowerTierHandler[_Block, _Job]):
         self._deadline_s = config.read_deadline_s
         self.breaker = CircuitBreaker(config.breaker_errors, config.breaker_cooldown_s, clock)
         self._threads = IoThreads(config.io_threads, "kvoffload-disk", clock)
-        self._last_writer: dict[object, _Job] = {}
+        self._last_writer: dict[object, DiskJob] = {}
         self._down = False
         self._removal_failures = 0
         self.unauthentic_blocks = 0
@@ -135,10 +109,10 @@ class DiskHandler(LowerTierHandler[_Block, _Job]):
     def directory(self) -> str:
         return str(self._tree.rank_dir)
 
-    def _block(self, slot: int, key: OffloadKey, nbytes: int) -> _Block:
-        return _Block(slot, key, nbytes)
+    def _block(self, slot: int, key: OffloadKey, nbytes: int) -> DiskBlock:
+        return DiskBlock(slot, key, nbytes)
 
-    def _plan(self, job: TransferJob) -> _Job:
+    def _plan(self, job: TransferJob) -> DiskJob:
         state = super()._plan(job)
         places = self._sides(job)[1].slots
         if len(places) != len(state.blocks):
@@ -146,10 +120,10 @@ class DiskHandler(LowerTierHandler[_Block, _Job]):
         state.blocks = [replace(b, place=p) for b, p in zip(state.blocks, places, strict=True)]
         return state
 
-    def _new_job(self, job: TransferJob, blocks: list[_Block]) -> _Job:
-        return _Job(job, blocks, remaining=len(blocks))
+    def _new_job(self, job: TransferJob, blocks: list[DiskBlock]) -> DiskJob:
+        return DiskJob(job, blocks, remaining=len(blocks))
 
-    def _admit(self, state: _Job) -> bool:
+    def _admit(self, state: DiskJob) -> bool:
         """Order ``state`` after the unfinished jobs with one of its destinations (``TransferHandler``'s rule)."""
         for dst in state.destinations():
             earlier = self._last_writer.get(dst)
@@ -159,7 +133,7 @@ class DiskHandler(LowerTierHandler[_Block, _Job]):
             self._last_writer[dst] = state
         return state.blockers == 0
 
-    def _release(self, state: _Job) -> list[_Job]:
+    def _release(self, state: DiskJob) -> list[DiskJob]:
         for dst in state.destinations():
             if self._last_writer.get(dst) is state:
                 del self._last_writer[dst]
@@ -204,7 +178,7 @@ class DiskHandler(LowerTierHandler[_Block, _Job]):
                 del self._files[engine]
                 self._retired.append(file)
 
-    def _launch(self, state: _Job) -> None:
+    def _launch(self, state: DiskJob) -> None:
         state.start = self._clock()
         if not state.blocks or not self.breaker.allow() or self._all_stuck():
             self._end(state, failed=bool(state.blocks))
@@ -212,7 +186,7 @@ class DiskHandler(LowerTierHandler[_Block, _Job]):
         for run in runs(state.blocks, self._threads.size):
             self._threads.submit(functools.partial(self._run_task, state, run))
 
-    def _run_task(self, state: _Job, run: list[_Block]) -> None:
+    def _run_task(self, state: DiskJob, run: list[DiskBlock]) -> None:
         ok = False
         try:
             ok = self._copy(state, run)
@@ -231,7 +205,7 @@ class DiskHandler(LowerTierHandler[_Block, _Job]):
         if last:
             self._end(state, failed=False)
 
-    def _copy(self, state: _Job, run: list[_Block]) -> bool:
+    def _copy(self, state: DiskJob, run: list[DiskBlock]) -> bool:
         """Move a run of blocks at consecutive slots; False on any data-path failure (the breaker hears of all but
         plain misses)."""
         if state.failed or state.finished or not self.breaker.allow() or self._is_late(state):
@@ -260,7 +234,7 @@ class DiskHandler(LowerTierHandler[_Block, _Job]):
         self.breaker.record(True, since)
         return True
 
-    def _read(self, state: _Job, run: list[_Block], file: SlotFile, first: int) -> bool:
+    def _read(self, state: DiskJob, run: list[DiskBlock], file: SlotFile, first: int) -> bool:
         """Read the run off the disk, then put it into its host slots if the job is live and on time."""
         since = self.breaker.errors
         puts = read_run(self._ops, file, first, [b.key for b in run], run[0].nbytes, self._fingerprint, self._fmt)
@@ -298,12 +272,12 @@ class DiskHandler(LowerTierHandler[_Block, _Job]):
         self._reopen(file)
         return False
 
-    def _is_late(self, state: _Job) -> bool:
+    def _is_late(self, state: DiskJob) -> bool:
         """A read job past its deadline is a miss: the engine recomputes rather than wait on a slow disk."""
         return (not state.is_store and state.start is not None
                 and self._clock() - state.start > self._deadline_s)
 
-    def _wait_slice(self, state: _Job) -> float:
+    def _wait_slice(self, state: DiskJob) -> float:
         """How long to wait for ``state`` before checking the deadlines again."""
         if state.is_store or state.start is None:
             return self._deadline_s
@@ -362,36 +336,18 @@ class DiskHandler(LowerTierHandler[_Block, _Job]):
         else:
             logger.debug("disk tier: %s", error)
 
-    def _note_io_error(self, state: _Job, error: OSError) -> None:
+    def _note_io_error(self, state: DiskJob, error: OSError) -> None:
         self.breaker.record(False)
         if not self.breaker.is_open:
             logger.debug("disk tier: job %d: %s", state.job.job_id, error)
 
-    def _settle(self, state: _Job) -> None:
+    def _settle(self, state: DiskJob) -> None:
         if state.failed:
             for block in state.written:  # A failed store is never indexed: no engine may find its blocks.
                 engine, slot = split_location(block.place)
                 self._clear(self._files.get(engine), slot, block.key)
 
 
-def runs(blocks: list[_Block], threads: int) -> list[list[_Block]]:
-    """A job's blocks as tasks: blocks at consecutive places of one file, at most ``RUN_BYTES`` and an even share
-    of the job, so that every thread has work and a task is one system call."""
-    most = max(1, min(RUN_BYTES // max(1, blocks[0].nbytes), -(-len(blocks) // threads)))
-    out: list[list[_Block]] = []
-    run: list[_Block] = []
-    for block in sorted(blocks, key=lambda b: b.place):
-        last = run[-1].place if run else -2
-        if run and (block.place != last + 1 or len(run) == most or split_location(last)[0] != split_location(
-                block.place)[0]):
-            out.append(run)
-            run = []
-        run.append(block)
-    if run:
-        out.append(run)
-    return out
-
-
-def _unblock(dependent: _Job) -> bool:
+def _unblock(dependent: DiskJob) -> bool:
     dependent.blockers -= 1
     return dependent.blockers == 0
