@@ -1,12 +1,12 @@
 """MLA at tensor_parallel_size=2 on vLLM's CPU backend: one copy in the shared tier, written once, loaded by both.
 
 Every rank of a latent-attention model holds the same bytes, so the disk tier keeps one copy of each block
-(``<world>/replicated/``) that only rank 0 writes and both ranks load (docs/mla.md). A host tier of 512 tokens per
-rank holds at most two of the four 200-token prefixes (the device cache computes two prompts at a time, both
-filling at once): the second round's hits come back from disk. The baseline is plain vLLM at TP=2 reusing its own
-cached KV (``tests.e2e.mla.cached_baseline``: CPU MLA turns vLLM's prefix caching off; the patch that leaves it on
-reaches the engine processes because they are forked here), with its control built the same way. Like
-test_mla_model.py, it runs on every MLA backend of ``tests.e2e.mla.mla_backends()``, each with its own block size.
+(``<world>/replicated/engine-<n>.kvs``) that only rank 0 writes and both ranks load (docs/mla.md). A host tier of 512
+tokens per rank holds at most two of the four 200-token prefixes (the device cache computes two prompts at a time, both
+filling at once): the second round's hits come back from disk. The baseline is plain vLLM at TP=2 reusing its own cached
+KV (``tests.e2e.mla.cached_baseline``: CPU MLA turns vLLM's prefix caching off; the patch that leaves it on reaches the
+engine processes because they are forked here), with its control built the same way. Like test_mla_model.py, it runs on
+every MLA backend of ``tests.e2e.mla.mla_backends()``, each with its own block size.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from tests.e2e.conftest import (
 )
 from tests.e2e.mla import SHAPE, MlaBackend, cached_baseline, hit_tokens, latent_page
 
+from kvoffload.testing.slot_files import slot_files, stored_blocks
 from kvoffload.tools.vllm.model import ModelFamily, write_tiny_model
 
 pytestmark = pytest.mark.e2e
@@ -72,6 +73,7 @@ class Run:
     outputs: dict[str, list[Result]]
     rank_dirs: list[str]
     files: int
+    """Blocks the slot files' tables name (each written once, by one rank)."""
     counted: dict[str, float]
     """Bytes summed over both ranks, per direction, over both rounds."""
 
@@ -87,8 +89,8 @@ def run(model_dir: Path, backend: MlaBackend, tmp_path_factory: pytest.TempPathF
                    for d in ("host_to_disk", "disk_to_host", "host_to_device")}
     finally:
         close(llm)
-    files = list(disk.glob("*/*/*/*.kvb"))
-    return Run(outputs, sorted({f.parent.parent.name for f in files}), len(files), counted)
+    blocks = [block for path in slot_files(disk) for block in stored_blocks(path)]
+    return Run(outputs, sorted({b.path.parent.name for b in blocks}), len(blocks), counted)
 
 
 def test_outputs_equal_plain_vllm_at_tp2(run: Run, backend: MlaBackend, tp_baseline: Baseline) -> None:
@@ -100,7 +102,7 @@ def test_outputs_equal_plain_vllm_at_tp2(run: Run, backend: MlaBackend, tp_basel
 def test_the_disk_tier_holds_one_copy_written_once(run: Run, backend: MlaBackend) -> None:
     block = block_bytes(backend)
     assert run.rank_dirs == ["replicated"] and run.files > host_blocks(backend)
-    # Rank 1's writes are skipped: the bytes written, summed over both ranks, are at most one copy of each file
+    # Rank 1's writes are skipped: the bytes written, summed over both ranks, are at most one copy of each block
     # (two writers would have written twice that; the last writes may end after the metrics were read).
     assert run.files * block / 2 < run.counted["host_to_disk"] <= run.files * block
 

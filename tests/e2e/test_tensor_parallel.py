@@ -1,10 +1,11 @@
 """kvoffload under tensor parallelism: real vLLM at ``tensor_parallel_size=2`` on the CPU backend.
 
 Two worker processes (ranks 0 and 1, gloo between them) each hold half of the model's KV heads, so each rank's worker
-half stores its own shard: the disk tier keeps one directory per rank (``tiers.disk.paths.rank_directory``),
-holding files of the same names (keys are the same on every rank) with different bytes and each rank's own namespace
-fingerprint in the header. The one scheduler half counts a job done only when both ranks reported it, and unions the
-ranks' failures: a block that fails to load on one rank is recomputed on both.
+half stores its own shard: the disk tier keeps one directory per rank (``tiers.disk.paths.rank_directory``), each with a
+slot file of the engine's number whose table names the same blocks at the same slots (keys are the same on every rank),
+with different bytes and each rank's own namespace fingerprint in the block's header. The one scheduler half counts a
+job done only when both ranks reported it, and unions the ranks' failures: a block that fails to load on one rank is
+recomputed on both.
 
 Plain vLLM at TP=2 is the baseline, with its control (tests/e2e/conftest.py): one changed prompt token must move
 its outputs, so the comparisons below can fail.
@@ -35,13 +36,14 @@ from tests.e2e.conftest import (
     prompts,
 )
 
+from kvoffload.testing.slot_files import StoredBlock, slot_files, stored_blocks
 from kvoffload.tiers.lower.block_format import HEADER_BYTES
 
 pytestmark = pytest.mark.e2e
 
 SLOT_BYTES = 8192
 """One rank's bytes per block of the tiny model: 2 layers x 1 of its 2 KV heads x 32 tokens x K and V x 32 x bf16."""
-FINGERPRINT = slice(16, 32)  # the namespace fingerprint in a block file's header (tiers/lower/block_format.py)
+FINGERPRINT = slice(16, 32)  # the namespace fingerprint in a block's header (tiers/lower/block_format.py)
 ROUNDS = {"first": (7, 8), "second": (9, 10, 11), "third": (12, 13)}
 """The same four prefixes with new tails each round: one engine stores them, loads them, then fails to on rank 1."""
 HOST_BLOCKS = 8
@@ -68,7 +70,8 @@ class Run:
 
     outputs: dict[str, list[Result]]
     files: dict[str, dict[str, bytes]]
-    """Rank directory name -> (file name -> contents), as the first two rounds left the disk tier."""
+    """Rank directory name -> (block -> its bytes) of the blocks the slot files' tables name, as the first two rounds
+    left the disk tier (a block: its file's name, slot and name in the table)."""
     damaged: int
     counts: dict[str, dict[str, float]]
     """Round -> metric (``COUNTED``) -> what it counted in that round, summed over both ranks."""
@@ -90,7 +93,7 @@ def counted(llm: vllm.LLM) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def run(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, tp_baseline: Baseline) -> Run:
-    """Store the prefixes, load them back from disk on both ranks, damage rank 1's files, load them again."""
+    """Store the prefixes, load them back from disk on both ranks, damage rank 1's blocks, load them again."""
     disk = tmp_path_factory.mktemp("tp-disk")
     llm = make_tp_llm(model_dir, {"host_bytes": HOST_BLOCKS * SLOT_BYTES, "disk_path": str(disk)})
     outputs, counts, files, damaged, host_used = {}, {}, {}, 0, 0.0
@@ -111,23 +114,38 @@ def run(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, tp_baseline: 
     return Run(outputs, files, damaged, counts, host_used)
 
 
+def rank_blocks(disk: Path) -> dict[str, list[StoredBlock]]:
+    """Rank directory name -> the blocks its slot files' tables name."""
+    ranks: dict[str, list[StoredBlock]] = {}
+    for path in slot_files(disk):
+        if path.parent.name.startswith("rank"):
+            ranks.setdefault(path.parent.name, []).extend(stored_blocks(path))
+    return ranks
+
+
 def block_files(disk: Path) -> dict[str, dict[str, bytes]]:
-    """Rank directory name -> (file name -> contents) of every block file under ``disk``."""
+    """Rank directory name -> (``<file>:<slot>:<name>`` -> the block's bytes) of every block the slot files'
+    tables name under ``disk``."""
     ranks: dict[str, dict[str, bytes]] = {}
-    for path in disk.glob("*/rank*/*/*.kvb"):
-        ranks.setdefault(path.parent.parent.name, {})[path.name] = path.read_bytes()
+    for rank, blocks in rank_blocks(disk).items():
+        contents = ranks.setdefault(rank, {})
+        for block in blocks:
+            with open(block.path, "rb") as f:
+                f.seek(block.offset)
+                contents[f"{block.path.name}:{block.slot}:{block.name.hex()}"] = f.read(block.nbytes)
     return ranks
 
 
 def corrupt_payloads(disk: Path, rank: int) -> int:
-    """Flip one payload byte of every block file of rank ``rank`` (its checksum then fails); how many."""
-    count = 0
-    for path in disk.glob(f"*/rank{rank}/*/*.kvb"):
-        data = bytearray(path.read_bytes())
-        data[HEADER_BYTES + 100] ^= 0xFF
-        path.write_bytes(bytes(data))
-        count += 1
-    return count
+    """Flip one payload byte of every block rank ``rank``'s tables name (its checksum then fails); how many."""
+    blocks = rank_blocks(disk).get(f"rank{rank}", [])
+    for block in blocks:
+        with open(block.path, "r+b") as f:
+            f.seek(block.offset + HEADER_BYTES + 100)
+            byte = f.read(1)[0]
+            f.seek(block.offset + HEADER_BYTES + 100)
+            f.write(bytes([byte ^ 0xFF]))
+    return len(blocks)
 
 
 def test_outputs_equal_plain_vllm_at_tp2(run: Run, tp_baseline: Baseline) -> None:

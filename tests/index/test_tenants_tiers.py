@@ -4,10 +4,11 @@ below or promoted, new quotas take effect without a restart, and each tier count
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.index.test_tiered import NS, VALUE, Layout, Tier, finish_all, keys
+from tests.index.test_tiered import NS, VALUE, Layout, Tier, disk_bytes, finish_all, keys
 from tests.index.workloads import key
 from tests.index.workloads import keys as int_keys
 
@@ -24,12 +25,15 @@ SHARES = {"a": 0.5, "b": 0.4}
 
 
 @pytest.fixture(params=[Medium.DISK, Medium.REMOTE], ids=["disk", "remote"])
-def lower(request: pytest.FixtureRequest, tmp_path: Path) -> Tier:
-    """The tier under host: the disk, or the remote tier on a real redis-server."""
+def lower(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
+    """The tier under host: the disk, or the remote tier on a real redis-server (its indexes closed after)."""
     if request.param == Medium.DISK:
-        return Tier(Medium.DISK, tmp_path)
-    return Tier(Medium.REMOTE, tmp_path, request.getfixturevalue("redis_client"),
-                request.getfixturevalue("redis_server").url)
+        made = Tier(Medium.DISK, tmp_path)
+    else:
+        made = Tier(Medium.REMOTE, tmp_path, request.getfixturevalue("redis_client"),
+                    request.getfixturevalue("redis_server").url)
+    yield made
+    made.close()
 
 
 def book_of(shares: dict[str, float], default: float = 0.1) -> TenantBook:
@@ -41,13 +45,16 @@ def tiered(lower: Tier, book: TenantBook | None, host_slots: int = 4, lower_bloc
     host = SlotIndex(host_slots, tier_policy(book, EvictionPolicy.LRU, host_slots, "host"))
     context = TierContext(NS, Layout(), 2, book)  # type: ignore[arg-type]
     if lower.medium == Medium.DISK:
-        config = DiskTierConfig(path=lower.tmp_path, capacity_bytes=lower_blocks * VALUE)
-        return TieredIndex(host, [Below(DiskTierSpec(config).make_index(context), WritePolicy.WRITE_THROUGH)])
-    from kvoffload.tiers.remote.index import RemoteIndex
+        config = DiskTierConfig(path=lower.tmp_path, capacity_bytes=disk_bytes(lower_blocks))
+        made = TieredIndex(host, [Below(DiskTierSpec(config).make_index(context), WritePolicy.WRITE_THROUGH)])
+    else:
+        from kvoffload.tiers.remote.index import RemoteIndex
 
-    remote = RemoteTierConfig(urls=(lower.url,), capacity_bytes=lower_blocks * VALUE)
-    return TieredIndex(host, [Below(RemoteIndex.create(remote, NS, VALUE, context.policy),
-                                    WritePolicy.WRITE_THROUGH)])
+        remote = RemoteTierConfig(urls=(lower.url,), capacity_bytes=lower_blocks * VALUE)
+        made = TieredIndex(host, [Below(RemoteIndex.create(remote, NS, VALUE, context.policy),
+                                        WritePolicy.WRITE_THROUGH)])
+    lower.made.append(made)
+    return made
 
 
 def store_as(lower: Tier, m: TieredIndex, book: TenantBook | None, tenant: str, ks: list[OffloadKey]) -> None:

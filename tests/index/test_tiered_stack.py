@@ -1,17 +1,19 @@
 """TieredIndex with two tiers below host, disk and remote (a real redis-server), beside each other.
 
 The disk is asked first; a prefix may be promoted from both in one lookup; a block promoted from the remote tier
-is written to disk; each tier keeps its own write policy and its own failures.
+is written to disk; each tier keeps its own write policy and its own failures. The workers keep what the disk
+tier's slots hold (``tests.index.test_tiered.SlotFiles``): a disk load sent anywhere but its block fails the test.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.index.test_tiered import SlotFiles, disk_bytes, named
 
 from kvoffload.blocks import HostBlocks, Medium, TierBlocks
 from kvoffload.config import DiskTierConfig, OffloadConfig, RemoteTierConfig, WritePolicy
@@ -40,29 +42,51 @@ def keys(n: int, salt: int = 0) -> list[OffloadKey]:
 
 
 @pytest.fixture
-def make(tmp_path: Path, redis_client: Any, redis_server: Any) -> Callable[..., TieredIndex]:
+def make(tmp_path: Path, redis_client: Any, redis_server: Any) -> Iterator[Callable[..., TieredIndex]]:
+    made: list[TieredIndex] = []
+
     def make(host_slots: int = 4, disk_blocks: int = 16,
              disk_policy: WritePolicy = WritePolicy.WRITE_THROUGH) -> TieredIndex:
         from kvoffload.tiers.remote.index import RemoteIndex
 
-        disk = DiskTierConfig(path=tmp_path, capacity_bytes=disk_blocks * VALUE, write_policy=disk_policy)
+        disk = DiskTierConfig(path=tmp_path, capacity_bytes=disk_bytes(disk_blocks), write_policy=disk_policy)
         remote = RemoteIndex.create(RemoteTierConfig(urls=(redis_server.url,), capacity_bytes=64 * VALUE),
                                           NS, VALUE)
         below = DiskTierSpec(disk).make_index(TierContext(NS, Layout(), 2))
-        return TieredIndex(SlotIndex(host_slots), (Below(below, disk_policy), Below(remote)))
-    return make
+        made.append(TieredIndex(SlotIndex(host_slots), (Below(below, disk_policy), Below(remote))))
+        return made[-1]
+    yield make
+    for index in made:  # the disk index's thread and engine number
+        index.close()
+
+
+FILES = SlotFiles()
+"""What the disk tier's slots hold; each test starts it empty (``_empty_files``)."""
+
+
+@pytest.fixture(autouse=True)
+def _empty_files() -> None:
+    FILES.held.clear()
+    FILES.checked = 0
 
 
 class Workers:
-    """The workers' part: a remote write that succeeds leaves a value; ``fail`` makes one medium's writes fail."""
+    """The workers' part: a disk write that succeeds leaves its blocks at their slots and a disk read must find
+    them there (``FILES``); a remote write that succeeds leaves a value; ``fail`` makes one medium's transfers
+    fail."""
 
     def __init__(self, client: Any, fail: Medium | None = None) -> None:
         self.client, self.fail = client, fail
 
     def finish(self, m: TieredIndex, transfer: TierTransfer, success: bool = True) -> None:
         success = success and self.fail not in (transfer.src.medium, transfer.dst.medium)
-        if success and isinstance(transfer.dst, TierBlocks) and transfer.dst.medium == Medium.REMOTE:
-            for key in transfer.dst.keys:
+        src, dst = transfer.src, transfer.dst
+        if isinstance(dst, TierBlocks) and dst.medium == Medium.DISK:
+            FILES.write(dst, success)
+        if isinstance(src, TierBlocks) and src.medium == Medium.DISK:
+            FILES.read(src, success)
+        if success and isinstance(dst, TierBlocks) and dst.medium == Medium.REMOTE:
+            for key in dst.keys:
                 self.client.set(value_name(NS, PLAIN, key), b"v")
         m.complete_transfer(transfer, success)
 
@@ -119,7 +143,7 @@ def test_a_block_on_both_tiers_is_promoted_from_disk(make: Any, redis_client: An
     evict_from_host(m, workers, 2)
     assert m.lookup(ks) == LookupResult(0, pending=True)
     (promotion,) = m.take_transfers()
-    assert promotion.src == TierBlocks(Medium.DISK, tuple(ks), (2,))
+    assert named(promotion.src) == TierBlocks(Medium.DISK, tuple(ks), (2,))
 
 
 def test_a_block_only_in_the_remote_tier_is_promoted_from_it_then_written_to_disk(
@@ -135,7 +159,7 @@ def test_a_block_only_in_the_remote_tier_is_promoted_from_it_then_written_to_dis
     assert promotion.src == TierBlocks(Medium.REMOTE, tuple(ks), (2,)) and isinstance(promotion.dst, HostBlocks)
     Workers(redis_client).finish(m, promotion)
     (write,) = m.take_transfers()
-    assert write.src == promotion.dst and write.dst == TierBlocks(Medium.DISK, tuple(ks), (2,))
+    assert write.src == promotion.dst and named(write.dst) == TierBlocks(Medium.DISK, tuple(ks), (2,))
     Workers(redis_client).finish(m, write)
     assert m.lookup(ks).hits == 2 and m.lower_indexes[0].lookup(ks).hits == 2
     m.check_integrity()
@@ -148,7 +172,7 @@ def test_a_prefix_split_between_disk_and_remote_is_promoted_from_both_in_one_loo
     split_between_disk_and_remote(m, ks, redis_client)
     assert m.lookup(ks) == LookupResult(0, pending=True)
     promotions = m.take_transfers()
-    assert [p.src for p in promotions] == [TierBlocks(Medium.DISK, tuple(ks[:2]), (2,)),
+    assert [named(p.src) for p in promotions] == [TierBlocks(Medium.DISK, tuple(ks[:2]), (2,)),
                                            TierBlocks(Medium.REMOTE, tuple(ks[2:]), (2,))]
     dst = [s for p in promotions if isinstance(p.dst, HostBlocks) for s in p.dst.slots]
     assert len(set(dst)) == 4  # four distinct host slots
@@ -182,7 +206,7 @@ def test_a_slow_remote_tier_ends_the_hit_where_the_disk_run_ends(make: Any, redi
     split_between_disk_and_remote(m, ks, redis_client)
     assert m.lookup(ks) == LookupResult(0, pending=True)
     (promotion,) = m.take_transfers()
-    assert promotion.src == TierBlocks(Medium.DISK, tuple(ks[:2]), (2,))
+    assert named(promotion.src) == TierBlocks(Medium.DISK, tuple(ks[:2]), (2,))
 
 
 def test_on_evict_disk_beside_write_through_remote(make: Any, redis_client: Any) -> None:
@@ -241,6 +265,7 @@ def test_random_workload_keeps_all_three_tiers_consistent(make: Any, redis_clien
     workers.finish_all(m)
     m.check_integrity()
     assert promoted > 10  # the workload did exercise promotions
+    assert FILES.checked > 10  # and disk loads, each from where its block was written
 
 
 def test_disk_and_remote_configured_together_build_host_over_both(tmp_path: Path, redis_server: Any) -> None:
@@ -251,5 +276,8 @@ def test_disk_and_remote_configured_together_build_host_over_both(tmp_path: Path
     config = OffloadConfig.from_dict({"host_bytes": 1 << 20, "disk_path": str(tmp_path), "disk_bytes": 1 << 24,
                                       "remote_url": redis_server.url})
     manager = build_index(config, TierContext(NS, layout, 1))
-    assert isinstance(manager, TieredIndex)
-    assert [u.medium for u in manager.usage()] == [Medium.HOST, Medium.DISK, Medium.REMOTE]
+    try:
+        assert isinstance(manager, TieredIndex)
+        assert [u.medium for u in manager.usage()] == [Medium.HOST, Medium.DISK, Medium.REMOTE]
+    finally:
+        manager.close()

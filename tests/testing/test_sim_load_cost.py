@@ -1,8 +1,10 @@
 """Cost-aware loading in the simulated engine: a deliberately slow disk tier's hits are skipped (recomputed, and
-counted), a fast one's are loaded. The slowness is a fake clock that each disk read advances, so nothing waits."""
+counted), a fast one's are loaded. The slowness is a fake clock that each disk read advances by a time per block
+it reads, so nothing waits."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -10,9 +12,11 @@ import pytest
 from kvoffload.blocks import Medium
 from kvoffload.testing import sim_workload
 from kvoffload.testing.sim import SimEngine, Status
-from kvoffload.testing.sim_workload import tokens
+from kvoffload.testing.sim_workload import close_engine, tokens
+from kvoffload.testing.slot_files import slot_files, stored_blocks
 from kvoffload.tiers.disk.file_io import FileOps
 from kvoffload.tiers.disk.handler import DiskHandler
+from kvoffload.tiers.lower.block_format import file_bytes
 
 PREFILL_TOKENS_PER_S = 1_000.0  # recomputing a 4-block (16-token) prefix costs 16 ms
 
@@ -26,23 +30,37 @@ class FakeClock:
 
 
 class SlowReads(FileOps):
-    """Each block read takes ``seconds`` of the fake clock's time."""
+    """Each block read takes ``seconds`` of the fake clock's time (a run of blocks read at once: as many times)."""
 
-    def __init__(self, clock: FakeClock, seconds: float) -> None:
-        self.clock, self.seconds = clock, seconds
+    def __init__(self, clock: FakeClock, seconds: float, block_bytes: int) -> None:
+        self.clock, self.seconds, self.block_bytes = clock, seconds, block_bytes
 
-    def read_into(self, path: str, buffers: list[memoryview]) -> int:
-        self.clock.now += self.seconds
-        return super().read_into(path, buffers)
+    def pread_into(self, fd: int, buffers: list[memoryview], offset: int) -> int:
+        if offset:  # offset 0: a slot file's header, read once as the file is opened
+            self.clock.now += self.seconds * (sum(len(b) for b in buffers) // self.block_bytes)
+        return super().pread_into(fd, buffers, offset)
+
+
+MADE: list[SimEngine] = []
+"""The test's engines, closed when it ends (``_close_engines``)."""
+
+
+@pytest.fixture(autouse=True)
+def _close_engines() -> Iterator[None]:
+    yield
+    while MADE:
+        close_engine(MADE.pop())
 
 
 def make_engine(disk: Path, read_seconds: float, **config: object) -> SimEngine:
     clock = FakeClock()
-    engine = sim_workload.make_engine(host_blocks=4, clock=clock, disk_path=str(disk), disk_bytes=1 << 22,
+    engine = sim_workload.make_engine(host_blocks=4, clock=clock, disk_path=str(disk), disk_bytes=1 << 20,
                                       prefill_tokens_per_s=PREFILL_TOKENS_PER_S, disk_read_deadline_ms=1e9, **config)
+    MADE.append(engine)
+    block_bytes = file_bytes(max(engine.layout.group_block_bytes(g) for g in range(len(engine.layout.groups))))
     for handler in engine.workers[0].transfers.handlers:
         if isinstance(handler, DiskHandler):
-            handler._ops = SlowReads(clock, read_seconds)  # the disk tier's system-call seam
+            handler._ops = SlowReads(clock, read_seconds, block_bytes)  # the disk tier's system-call seam
     return engine
 
 
@@ -92,4 +110,4 @@ def test_never_writes_the_lower_tier_but_does_not_read_it(tmp_path: Path) -> Non
     engine = make_engine(tmp_path, 0.0001, load_policy="never")
     assert reload_from_disk(engine, rounds=2) == [0, 0]
     assert engine.scheduler.load_cost.skipped_blocks == 2 * 4
-    assert list(tmp_path.rglob("*.kvb"))  # written all the same
+    assert [block for p in slot_files(tmp_path) for block in stored_blocks(p)]  # written all the same

@@ -1,10 +1,12 @@
 """Latent attention (MLA) in the simulated engine with two tensor-parallel workers: every rank holds the same
-bytes, so the disk and remote tiers keep one copy, written once by rank 0 and loaded bit-exact by both ranks; a
-per-rank layout keeps two copies, and a rank whose bytes were not the same as rank 0's is caught."""
+bytes, so the disk and remote tiers keep one copy (on disk: one ``replicated/engine-<n>.kvs``), written once by
+rank 0 and loaded bit-exact by both ranks; a per-rank layout keeps two copies, and a rank whose bytes were not the
+same as rank 0's is caught."""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,21 +15,37 @@ import pytest
 from kvoffload.testing import layouts, sim_workload
 from kvoffload.testing.redis_server import RedisServer
 from kvoffload.testing.sim import SimEngine, Status
-from kvoffload.testing.sim_workload import tokens
+from kvoffload.testing.sim_workload import close_engine, tokens
+from kvoffload.testing.slot_files import slot_files, stored_blocks
 from kvoffload.tiers.disk import handler as disk_handler
 from kvoffload.transfer.skip_writes import SkipWrites
 
 BLOCK = 4
 PROMPT_BLOCKS = 4  # 16-token prompts
+MADE: list[SimEngine] = []
+"""The test's engines, closed when it ends (``_close_engines``)."""
+
+
+@pytest.fixture(autouse=True)
+def _close_engines() -> Iterator[None]:
+    yield
+    while MADE:
+        close_engine(MADE.pop())
 
 
 def make_engine(tier: dict[str, Any], layout_name: str = "latent", host_blocks: int = 4) -> SimEngine:
-    return sim_workload.make_engine(layouts.ALL_LAYOUTS[layout_name], block_size=BLOCK, host_blocks=host_blocks,
-                                    workers=2, **tier)
+    MADE.append(sim_workload.make_engine(layouts.ALL_LAYOUTS[layout_name], block_size=BLOCK,
+                                         host_blocks=host_blocks, workers=2, **tier))
+    return MADE[-1]
 
 
 def disk_tier(path: Path) -> dict[str, Any]:
-    return {"disk_path": str(path), "disk_bytes": 1 << 24}
+    return {"disk_path": str(path), "disk_bytes": 1 << 20}
+
+
+def table_entries(root: Path) -> list[tuple[str, bytes]]:
+    """(file, name) of every block the slot files under ``root`` name."""
+    return sorted((str(b.path), b.name) for p in slot_files(root) for b in stored_blocks(p))
 
 
 def run_checked(engine: SimEngine) -> None:
@@ -49,21 +67,21 @@ def offload_then_reload(engine: SimEngine) -> Any:
 
 
 @pytest.fixture
-def writes(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
-    """How many times each block file was written (the disk handler's one write call)."""
-    counts: Counter[str] = Counter()
-    real = disk_handler.write_block
+def writes(monkeypatch: pytest.MonkeyPatch) -> Counter[tuple[str, bytes]]:
+    """How many times each block was written, by (slot file, key) (the disk handler's one write call, per run)."""
+    counts: Counter[tuple[str, bytes]] = Counter()
+    real = disk_handler.write_run
 
-    def counting(ops: Any, path: str, *args: Any, **kwargs: Any) -> Any:
-        counts[path] += 1
-        return real(ops, path, *args, **kwargs)
+    def counting(ops: Any, file: Any, first: int, keys: Any, *args: Any, **kwargs: Any) -> Any:
+        counts.update((file.path, bytes(key)) for key in keys)
+        return real(ops, file, first, keys, *args, **kwargs)
 
-    monkeypatch.setattr(disk_handler, "write_block", counting)
+    monkeypatch.setattr(disk_handler, "write_run", counting)
     return counts
 
 
 def test_replicated_blocks_are_one_copy_on_disk_written_once_and_both_ranks_load_it(
-        tmp_path: Path, writes: Counter[str]) -> None:
+        tmp_path: Path, writes: Counter[tuple[str, bytes]]) -> None:
     engine = make_engine(disk_tier(tmp_path))
     b = offload_then_reload(engine)
     assert b.status is Status.FINISHED
@@ -71,19 +89,21 @@ def test_replicated_blocks_are_one_copy_on_disk_written_once_and_both_ranks_load
     assert engine.corrupt_blocks == [] and engine.verified_blocks >= PROMPT_BLOCKS  # both ranks' bytes checked
     (world,) = tmp_path.iterdir()
     assert [p.name for p in world.iterdir() if p.is_dir()] == ["replicated"]
-    files = sorted(str(p) for p in tmp_path.rglob("*.kvb"))
-    assert len(files) == 4 * PROMPT_BLOCKS  # "a" and three fillers, once each
-    assert sorted(writes) == files and set(writes.values()) == {1}
+    assert [p.relative_to(world).parts for p in slot_files(tmp_path)] == [("replicated", "engine-0.kvs")]
+    entries = table_entries(tmp_path)
+    assert len(entries) == 4 * PROMPT_BLOCKS  # "a" and three fillers, once each
+    assert sorted(writes) == entries and set(writes.values()) == {1}
     assert [any(isinstance(h, SkipWrites) for h in w.transfers.handlers) for w in engine.workers] == [False, True]
 
 
-def test_a_per_rank_layout_keeps_a_copy_per_rank(tmp_path: Path, writes: Counter[str]) -> None:
+def test_a_per_rank_layout_keeps_a_copy_per_rank(tmp_path: Path, writes: Counter[tuple[str, bytes]]) -> None:
     engine = make_engine(disk_tier(tmp_path), layout_name="attention")
     b = offload_then_reload(engine)
     assert b.loaded_tokens == 16 and engine.corrupt_blocks == []
     (world,) = tmp_path.iterdir()
     assert sorted(p.name for p in world.iterdir() if p.is_dir()) == ["rank0", "rank1"]
-    assert len(list(tmp_path.rglob("*.kvb"))) == len(writes) == 2 * 4 * PROMPT_BLOCKS
+    assert [p.parent.name for p in slot_files(tmp_path)] == ["rank0", "rank1"]
+    assert len(table_entries(tmp_path)) == len(writes) == 2 * 4 * PROMPT_BLOCKS
 
 
 def test_a_rank_whose_bytes_differ_from_rank_0s_loads_wrong_bytes_and_is_caught(tmp_path: Path) -> None:
@@ -98,11 +118,11 @@ def test_rank_0s_failed_write_fails_the_store_for_every_rank(tmp_path: Path, mon
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(disk_handler, "write_block", refuse)
+    monkeypatch.setattr(disk_handler, "write_run", refuse)
     engine = make_engine(disk_tier(tmp_path))
     b = offload_then_reload(engine)
     assert b.status is Status.FINISHED and b.loaded_tokens == 0  # nothing was indexed: recomputed
-    assert engine.corrupt_blocks == [] and list(tmp_path.rglob("*.kvb")) == []
+    assert engine.corrupt_blocks == [] and table_entries(tmp_path) == []
 
 
 # ---- the remote tier (a real redis-server) ------------------------------------------------------------------

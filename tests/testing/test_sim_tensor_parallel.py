@@ -6,8 +6,9 @@ simulated engine: a page's bytes are a function of its tokens and of the rank th
 visible. The properties, each shown once to catch a deliberately wrong result (a ``mutant`` case or a test
 named ``..._is_caught``):
 
-- each rank stores its own shard under its own namespace: disk files under ``rank0/`` and ``rank1/``, of the
-  same names, each holding its rank's device bytes and its rank's namespace fingerprint;
+- each rank stores its own shard under its own namespace: a slot file of the same engine number under ``rank0/``
+  and under ``rank1/``, whose tables name the same blocks at the same slots, each block holding its rank's device
+  bytes and its rank's namespace fingerprint;
 - a job counts as finished only when both ranks reported it (one rank's report leaves it pending);
 - a load that fails on one rank only is recomputed on both, and every rank's device bytes are right afterwards.
 """
@@ -15,6 +16,7 @@ named ``..._is_caught``):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,10 +25,11 @@ from kvoffload.blocks import Medium
 from kvoffload.connector.metadata import WorkerReport
 from kvoffload.connector.worker import WorkerFinished
 from kvoffload.keys import Namespace
-from kvoffload.testing import sim_values, sim_workload
+from kvoffload.testing import sim_values, sim_workload, slot_files
 from kvoffload.testing.sim import SimEngine, SimRequest, Status
-from kvoffload.testing.sim_workload import tokens
-from kvoffload.tiers.disk.paths import rank_directory
+from kvoffload.testing.sim_workload import close_engine, tokens
+from kvoffload.tiers.disk.paths import rank_directory, slot_file_path
+from kvoffload.tiers.disk.slot_file import ENTRY_BYTES
 from kvoffload.tiers.lower.block_format import HEADER_BYTES
 from kvoffload.transfer.faults import FailFirstLoads
 from kvoffload.transfer.router import JobRouter
@@ -34,12 +37,22 @@ from kvoffload.transfer.router import JobRouter
 BLOCK = 4
 PROMPT_TOKENS = 16  # 4 blocks
 RANKS = 2
-FINGERPRINT = slice(16, 32)  # the namespace fingerprint in a block file's header (tiers/lower/block_format.py)
+FINGERPRINT = slice(16, 32)  # the namespace fingerprint in a block's header (tiers/lower/block_format.py)
+MADE: list[SimEngine] = []
+"""The test's engines, closed when it ends (``_close_engines``)."""
+
+
+@pytest.fixture(autouse=True)
+def _close_engines() -> Iterator[None]:
+    yield
+    while MADE:
+        close_engine(MADE.pop())
 
 
 def make_engine(host_blocks: int = 16, disk: Path | None = None) -> SimEngine:
-    tier = {} if disk is None else {"disk_path": str(disk), "disk_bytes": 1 << 24}
-    return sim_workload.make_engine(block_size=BLOCK, host_blocks=host_blocks, workers=RANKS, **tier)
+    tier = {} if disk is None else {"disk_path": str(disk), "disk_bytes": 1 << 20}
+    MADE.append(sim_workload.make_engine(block_size=BLOCK, host_blocks=host_blocks, workers=RANKS, **tier))
+    return MADE[-1]
 
 
 def run_checked(engine: SimEngine) -> None:
@@ -51,23 +64,35 @@ def expected_pages(engine: SimEngine, req: SimRequest, rank: int) -> set[bytes]:
     return {sim_values.page_bytes(engine.kvs[rank], 0, h, rank).numpy().tobytes() for h in req.hashes}
 
 
+def slot_file(disk: Path, ns: Namespace) -> Path:
+    """Engine 0's slot file in ``ns``'s rank directory (the only engine here)."""
+    return Path(slot_file_path(rank_directory(disk, ns), 0))
+
+
+def block_bytes(block: slot_files.StoredBlock) -> bytes:
+    with open(block.path, "rb") as f:
+        f.seek(block.offset)
+        return f.read(block.nbytes)
+
+
 def shard_problems(engine: SimEngine, disk: Path, req: SimRequest) -> list[str]:
-    """What is wrong with the ranks' disk files for ``req``'s blocks; empty when each rank holds its own shard."""
+    """What is wrong with the blocks the ranks' slot files name for ``req``; empty when each rank holds its own
+    shard."""
     problems = []
-    names: list[set[str]] = []
+    named: list[set[tuple[int, bytes]]] = []
     for rank, worker in enumerate(engine.workers):
         ns = worker.namespace
-        files = list(rank_directory(disk, ns).glob("*/*.kvb"))
-        names.append({f.name for f in files})
+        blocks = slot_files.stored_blocks(slot_file(disk, ns))
+        named.append({(b.slot, b.name) for b in blocks})
         if ns.rank != rank:
             problems.append(f"worker {rank} has the namespace of rank {ns.rank}")
-        contents = [f.read_bytes() for f in files]
+        contents = [block_bytes(b) for b in blocks]
         if {c[FINGERPRINT] for c in contents} != {ns.fingerprint()}:
-            problems.append(f"rank {rank}'s files do not all carry its namespace fingerprint")
+            problems.append(f"rank {rank}'s blocks do not all carry its namespace fingerprint")
         if {c[HEADER_BYTES:] for c in contents} != expected_pages(engine, req, rank):
-            problems.append(f"rank {rank}'s files do not hold its own device bytes")
-    if names[0] != names[1] or not names[0]:
-        problems.append(f"the ranks store different keys: {len(names[0])} and {len(names[1])} files")
+            problems.append(f"rank {rank}'s blocks do not hold its own device bytes")
+    if named[0] != named[1] or not named[0]:
+        problems.append(f"the ranks' tables name different blocks: {len(named[0])} and {len(named[1])} entries")
     return problems
 
 
@@ -86,19 +111,36 @@ def test_each_rank_stores_its_own_shard_under_its_own_namespace(tmp_path: Path) 
     assert expected_pages(engine, req, 0).isdisjoint(expected_pages(engine, req, 1))  # shards, not copies
     rank0, rank1 = (rank_directory(tmp_path, w.namespace) for w in engine.workers)
     assert (rank0.name, rank1.name) == ("rank0", "rank1") and rank0.parent == rank1.parent
+    assert len(slot_files.stored_blocks(slot_file(tmp_path, engine.workers[0].namespace))) == PROMPT_TOKENS // BLOCK
 
 
 def test_a_rank_holding_another_ranks_shard_is_caught(tmp_path: Path) -> None:
     engine = make_engine(disk=tmp_path)
     req = store_prompt(engine)
-    rank0, rank1 = (rank_directory(tmp_path, w.namespace) for w in engine.workers)
-    for path in rank0.glob("*/*.kvb"):  # rank 1's files replaced by rank 0's, as a mixed-up writer would leave them
-        (rank1 / path.relative_to(rank0)).write_bytes(path.read_bytes())
+    rank1 = slot_file(tmp_path, engine.workers[1].namespace)
+    with open(rank1, "r+b") as f:  # rank 1's blocks replaced by rank 0's, as a mixed-up writer would leave them
+        for block in slot_files.stored_blocks(slot_file(tmp_path, engine.workers[0].namespace)):
+            f.seek(block.offset)
+            f.write(block_bytes(block))
 
     assert shard_problems(engine, tmp_path, req) == [
-        "rank 1's files do not all carry its namespace fingerprint",
-        "rank 1's files do not hold its own device bytes",
+        "rank 1's blocks do not all carry its namespace fingerprint",
+        "rank 1's blocks do not hold its own device bytes",
     ]
+
+
+def test_ranks_naming_different_blocks_are_caught(tmp_path: Path) -> None:
+    engine = make_engine(disk=tmp_path)
+    req = store_prompt(engine)
+    rank1 = slot_file(tmp_path, engine.workers[1].namespace)
+    first = slot_files.stored_blocks(rank1)[0]
+    with open(rank1, "r+b") as f:  # rank 1's table loses an entry, as a store failed on rank 1 only leaves it
+        f.seek(slot_files.layout_of(rank1).entry_offset(first.slot))
+        f.write(bytes(ENTRY_BYTES))
+
+    assert shard_problems(engine, tmp_path, req) == [
+        "rank 1's blocks do not hold its own device bytes",  # one is missing
+        f"the ranks' tables name different blocks: {PROMPT_TOKENS // BLOCK} and {PROMPT_TOKENS // BLOCK - 1} entries"]
 
 
 def test_ranks_computing_the_same_bytes_are_caught(tmp_path: Path) -> None:
@@ -106,7 +148,7 @@ def test_ranks_computing_the_same_bytes_are_caught(tmp_path: Path) -> None:
     engine.page_ranks = [0, 0]  # the mutant: rank 1 computes (and so stores) rank 0's shard
     req = store_prompt(engine)
 
-    assert shard_problems(engine, tmp_path, req) == ["rank 1's files do not hold its own device bytes"]
+    assert shard_problems(engine, tmp_path, req) == ["rank 1's blocks do not hold its own device bytes"]
 
 
 def test_each_rank_loads_its_own_shard_back() -> None:

@@ -1,19 +1,21 @@
 """The tier-index conformance suite (``kvoffload.testing.tier_conformance``) on the built-in lower tiers' indexes
-(``DiskIndex`` over a temporary directory, ``RemoteIndex`` over a real redis-server) and on a plain ``SlotIndex``;
-and each of several deliberately broken indexes fails the check of the rule it breaks, naming it."""
+(``DiskIndex`` over a temporary directory, its stores written into its slot file as a worker writes them;
+``RemoteIndex`` over a real redis-server) and on a plain ``SlotIndex``; and each of several deliberately broken
+indexes fails the check of the rule it breaks, naming it."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvoffload.blocks import BlockSpec, Medium
+from kvoffload.blocks import BlockSpec, Medium, TierBlocks
 from kvoffload.config import DiskTierConfig, RemoteTierConfig
-from kvoffload.index.base import LookupResult, LowerIndex
+from kvoffload.index.base import LookupResult, LowerIndex, PrepareStoreOutput
 from kvoffload.index.slot_index import SlotIndex
 from kvoffload.keys import BlockHash, Namespace, OffloadKey, offload_key
 from kvoffload.testing.tier_conformance import (
@@ -28,8 +30,11 @@ from kvoffload.testing.tier_conformance import (
     check_stored_keys_are_found,
     check_tier_index,
 )
+from kvoffload.tiers.disk.file_io import FileOps, open_slot_file, write_run
+from kvoffload.tiers.disk.foreign import ForeignTables
 from kvoffload.tiers.disk.index import DiskIndex
-from kvoffload.tiers.disk.paths import block_path, rank_directory
+from kvoffload.tiers.disk.paths import rank_directory, slot_file_path
+from kvoffload.tiers.disk.slot_file import ENTRY_BYTES, PAGE, split_location
 from kvoffload.tiers.lower.block_format import PLAIN, file_bytes
 
 NS = Namespace(model="m", dtype="bf16", layout="tier-conformance")
@@ -70,26 +75,69 @@ def tier_spec(keys: Sequence[OffloadKey], slots: Sequence[int]) -> BlockSpec:
     return TierBlocks(MEDIUM, tuple(keys), (len(keys),), tuple(slots))
 
 
-class DiskHarness(KeyedHarness):
-    """``DiskIndex`` in a directory of its own per index; a store leaves the block file a worker writes."""
+class PlacedDiskIndex(DiskIndex):
+    """A ``DiskIndex`` that remembers the (engine, slot) location each store was given, where a worker writes it."""
 
-    def __init__(self, root: Path, index_type: type[DiskIndex] = DiskIndex) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.places: dict[OffloadKey, int] = {}
+
+    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
+        out = super().prepare_store(keys)
+        if out is not None:
+            assert isinstance(out.store_spec, TierBlocks)
+            self.places.update(zip(out.keys_to_store, out.store_spec.slots, strict=True))
+        return out
+
+
+class DiskHarness(KeyedHarness):
+    """``DiskIndex`` in a directory of its own per index; a store leaves what a worker writes: each block and its
+    table entry at the slot the index gave it (``file_io.write_run``). ``close`` closes every index it made (each
+    holds a thread and an engine number)."""
+
+    def __init__(self, root: Path, index_type: type[PlacedDiskIndex] = PlacedDiskIndex) -> None:
         super().__init__()
         self._roots = (root / f"index{i}" for i in itertools.count())
-        self._directory = root
         self._type = index_type
+        self._made: list[PlacedDiskIndex] = []
+        self._directory = root
 
     def new_index(self) -> LowerIndex:
         root = next(self._roots)
         self._directory = rank_directory(root, NS)
-        config = DiskTierConfig(path=root, capacity_bytes=CAPACITY * file_bytes(PAYLOAD))
-        return self._type.create(config, NS, file_bytes(PAYLOAD))
+        config = DiskTierConfig(path=root, capacity_bytes=2 * PAGE + CAPACITY * (file_bytes(PAYLOAD) + ENTRY_BYTES))
+        index = self._type.create(config, NS, file_bytes(PAYLOAD))
+        assert isinstance(index, PlacedDiskIndex) and index.capacity == CAPACITY
+        self._made.append(index)
+        return index
 
     def written(self, keys: Sequence[OffloadKey]) -> None:
+        index = self._made[-1]
+        ops = FileOps()
         for key in keys:
-            path = Path(block_path(self._directory, key))
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(b"x")  # the index reads names, never payloads
+            engine, slot = split_location(index.places[key])
+            file = open_slot_file(ops, slot_file_path(self._directory, engine))
+            try:
+                write_run(ops, file, slot, [key], [memoryview(os.urandom(PAYLOAD))], NS.fingerprint())
+            finally:
+                ops.close(file.fd)
+
+    def close(self) -> None:
+        for index in self._made:
+            index.close()
+
+
+@pytest.fixture
+def disk_harnesses(tmp_path: Path) -> Iterator[Callable[..., DiskHarness]]:
+    """Makes ``DiskHarness``es under ``tmp_path``; closes their indexes after the test."""
+    made: list[DiskHarness] = []
+
+    def make(name: str = "disk", index_type: type[PlacedDiskIndex] = PlacedDiskIndex) -> DiskHarness:
+        made.append(DiskHarness(tmp_path / name, index_type))
+        return made[-1]
+    yield make
+    for harness in made:
+        harness.close()
 
 
 class RemoteHarness(KeyedHarness):
@@ -121,20 +169,34 @@ def test_a_slot_index_conforms(check: Callable[[IndexHarness], None]) -> None:
 
 
 @pytest.mark.parametrize("check", ALL_INDEX_CHECKS, ids=lambda c: c.__name__)
-def test_the_disk_index_conforms(check: Callable[[IndexHarness], None], tmp_path: Path) -> None:
-    check(DiskHarness(tmp_path))
+def test_the_disk_index_conforms(check: Callable[[IndexHarness], None],
+                                 disk_harnesses: Callable[..., DiskHarness]) -> None:
+    check(disk_harnesses())
 
 
-def test_a_disk_index_that_leaves_the_files_of_failed_stores_is_caught(tmp_path: Path) -> None:
-    """The files a harness's ``written`` leaves are what an index that looks at its tier must clean up: one that
-    keeps a failed store's files adopts them on the next lookup."""
-    class KeepsFiles(DiskIndex):
-        def _remove_files(self, keys: Sequence[OffloadKey]) -> None:
-            pass
+class ReadsItsOwnTable(PlacedDiskIndex):
+    """Looks for the keys it misses in its own slot file's table too, read at every lookup (as it reads the other
+    engines' tables, but counting its own engine among them): it finds the entries a failed store's workers left."""
 
-    check_failed_store_is_not_found(DiskHarness(tmp_path / "good"))
+    own_table: ForeignTables | None = None
+
+    def lookup(self, keys: Sequence[OffloadKey]) -> LookupResult:
+        if self.own_table is None:
+            if self._foreign is not None:
+                self._foreign.close()
+            self._foreign = self.own_table = ForeignTables(self._directories[0], -1, PLAIN, interval_s=3600.0)
+        self.own_table.refresh()
+        return super().lookup(keys)
+
+
+def test_a_disk_index_that_takes_its_own_tables_entries_for_blocks_is_caught(
+        disk_harnesses: Callable[..., DiskHarness]) -> None:
+    """The entries a harness's ``written`` leaves are what a disk index must not trust after start-up: a worker
+    whose store failed may have written some (and failed to empty them). One that reads its own table finds a
+    failed store's keys."""
+    check_failed_store_is_not_found(disk_harnesses("good"))
     with pytest.raises(TierConformanceError, match="store failed was a lookup hit"):
-        check_failed_store_is_not_found(DiskHarness(tmp_path / "broken", KeepsFiles))
+        check_failed_store_is_not_found(disk_harnesses("broken", ReadsItsOwnTable))
 
 
 @pytest.mark.parametrize("check", ALL_INDEX_CHECKS, ids=lambda c: c.__name__)

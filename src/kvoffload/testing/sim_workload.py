@@ -22,7 +22,7 @@ from kvoffload.testing.sim_values import SimDescriber
 LayoutFactory = Callable[..., layouts.Made]
 """A layout of ``testing.layouts`` (or one of the same shape): takes ``num_blocks`` and ``block_size``."""
 
-__all__ = ["LayoutFactory", "make_engine", "pushed_out", "run_checked", "run_timed", "tokens"]
+__all__ = ["LayoutFactory", "close_engine", "make_engine", "pushed_out", "run_checked", "run_timed", "tokens"]
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -115,3 +115,12 @@ def pushed_out(engine: SimEngine, seed: int, *, host_blocks: int = 4, checked: b
         run_timed(engine, checked=checked)
     engine.pool.drop_cache()
     return prompt
+
+
+def close_engine(engine: SimEngine) -> None:
+    """Stop ``engine`` as an engine stops: its workers' transfers shut down, then its tiers let go of what they hold
+    outside it (a disk tier's table thread and engine number, which the next engine on the directory may take).
+    Call it once, when done with the engine."""
+    for worker in engine.workers:
+        worker.shutdown()
+    engine.scheduler.close()

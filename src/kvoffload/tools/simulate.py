@@ -18,6 +18,7 @@ from kvoffload.config import OffloadConfig
 from kvoffload.connector.stats import TransferStats
 from kvoffload.testing.layouts import attention_layout
 from kvoffload.testing.sim import SimEngine
+from kvoffload.testing.sim_workload import close_engine
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,13 @@ def simulate(args: argparse.Namespace) -> SimulateResult:
     layout, make_kv = attention_layout(4, num_blocks=args.device_blocks, block_size=args.block_size,
                                        num_kv_heads=8, head_size=64)
     engine = SimEngine(layout, make_kv, config, block_size=args.block_size)
+    try:
+        return _run_turns(engine, args)
+    finally:
+        close_engine(engine)  # the disk tier's table thread and engine number
+
+
+def _run_turns(engine: SimEngine, args: argparse.Namespace) -> SimulateResult:
     rng = random.Random(args.seed)
     history = [[rng.randrange(1000) for _ in range(args.user_tokens)] for _ in range(args.conversations)]
     prompt_tokens = device_hits = loaded = 0

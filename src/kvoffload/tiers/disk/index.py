@@ -47,7 +47,7 @@ from kvoffload.tiers.disk.foreign import ForeignTables
 from kvoffload.tiers.disk.paths import rank_directories
 from kvoffload.tiers.disk.slot_file import Layout, location
 from kvoffload.tiers.disk.tree import Access, WorldLock, open_tree
-from kvoffload.tiers.lower.block_format import BlockFormat
+from kvoffload.tiers.lower.block_format import BlockFormat, CorruptBlockError
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ class DiskIndex(BlockIndex):
             try:
                 for directory in self._directories:
                     clear_entries(directory, self.engine, self._layout, dropped)
-            except OSError as e:
+            except (OSError, CorruptBlockError) as e:  # CorruptBlockError: a link or FIFO at the file's path
                 logger.warning("disk tier: cannot empty the entries of %d reset blocks: %s", len(dropped), e)
 
     def check_integrity(self) -> None:
