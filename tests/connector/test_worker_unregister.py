@@ -11,6 +11,9 @@ from kvoffload.connector.metadata import ConnectorMetadata, LoadJob
 from kvoffload.connector.worker import ConnectorWorker, WorkerFinished
 from kvoffload.keys import Namespace, offload_key
 from kvoffload.testing.layouts import attention_layout
+from kvoffload.tiers.disk.engine_files import prepare_engine
+from kvoffload.tiers.disk.slot_file import location
+from kvoffload.tiers.lower.block_format import PLAIN
 
 NEW = 7  # what the engine writes after the recommit; the seeded bytes are random in [1, 63]
 
@@ -116,11 +119,16 @@ def test_device_jobs_while_unregistered_fail_without_touching_the_pages():
 
 
 def test_tier_jobs_go_on_while_unregistered(tmp_path):
-    worker = make_worker(disk_path=str(tmp_path / "disk"))
+    worker = make_worker(disk_path=str(tmp_path / "disk"), disk_bytes=1 << 22)
+    assert worker.pool is not None
+    config = OffloadConfig.from_dict({"disk_path": str(tmp_path / "disk"), "disk_bytes": 1 << 22}).disk
+    assert config is not None
+    prepare_engine(config, worker.namespace, PLAIN.file_bytes(worker.pool.slot_bytes))  # the scheduler's part
     worker.pool.buffer[0].fill_(NEW)
     key = offload_key(b"block", 0)  # type: ignore[arg-type]
-    write = TransferJob(JobId(0), HostBlocks((0,), (1,)), TierBlocks(Medium.DISK, (key,), (1,)))
-    read = TransferJob(JobId(1), TierBlocks(Medium.DISK, (key,), (1,)), HostBlocks((1,), (1,)))
+    slot = (location(0, 0),)
+    write = TransferJob(JobId(0), HostBlocks((0,), (1,)), TierBlocks(Medium.DISK, (key,), (1,), slot))
+    read = TransferJob(JobId(1), TierBlocks(Medium.DISK, (key,), (1,), slot), HostBlocks((1,), (1,)))
 
     worker.unregister_kv_caches()
     written = next_step(worker, ConnectorMetadata(tier_jobs=(write,)))

@@ -8,6 +8,7 @@ from pathlib import Path
 from kvoffload.testing import sim_workload
 from kvoffload.testing.sim import SimEngine, Status
 from kvoffload.testing.sim_workload import run_checked, tokens
+from kvoffload.tiers.disk.index import DiskIndex
 from kvoffload.tiers.node.index import NodeIndex
 
 
@@ -50,6 +51,9 @@ def test_with_a_disk_tier_below_a_block_evicted_from_the_pool_comes_back(node_pa
     for i in range(3):  # other prompts push the prefix out of the 4-slot pool
         a.add_request(f"filler{i}", tokens(16, seed=10 + i))
         run_checked(a)
+    (disk,) = [i for i in b.scheduler.index.lower_indexes if isinstance(i, DiskIndex)]
+    assert disk._foreign is not None
+    disk._foreign.refresh()  # what b's table thread does within a quarter of a second of a's stores
     second = b.add_request("b", [*prompt, 7])
     run_checked(b)
     assert second.loaded_tokens == 16 and b.corrupt_blocks == []

@@ -65,8 +65,11 @@ class EngineNumber:
         raise OSError(f"{MAX_ENGINES} engines already run on {world_dir}")
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self._fd)
+        """Let the number go (once: a second call does nothing, never closing a descriptor reused since)."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """What the other engines on this directory stored: their slot files' tables, read on a thread of its own.
 
 The scheduler step never reads a file. ``ForeignTables`` re-reads the tables of the other engines' slot files in
-rank 0's directory every ``interval_s`` and soon after a miss (``poke``), and publishes a map from key to
+rank 0's directory every ``interval_s`` (those written since their last read: a file's modification time says) and
+soon after a miss (``poke``), and publishes a map from key to
 ``location`` that ``find`` answers from memory. Only the entries that changed since the last read are parsed, so a
 quiet directory costs a table read and a compare. A found block is only a hint: its read checks the block's own
 header (fingerprint, key, checksum), so an entry that was reused, damaged or planted is a miss. A location whose
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +36,11 @@ logger = logging.getLogger(__name__)
 
 CHUNK = 128 * ENTRY_BYTES
 """Entries compared at once with the last read: a chunk that did not change is not parsed."""
-POKE_MIN_S = 0.1
+INTERVAL_S = 0.25
+"""Between reads: a file nobody wrote since costs a stat; one written is read again (its changed chunks parsed)."""
+POKE_MIN_S = 0.05
+QUIET_NS = 200_000_000
+"""A file last written this long before a read is skipped until written again (see ``_read``)."""
 FORGOTTEN_MAX = 65536
 
 
@@ -44,6 +50,8 @@ class _Table:
 
     identity: tuple[int, int, int]
     raw: bytes = b""
+    written: tuple[int, int, int, int] = (0, 0, 0, 0)
+    """(device, inode, size, modification time) when the table was last read."""
     names: dict[int, OffloadKey] = field(default_factory=dict)
 
 
@@ -57,7 +65,7 @@ class ForeignTables:
         interval_s: seconds between reads when nobody pokes.
     """
 
-    def __init__(self, rank_dir: Path, own_engine: int, fmt: BlockFormat, interval_s: float = 1.0) -> None:
+    def __init__(self, rank_dir: Path, own_engine: int, fmt: BlockFormat, interval_s: float = INTERVAL_S) -> None:
         self._dir, self._own, self._fmt, self._interval_s = rank_dir, own_engine, fmt, interval_s
         self._tables: dict[int, _Table] = {}
         self._found: dict[OffloadKey, int] = {}
@@ -138,6 +146,12 @@ class ForeignTables:
         """The table of ``engine``'s file, parsing only what changed since ``last``; None when it is not one."""
         path = slot_file_path(self._dir, engine)
         try:
+            seen = os.stat(path, follow_symlinks=False)
+        except OSError:
+            return None
+        if last is not None and last.written == (seen.st_dev, seen.st_ino, seen.st_size, seen.st_mtime_ns):
+            return last  # nothing written since the last read: no table to read (an idle engine costs a stat)
+        try:
             fd = open_regular(path)
         except (OSError, CorruptBlockError):
             return None
@@ -153,6 +167,10 @@ class ForeignTables:
         identity = (info.st_dev, info.st_ino, layout.capacity)
         if last is None or last.identity != identity:
             last = _Table(identity)
+        # The stat from before the read, trusted only for a file quiet for a while: a modification time is as coarse
+        # as the kernel's clock tick, so a write just after this read could leave it as it is.
+        quiet = time.time_ns() - seen.st_mtime_ns > QUIET_NS
+        last.written = (seen.st_dev, seen.st_ino, seen.st_size, seen.st_mtime_ns) if quiet else (0, 0, 0, 0)
         return self._update(last, raw)
 
     def _update(self, table: _Table, raw: bytes) -> _Table:

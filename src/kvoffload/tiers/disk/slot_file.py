@@ -105,8 +105,10 @@ def open_regular(path: str, create: bool = False, mode: int = FILE_MODE) -> int:
     try:
         try:
             fd = os.open(path, os.O_RDWR | flags, mode)
-        except PermissionError:
-            fd = os.open(path, os.O_RDONLY | flags & ~os.O_CREAT)
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            fd = os.open(path, os.O_RDONLY | flags & ~os.O_CREAT)  # another engine's file, or a read-only mount
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise NotABlockFileError(f"{path}: a symbolic link, not a slot file") from None

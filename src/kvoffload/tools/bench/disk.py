@@ -2,7 +2,8 @@
 and the time to rebuild the disk index at start-up.
 
 Per block size, each round writes ``--total-mib`` of blocks through a real handler (one job, submit to wait:
-planning, header, checksum, temporary file, rename), then writes the same bytes to one file sequentially in
+planning, headers, checksums, one positioned write per run of consecutive slots and one of their table entries, into
+a slot file made as a scheduler makes it), then writes the same bytes to one file sequentially in
 block-sized ``os.write`` calls (the baseline); then reads both back (the handler reads and verifies every
 block into the host pool). Before each read the page cache is dropped when the process may do so (root:
 ``/proc/sys/vm/drop_caches``); otherwise reads of just-written files come from the page cache, for both sides,
@@ -14,8 +15,8 @@ and moves the same blocks in the same rounds, interleaved with the plain handler
 turns round by round) and the raw I/O; its rows are
 reported beside the plain ones with the ratio sealed / plain (target: at least 0.9).
 
-The rebuild figure: ``--rebuild-blocks`` empty block files are created in a fresh directory (the index reads
-names only), then ``DiskIndex.create`` is timed (scan, crash-leftover removal, index insert).
+The rebuild figure: a fresh slot file whose table names ``--rebuild-blocks`` blocks (the index reads the table
+only), then ``DiskIndex.create`` is timed (engine number, file check, table read, index insert).
 """
 
 from __future__ import annotations
