@@ -48,6 +48,7 @@ def test_bench_object_json_reports_both_directions_beside_boto3_and_the_lookups(
     assert all(len(seconds[side]) == 2 for side in ("store", "load", "put", "get", "sealed_store", "sealed_load"))
     assert row["load_ratio_paired"] == pytest.approx(statistics.median(
         r / h for r, h in zip(seconds["get"], seconds["load"], strict=True)))
+    assert all(row["client_cpu_ms"][side] > 0 for side in seconds)  # what the client itself spent per block
     assert report["client_cpus"] == cpus
     assert (row["store_requests_per_block"], row["load_requests_per_block"]) == (1.0, 1.0)
     lookups = report["lookups"]

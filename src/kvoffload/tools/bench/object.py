@@ -10,8 +10,10 @@ the same client settings (``tiers.object.client.connect``). Rows report medians 
 raw (target: at least 0.9) and the requests each block cost. Objects are deleted between sides (not timed). A
 ratio is given two ways: of the two sides' medians, and ``paired``, the median of each round's own ratio (its two
 sides ran back to back, under the same load from whatever else the machine runs); ``--json`` adds every round's
-seconds. ``--client-cpus`` and ``--server-cpus`` pin this process and the bench's own server to CPUs of their own
-(``tools.bench.cpus``), so that the client's cost is seen apart from the server's on a small machine.
+seconds. Each side's CPU time in this process per block (``client_cpu_ms``) is the client's own cost, which other
+work on the machine hardly moves. ``--client-cpus`` and ``--server-cpus`` pin this process and the bench's own
+server to CPUs of their own (``tools.bench.cpus``), so that the client's cost is seen apart from the server's on a
+small machine.
 
 The lookup figures: a fresh ``ObjectIndex`` (no cached answers) searches a 2,048-key prompt of which none, 1,500
 or all 2,048 keys are stored, at each ``--fanouts``: median and worst milliseconds, search rounds and existence
@@ -59,6 +61,9 @@ class Row:
     sealed_load_gbps: float | None = None
     seconds: dict[str, list[float]] = field(default_factory=dict)
     """Each side's seconds, round by round (``store``, ``load``, ``put``, ``get``, ``sealed_*``)."""
+    client_cpu_ms: dict[str, float] = field(default_factory=dict)
+    """Each side's CPU time in this process per block, median over rounds (ms): the client's own cost, which the
+    server's and other work's load hardly moves."""
 
     @property
     def store_ratio_paired(self) -> float:
@@ -184,8 +189,10 @@ def bench_block_size(config: Any, block_bytes: int, args: argparse.Namespace) ->
     secret = TierSecret("bench --tier-secret", os.urandom(32))
     sealed = ObjectHandler(replace(config, secret=secret), pool, ns, (block_bytes,)) if args.tier_secret else None
     raw = connect(config, pool_size=args.io_threads)
+    admin = _client_of(config.endpoint, config.bucket)  # its long timeout: a busy server's deletes are not timed
     threads = ThreadPoolExecutor(args.io_threads, thread_name_prefix="bench-raw")
     times: dict[str, list[float]] = {k: [] for k in ("store", "load", "put", "get", "sealed_store", "sealed_load")}
+    cpu_s: dict[str, list[float]] = {k: [] for k in times}
     requests: dict[str, list[int]] = {"store": [], "load": []}
     try:
         for rnd in range(args.rounds):
@@ -202,8 +209,10 @@ def bench_block_size(config: Any, block_bytes: int, args: argparse.Namespace) ->
             order = sorted(sides)
             for side in order[rnd % len(order):] + order[:rnd % len(order)]:
                 for measure, run_side in sides[side]:
+                    cpu = time.process_time()
                     times[measure].append(run_side())
-                _empty(raw, config.bucket)
+                    cpu_s[measure].append(time.process_time() - cpu)
+                _empty(admin, config.bucket)
     finally:
         handler.shutdown()
         if sealed is not None:
@@ -213,7 +222,8 @@ def bench_block_size(config: Any, block_bytes: int, args: argparse.Namespace) ->
     per_block = {k: statistics.median(v) / blocks for k, v in requests.items()}
     return Row(block_bytes, blocks, gbps["store"], gbps["put"], gbps["store"] / gbps["put"], gbps["load"],
                gbps["get"], gbps["load"] / gbps["get"], per_block["store"], per_block["load"],
-               gbps.get("sealed_store"), gbps.get("sealed_load"), {k: v for k, v in times.items() if v})
+               gbps.get("sealed_store"), gbps.get("sealed_load"), {k: v for k, v in times.items() if v},
+               {k: statistics.median(v) / blocks * 1e3 for k, v in cpu_s.items() if v})
 
 
 def _counted(handler: Any, job: Any, requests: list[int]) -> float:
@@ -272,7 +282,7 @@ def bench_lookup(config: Any, fanout: int, stored: int, rounds: int) -> Lookup:
         index.probe.close()
         if found != stored:
             raise RuntimeError(f"bench object: a lookup found {found} of {stored} stored keys")
-    _empty(client, config.bucket)
+    _empty(_client_of(config.endpoint, config.bucket), config.bucket)  # 2,048 deletes: not within a lookup's timeout
     return Lookup(fanout, stored, found, statistics.median(times), max(times), max(c[0] for c in counts),
                   max(c[1] for c in counts))
 
@@ -299,6 +309,9 @@ def _report(rows: list[Row], lookups: list[Lookup], args: argparse.Namespace) ->
               f"{r.store_ratio:>6.2f} {r.store_ratio_paired:>6.2f} {r.load_gbps:>7.3f} {r.raw_get_gbps:>8.3f} "
               f"{r.load_ratio:>6.2f} {r.load_ratio_paired:>6.2f} "
               f"{r.store_requests_per_block:>4.1f}/{r.load_requests_per_block:<4.1f}")
+    print("client CPU per block (this process, ms): " + "; ".join(
+        f"{r.block_bytes // KIB}K store {r.client_cpu_ms['store']:.2f} put {r.client_cpu_ms['put']:.2f} "
+        f"load {r.client_cpu_ms['load']:.2f} get {r.client_cpu_ms['get']:.2f}" for r in rows))
     if args.tier_secret:
         print("with a throwaway tier secret (sealed: AES-256-GCM), the same blocks in the same rounds:")
         for r in rows:
