@@ -3,9 +3,11 @@
 ``FakeStore`` answers every request the way its ``mode`` says: ``missing`` as S3 answers a name nobody wrote
 (404 NoSuchKey; 200 to a HEAD, as to HeadBucket), ``ok`` as a web server that is not a store (200 and one byte,
 to anything), ``huge`` 200 with a body of ``HUGE`` bytes made as they are sent (to a GET; 204 to the rest),
-``trickle`` a 404 one byte every ``TRICKLE_S``, ``frozen`` nothing at all. It counts requests and the bytes it
-sent, and notes when a client closed a connection (what frees the client's thread). Raw sockets and a thread per
-connection: every byte and every close is the test's to decide.
+``trickle`` a 404 one byte every ``TRICKLE_S``, ``frozen`` nothing at all, ``cut`` a GET's answer announced as
+``CUT_LENGTH`` bytes and broken off after ``CUT_SENT`` of them (its connection closed; 204 to the rest). It counts
+requests (and their methods), connections and the bytes it sent, and notes when a client closed a connection (what
+frees the client's thread). Raw sockets and a thread per connection: every byte and every close is the test's to
+decide.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 from typing import Any
 
 HUGE = 128 << 20
+CUT_LENGTH, CUT_SENT = 4096, 100
 TRICKLE_S = 0.2
 CHUNK = 64 << 10
 _NO_SUCH_KEY = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>NoSuchKey</Code>"
@@ -25,6 +28,10 @@ _NO_SUCH_KEY = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>NoSuchK
 def _answer(status: str, body: bytes, length: int | None = None) -> bytes:
     size = len(body) if length is None else length
     return (f"HTTP/1.1 {status}\r\nContent-Type: application/xml\r\nContent-Length: {size}\r\n\r\n").encode() + body
+
+
+class _HungUp(Exception):
+    """The server closed the connection on purpose."""
 
 
 class FakeStore:
@@ -38,11 +45,19 @@ class FakeStore:
         self._changed = threading.Condition(self._lock)
         self._connections: list[socket.socket] = []
         self.requests = 0
+        self.methods: list[str] = []
+        """Each request's method, in order."""
         self.sent = 0
         self.closed_at: list[float] = []
         """When (monotonic) a client closed each connection it gave up or dropped."""
         self._stopped = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def accepted(self) -> int:
+        """Connections the clients opened so far."""
+        with self._lock:
+            return len(self._connections)
 
     @property
     def endpoint(self) -> str:
@@ -82,9 +97,13 @@ class FakeStore:
                     pending += data
                 head, _, pending = pending.partition(b"\r\n\r\n")
                 pending = self._skip_body(conn, head, pending)
+                method = head.split(b" ", 1)[0].decode()
                 with self._lock:
                     self.requests += 1
-                self._respond(conn, head.split(b" ", 1)[0].decode())
+                    self.methods.append(method)
+                self._respond(conn, method)
+        except _HungUp:
+            pass  # the server closed it: not a client letting go
         except OSError:
             if not self._stopped.is_set():
                 with self._lock:
@@ -120,6 +139,12 @@ class FakeStore:
             chunk = b"\0" * CHUNK
             for _ in range(0 if head_only else HUGE // CHUNK):
                 self._send(conn, chunk)
+        elif mode == "cut" and method != "GET":
+            self._send(conn, b"HTTP/1.1 204 No Content\r\n\r\n")
+        elif mode == "cut":
+            self._send(conn, _answer("206 Partial Content", b"\1" * CUT_SENT, CUT_LENGTH))
+            conn.close()
+            raise _HungUp()
         elif mode == "frozen":
             while conn.recv(65536):
                 pass

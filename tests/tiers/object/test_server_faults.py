@@ -3,7 +3,9 @@
 Deadlines a server cannot stretch: a start-up check (the scheduler's and the worker's) and an existence search end
 by their deadline whatever the server does (trickles its answer a byte at a time, never answers, resolves slowly),
 and the connection is shut then, so that the thread is free (the server sees it closed). Reads no longer than asked:
-a server sending 128 MiB to a one-byte GET is read two bytes, and its connection dropped. A store that is not one (a
+a server sending 128 MiB to a one-byte GET is read two bytes, and its connection dropped. A load's answer lands in
+the caller's buffer (``tiers.object.body.read_into``): a whole one's connection is reused, one that breaks off is a
+failed request, never a short (deleted) object. A store that is not one (a
 web server answering 200 to everything) is refused for the engine's life with one error naming it, never its
 credentials; the real RGW passes the same check.
 
@@ -26,12 +28,14 @@ import pytest
 from tests.tiers.object.handlers import FakeClock, Handler, load, run, store
 from tests.tiers.object.handlers import keys as job_keys
 from tests.tiers.object.indexes import NS, OBJECT, keys, name
-from tests.tiers.object.servers import HUGE, FakeStore
+from tests.tiers.object.servers import CUT_SENT, HUGE, FakeStore
 
 from kvoffload.config import ObjectTierConfig
 from kvoffload.tiers.lower.block_format import BlockFormat
 from kvoffload.tiers.lower.breaker import CircuitBreaker
+from kvoffload.tiers.object.body import AnswerCutShort, read_into
 from kvoffload.tiers.object.client import ObjectNames, connect
+from kvoffload.tiers.object.faults import Fault, classify
 from kvoffload.tiers.object.index import ObjectIndex
 from kvoffload.tiers.object.probe import ObjectProbe
 
@@ -180,6 +184,71 @@ def test_a_load_reads_one_byte_past_a_block_of_a_huge_answer_and_fails(server: F
         assert not run(h, load(job_keys(1), (3,))).success
         assert closed_within(server, began, MARGIN_S)
         assert server.sent < HUGE // 4, server.sent
+
+
+def get(client: Any) -> Any:
+    """The body of a GET of some object (the fake server answers every GET alike)."""
+    return client.get_object(Bucket=BUCKET, Key="any")["Body"]
+
+
+def test_a_whole_answer_lands_in_the_buffer_without_botocores_read_and_its_connection_is_reused(
+        server: FakeStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    from botocore.response import StreamingBody
+
+    def refused(*_: Any) -> bytes:
+        raise AssertionError("read through StreamingBody.read: a copy more than needed")
+
+    server.mode = "ok"  # 200 and one byte, keep-alive
+    client = connect(on(server))
+    monkeypatch.setattr(StreamingBody, "read", refused)
+    buffer = memoryview(bytearray(8))
+    for _ in range(3):
+        assert read_into(get(client), buffer) == 1 and buffer[0] == ord("x")
+    assert server.accepted == 1 and not server.closed_at  # one connection served all three
+
+
+def test_an_answer_longer_than_the_buffer_is_read_to_its_end_and_its_connection_dropped(server: FakeStore) -> None:
+    server.mode = "huge"
+    client = connect(on(server))
+    buffer = memoryview(bytearray(1 << 20))
+    began = time.monotonic()
+    assert read_into(get(client), buffer) == len(buffer)
+    assert closed_within(server, began, MARGIN_S)
+    assert server.sent < HUGE // 4, server.sent
+
+
+def test_an_answer_that_breaks_off_is_a_failed_request_not_a_short_object(server: FakeStore) -> None:
+    server.mode = "cut"
+    client = connect(on(server))
+    with pytest.raises(AnswerCutShort) as failed:
+        read_into(get(client), memoryview(bytearray(1 << 20)))
+    assert classify(failed.value) is Fault.UNREACHABLE  # a server fault, counted by the breaker
+
+
+def test_a_body_without_an_http_response_is_read_by_its_own_read_no_further_than_the_buffer() -> None:
+    class Body:
+        def __init__(self, data: bytes) -> None:
+            self.data, self.closed = data, False
+
+        def read(self, n: int) -> bytes:
+            part, self.data = self.data[:n], self.data[n:]
+            return part
+
+        def close(self) -> None:
+            self.closed = True
+
+    buffer = memoryview(bytearray(4))
+    for data, got in ((b"ab", 2), (b"abcdefgh", 4)):
+        body = Body(data)
+        assert read_into(body, buffer) == got and bytes(buffer[:got]) == data[:got] and body.closed
+
+
+def test_a_load_whose_answer_breaks_off_fails_and_deletes_no_object(server: FakeStore) -> None:
+    with Handler(on(server)) as h:
+        server.mode = "cut"
+        assert not run(h, load(job_keys(1), (3,))).success
+        assert server.methods[1:] == ["GET"]  # the start-up check, the load's GET, and no DELETE
+        assert server.sent < 1024 + CUT_SENT
 
 
 # ---- a store that is not one ----------------------------------------------------------------------------------

@@ -3,12 +3,14 @@
 The router sends this handler the jobs of (HOST, OBJECT) and (OBJECT, HOST). One object holds one block: the shared
 tiers' encoding (``tiers.lower.block_codec``: a checked header and the payload, or with a tier secret the payload
 sealed by AES-256-GCM), named as ``tiers.object.client`` says (this rank, this namespace, this secret). A store
-seals each block's host slot bytes into its request thread's staging buffer and sends it with ``PutObject``; a
-load sends a ranged ``GetObject`` that reads no more than the object's expected size plus one byte (a planted 5 GiB
-object costs one read of a block) and opens every object into its host slot (``open_into``: a plain object is
-checked before a byte reaches the slot; a sealed one is decrypted into it and then judged on its tag, so a failed
-load's slots hold garbage, and the scheduler drops them). A PUT replaces an object whole, so a half-written object
-is never read; two engines writing one name write the same block (a name is the content's key).
+seals each block's host slot bytes into its request thread's buffer and sends it with ``PutObject``; a load sends a
+ranged ``GetObject`` whose answer is received into its request thread's buffer (``tiers.object.body.read_into``: no
+copy between the socket and the buffer), no more than the object's expected size plus one byte (a planted 5 GiB
+object costs one read of a block), and opens every object from there into its host slot (``open_into``: a plain
+object is checked before a byte reaches the slot; a sealed one is decrypted into it and then judged on its tag, so
+a failed load's slots hold garbage, and the scheduler drops them). The answer never lands in the slot itself: a
+read cannot be stopped at a job's deadline, a copy under ``_owning`` can. A PUT replaces an object whole, so a
+half-written object is never read; two engines writing one name write the same block (a name is the content's key).
 
 Jobs run on two lanes, stores and loads (``tiers.lower.laned.LanedHandler``: never on the engine step, results
 in submission order, budgets, breaker, fault log). A lane runs its job's requests on a pool of ``io_threads``
@@ -17,7 +19,8 @@ result.
 
 Failures are outcomes (``tiers.object.faults``): a missing object (expired by a lifecycle rule, deleted by its
 writer) is a miss; a damaged, foreign or oversized one fails the job and is deleted (so that it is stored again
-afresh); a store that is down, refuses us (403, expired credentials), throttles (503 SlowDown) or hangs (an RGW
+afresh), but not one whose answer broke off before its announced length (a failed request: the object is fine); a
+store that is down, refuses us (403, expired credentials), throttles (503 SlowDown) or hangs (an RGW
 whose OSD is down answers nothing) fails the job, each kind logged once per outage. Server faults open
 ``breaker`` (jobs then fail at once, without I/O, for the cool-down); a timeout, a refusal or throttling opens it
 at once, since every next request would meet them. A job that has not finished within its budget
@@ -44,6 +47,7 @@ from kvoffload.tiers.lower.block_format import CorruptBlockError
 from kvoffload.tiers.lower.deadline import WATCHDOG, result_by
 from kvoffload.tiers.lower.handler import LowerJob
 from kvoffload.tiers.lower.laned import LanedHandler, Miss, NamedBlock
+from kvoffload.tiers.object.body import read_into
 from kvoffload.tiers.object.client import (
     NotAnObjectStore,
     base_prefix,
@@ -106,8 +110,8 @@ class ObjectHandler(LanedHandler[NamedBlock, _Job, Fault]):
         self._client = client if client is not None else connect(config, pool_size=2 * config.io_threads)
         self._requests = {True: ThreadPoolExecutor(config.io_threads, "kvoffload-object-put"),
                           False: ThreadPoolExecutor(config.io_threads, "kvoffload-object-get")}
-        self._staged = threading.local()
-        """Each PUT thread's staging buffer (``_staging``)."""
+        self._buffers = threading.local()
+        """Each request thread's buffer (``_buffer``)."""
         self.requests = 0
         """Requests sent so far (PUT, GET and DELETE: each costs money on AWS)."""
         self._start_up(config, config.breaker_cooldown_s)
@@ -185,7 +189,7 @@ class ObjectHandler(LanedHandler[NamedBlock, _Job, Fault]):
             raise TimeoutError(f"job {state.job.job_id} unanswered after {state.budget_s:.2f} s")
 
     def _put(self, state: _Job, block: NamedBlock) -> None:
-        value = self._staging(self._fmt.file_bytes(block.nbytes))
+        value = self._buffer(self._fmt.file_bytes(block.nbytes))
         with self._owning(state):  # the slot is read only while the job still owns it
             seal_into(self._fmt, self._fingerprint, block.key, self._slots[block.slot, :block.nbytes].data,
                       memoryview(value))
@@ -199,17 +203,17 @@ class ObjectHandler(LanedHandler[NamedBlock, _Job, Fault]):
         Raises:
             Miss: the object is not there.
             CorruptBlockError: it is damaged, foreign, short or too long (and now deleted).
+            Exception: the request failed (``faults.classify`` names it; an answer that broke off is
+                ``body.AnswerCutShort``, a ``ConnectionError``).
         """
         expected = self._fmt.file_bytes(block.nbytes)
+        answer = memoryview(self._buffer(expected + 1))  # an inclusive range: one byte more shows an object too long
         self._count_request()
         try:
             with WATCHDOG.within(self._deadline(expected), f"a GET of {block.name}"):
                 body = self._client.get_object(Bucket=self._bucket, Key=block.name,
                                                Range=f"bytes=0-{expected}")["Body"]
-                try:
-                    data = body.read(expected + 1)  # an inclusive range: one byte more shows an object too long
-                finally:
-                    body.close()  # drops the connection of an answer too long: its rest is never read
+                got = read_into(body, answer)
         except Exception as e:
             if is_missing(e):
                 raise Miss() from None
@@ -220,21 +224,24 @@ class ObjectHandler(LanedHandler[NamedBlock, _Job, Fault]):
         try:
             with self._owning(state):
                 slot = self._slots[block.slot, :block.nbytes].data
-                open_into(self._fmt, self._fingerprint, block.key, data, slot)
+                open_into(self._fmt, self._fingerprint, block.key, answer[:got], slot)
         except CorruptBlockError as e:
             # Deleted, so that the next store writes it afresh (a name is the content's key).
             self._delete(block.name)
             raise type(e)(f"object {block.name}: {e}: deleted") from None
 
-    def _staging(self, nbytes: int) -> bytearray:
-        """This request thread's buffer of ``nbytes`` for an object on its way out (valid until its next PUT).
+    def _buffer(self, nbytes: int) -> bytearray:
+        """This request thread's buffer of ``nbytes``, valid until its next request: a PUT's object on its way out,
+        a GET's answer on its way in (a thread serves one kind; every block of a handler has one size).
 
         Kept, not made per object: fresh memory page-faults its way in, and a new buffer and its ``bytes`` copy
-        per object measured 1.4 ms a MiB here, nine times the seal itself.
+        per object measured 1.4 ms a MiB here, nine times the seal itself. A load's answer is read into it, never
+        into the host slot: a read still under way when its job has failed at its deadline writes here, and the
+        slot (given to another block by then) is written only by the copy under ``_owning``.
         """
-        buffer: bytearray | None = getattr(self._staged, "buffer", None)
+        buffer: bytearray | None = getattr(self._buffers, "buffer", None)
         if buffer is None or len(buffer) != nbytes:
-            buffer = self._staged.buffer = bytearray(nbytes)
+            buffer = self._buffers.buffer = bytearray(nbytes)
         return buffer
 
     def _deadline(self, nbytes: int) -> float:

@@ -7,7 +7,13 @@ requests from its pool of ``--io-threads``) and loads them back (ranged ``GetObj
 payload copied into the host pool). The raw side is what a user of boto3 writes for the same payload bytes, ready
 made as ``bytes``: ``put_object`` and ``get_object(...)["Body"].read()`` from a thread pool of the same size, with
 the same client settings (``tiers.object.client.connect``). Rows report medians over rounds, the ratios handler /
-raw (target: at least 0.9) and the requests each block cost. Objects are deleted between sides (not timed).
+raw (target: at least 0.9) and the requests each block cost. Objects are deleted between sides (not timed). A
+ratio is given two ways: of the two sides' medians, and ``paired``, the median of each round's own ratio (its two
+sides ran back to back, under the same load from whatever else the machine runs); ``--json`` adds every round's
+seconds. Each side's CPU time in this process per block (``client_cpu_ms``) is the client's own cost, which other
+work on the machine hardly moves. ``--client-cpus`` and ``--server-cpus`` pin this process and the bench's own
+server to CPUs of their own (``tools.bench.cpus``), so that the client's cost is seen apart from the server's on a
+small machine.
 
 The lookup figures: a fresh ``ObjectIndex`` (no cached answers) searches a 2,048-key prompt of which none, 1,500
 or all 2,048 keys are stored, at each ``--fanouts``: median and worst milliseconds, search rounds and existence
@@ -25,12 +31,13 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from kvoffload.testing.tier_conformance import answered_lookup
+from kvoffload.tools.bench.cpus import parse_cpus, pin
 from kvoffload.tools.bench.disk import KIB, MIB, _size, add_tier_secret_argument, sealed_ratio
 from kvoffload.tools.bench.jobs import round_trip, timed_job
 
@@ -52,6 +59,19 @@ class Row:
     load_requests_per_block: float
     sealed_store_gbps: float | None = None
     sealed_load_gbps: float | None = None
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+    """Each side's seconds, round by round (``store``, ``load``, ``put``, ``get``, ``sealed_*``)."""
+    client_cpu_ms: dict[str, float] = field(default_factory=dict)
+    """Each side's CPU time in this process per block, median over rounds (ms): the client's own cost, which the
+    server's and other work's load hardly moves."""
+
+    @property
+    def store_ratio_paired(self) -> float:
+        return paired_ratio(self.seconds["put"], self.seconds["store"])
+
+    @property
+    def load_ratio_paired(self) -> float:
+        return paired_ratio(self.seconds["get"], self.seconds["load"])
 
     @property
     def sealed_store_ratio(self) -> float | None:
@@ -73,6 +93,12 @@ class Lookup:
     requests: int
 
 
+def paired_ratio(raw_s: list[float], handler_s: list[float]) -> float:
+    """The median over rounds of raw seconds / handler seconds, each pair measured back to back in one round: the
+    machine's load (other work on a shared machine) changes from round to round, and a pair sees the same."""
+    return statistics.median(r / h for r, h in zip(raw_s, handler_s, strict=True))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-sizes", default="64K,1M,4M",
                         help="comma-separated block sizes with K/M suffix (default 64K,1M,4M)")
@@ -82,6 +108,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fanouts", default="4,8,16", help="lookup fan-outs to measure (default 4,8,16)")
     parser.add_argument("--endpoint", default=None, help="an S3 server to use (default: start Ceph RGW here)")
     parser.add_argument("--bucket", default="kvoffload-bench", help="the bucket (created on the bench's server)")
+    parser.add_argument("--client-cpus", default=None,
+                        help="run this process (handler and raw side alike) on these CPUs, e.g. 0 or 0-1")
+    parser.add_argument("--server-cpus", default=None,
+                        help="run the bench's own server (Ceph mon, OSD, radosgw) on these CPUs, e.g. 1")
     add_tier_secret_argument(parser, "objects")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -90,12 +120,17 @@ def run(args: argparse.Namespace) -> int:
     from kvoffload.config import ObjectTierConfig
 
     sizes = [_size(s) for s in args.block_sizes.split(",")]
+    client_cpus = parse_cpus(args.client_cpus, "--client-cpus") if args.client_cpus else None
+    server_cpus = parse_cpus(args.server_cpus, "--server-cpus") if args.server_cpus else None
+    if server_cpus is not None and args.endpoint is not None:
+        raise ValueError("--server-cpus pins the bench's own server: it cannot pin one given by --endpoint")
     with tempfile.TemporaryDirectory(prefix="kvoffload-bench-ceph-") as directory:
         server, endpoint = None, args.endpoint
         if endpoint is None:
             server = _start_server(Path(directory), args.bucket)
             endpoint = server.endpoint
         try:
+            _pin(server, server_cpus, client_cpus)
             config = ObjectTierConfig(bucket=args.bucket, endpoint=endpoint, timeout_s=30.0,
                                       io_threads=args.io_threads)
             rows = [bench_block_size(config, size, args) for size in sizes]
@@ -117,6 +152,15 @@ def _start_server(directory: Path, bucket: str) -> Any:
     admin = _client_of(server.endpoint, bucket)
     admin.create_bucket(Bucket=bucket)
     return server
+
+
+def _pin(server: Any, server_cpus: set[int] | None, client_cpus: set[int] | None) -> None:
+    """The server's daemons on ``server_cpus``, this process on ``client_cpus`` (None: where they are)."""
+    if server_cpus is not None:
+        for pid in server.running().values():
+            pin(pid, server_cpus)
+    if client_cpus is not None:
+        pin(os.getpid(), client_cpus)
 
 
 def _client_of(endpoint: str, bucket: str) -> Any:
@@ -145,8 +189,10 @@ def bench_block_size(config: Any, block_bytes: int, args: argparse.Namespace) ->
     secret = TierSecret("bench --tier-secret", os.urandom(32))
     sealed = ObjectHandler(replace(config, secret=secret), pool, ns, (block_bytes,)) if args.tier_secret else None
     raw = connect(config, pool_size=args.io_threads)
+    admin = _client_of(config.endpoint, config.bucket)  # its long timeout: a busy server's deletes are not timed
     threads = ThreadPoolExecutor(args.io_threads, thread_name_prefix="bench-raw")
     times: dict[str, list[float]] = {k: [] for k in ("store", "load", "put", "get", "sealed_store", "sealed_load")}
+    cpu_s: dict[str, list[float]] = {k: [] for k in times}
     requests: dict[str, list[int]] = {"store": [], "load": []}
     try:
         for rnd in range(args.rounds):
@@ -163,8 +209,10 @@ def bench_block_size(config: Any, block_bytes: int, args: argparse.Namespace) ->
             order = sorted(sides)
             for side in order[rnd % len(order):] + order[:rnd % len(order)]:
                 for measure, run_side in sides[side]:
+                    cpu = time.process_time()
                     times[measure].append(run_side())
-                _empty(raw, config.bucket)
+                    cpu_s[measure].append(time.process_time() - cpu)
+                _empty(admin, config.bucket)
     finally:
         handler.shutdown()
         if sealed is not None:
@@ -174,7 +222,8 @@ def bench_block_size(config: Any, block_bytes: int, args: argparse.Namespace) ->
     per_block = {k: statistics.median(v) / blocks for k, v in requests.items()}
     return Row(block_bytes, blocks, gbps["store"], gbps["put"], gbps["store"] / gbps["put"], gbps["load"],
                gbps["get"], gbps["load"] / gbps["get"], per_block["store"], per_block["load"],
-               gbps.get("sealed_store"), gbps.get("sealed_load"))
+               gbps.get("sealed_store"), gbps.get("sealed_load"), {k: v for k, v in times.items() if v},
+               {k: statistics.median(v) / blocks * 1e3 for k, v in cpu_s.items() if v})
 
 
 def _counted(handler: Any, job: Any, requests: list[int]) -> float:
@@ -233,7 +282,7 @@ def bench_lookup(config: Any, fanout: int, stored: int, rounds: int) -> Lookup:
         index.probe.close()
         if found != stored:
             raise RuntimeError(f"bench object: a lookup found {found} of {stored} stored keys")
-    _empty(client, config.bucket)
+    _empty(_client_of(config.endpoint, config.bucket), config.bucket)  # 2,048 deletes: not within a lookup's timeout
     return Lookup(fanout, stored, found, statistics.median(times), max(times), max(c[0] for c in counts),
                   max(c[1] for c in counts))
 
@@ -241,18 +290,28 @@ def bench_lookup(config: Any, fanout: int, stored: int, rounds: int) -> Lookup:
 def _report(rows: list[Row], lookups: list[Lookup], args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps({"rows": [asdict(r) | {"sealed_store_ratio": r.sealed_store_ratio,
-                                                "sealed_load_ratio": r.sealed_load_ratio} for r in rows],
+                                                "sealed_load_ratio": r.sealed_load_ratio,
+                                                "store_ratio_paired": r.store_ratio_paired,
+                                                "load_ratio_paired": r.load_ratio_paired} for r in rows],
                           "lookups": [asdict(x) for x in lookups], "rounds": args.rounds,
-                          "io_threads": args.io_threads, "cpus": os.cpu_count()}, indent=2))
+                          "io_threads": args.io_threads, "cpus": os.cpu_count(), "client_cpus": args.client_cpus,
+                          "server_cpus": args.server_cpus}, indent=2))
         return
-    print(f"kvoffload bench object: boto3, {args.io_threads} requests in flight, {args.rounds} rounds; raw = "
-          f"put_object/get_object of the same payload bytes from the same number of threads")
-    print(f"{'block':>8} {'blocks':>7} {'store':>7} {'raw PUT':>8} {'ratio':>6} {'load':>7} {'raw GET':>8} "
-          f"{'ratio':>6} {'req/block':>10}   (GB/s)")
+    pinned = "".join(f", {side} on CPUs {cpus}" for side, cpus in (("client", args.client_cpus),
+                                                                   ("server", args.server_cpus)) if cpus)
+    print(f"kvoffload bench object: boto3, {args.io_threads} requests in flight, {args.rounds} rounds{pinned}; raw = "
+          f"put_object/get_object of the same payload bytes from the same number of threads; ratio = handler / raw "
+          f"of the medians, paired = the median of each round's ratio")
+    print(f"{'block':>8} {'blocks':>7} {'store':>7} {'raw PUT':>8} {'ratio':>6} {'paired':>6} {'load':>7} "
+          f"{'raw GET':>8} {'ratio':>6} {'paired':>6} {'req/block':>10}   (GB/s)")
     for r in rows:
         print(f"{r.block_bytes // KIB:>7}K {r.blocks:>7} {r.store_gbps:>7.3f} {r.raw_put_gbps:>8.3f} "
-              f"{r.store_ratio:>6.2f} {r.load_gbps:>7.3f} {r.raw_get_gbps:>8.3f} {r.load_ratio:>6.2f} "
+              f"{r.store_ratio:>6.2f} {r.store_ratio_paired:>6.2f} {r.load_gbps:>7.3f} {r.raw_get_gbps:>8.3f} "
+              f"{r.load_ratio:>6.2f} {r.load_ratio_paired:>6.2f} "
               f"{r.store_requests_per_block:>4.1f}/{r.load_requests_per_block:<4.1f}")
+    print("client CPU per block (this process, ms): " + "; ".join(
+        f"{r.block_bytes // KIB}K store {r.client_cpu_ms['store']:.2f} put {r.client_cpu_ms['put']:.2f} "
+        f"load {r.client_cpu_ms['load']:.2f} get {r.client_cpu_ms['get']:.2f}" for r in rows))
     if args.tier_secret:
         print("with a throwaway tier secret (sealed: AES-256-GCM), the same blocks in the same rounds:")
         for r in rows:
