@@ -244,7 +244,9 @@ def test_a_body_without_an_http_response_is_read_by_its_own_read_no_further_than
 
 
 def test_a_load_whose_answer_breaks_off_fails_and_deletes_no_object(server: FakeStore) -> None:
-    with Handler(on(server)) as h:
+    # Timeouts no loaded machine runs past (this is no deadline test): a start-up check that timed out would open
+    # the breaker, and the load would fail without its GET.
+    with Handler(on(server, connect_timeout_s=5.0, timeout_s=5.0)) as h:
         server.mode = "cut"
         assert not run(h, load(job_keys(1), (3,))).success
         assert server.methods[1:] == ["GET"]  # the start-up check, the load's GET, and no DELETE
