@@ -4,15 +4,15 @@ it reads, so nothing waits."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tests.testing.engines import MADE
 
 from kvoffload.blocks import Medium
 from kvoffload.testing import sim_workload
 from kvoffload.testing.sim import SimEngine, Status
-from kvoffload.testing.sim_workload import close_engine, tokens
+from kvoffload.testing.sim_workload import tokens
 from kvoffload.testing.slot_files import slot_files, stored_blocks
 from kvoffload.tiers.disk.file_io import FileOps
 from kvoffload.tiers.disk.handler import DiskHandler
@@ -41,15 +41,6 @@ class SlowReads(FileOps):
         return super().pread_into(fd, buffers, offset)
 
 
-MADE: list[SimEngine] = []
-"""The test's engines, closed when it ends (``_close_engines``)."""
-
-
-@pytest.fixture(autouse=True)
-def _close_engines() -> Iterator[None]:
-    yield
-    while MADE:
-        close_engine(MADE.pop())
 
 
 def make_engine(disk: Path, read_seconds: float, **config: object) -> SimEngine:

@@ -6,31 +6,22 @@ same as rank 0's is caught."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.testing.engines import MADE
 
 from kvoffload.testing import layouts, sim_workload
 from kvoffload.testing.redis_server import RedisServer
 from kvoffload.testing.sim import SimEngine, Status
-from kvoffload.testing.sim_workload import close_engine, tokens
+from kvoffload.testing.sim_workload import tokens
 from kvoffload.testing.slot_files import slot_files, stored_blocks
 from kvoffload.tiers.disk import handler as disk_handler
 from kvoffload.transfer.skip_writes import SkipWrites
 
 BLOCK = 4
 PROMPT_BLOCKS = 4  # 16-token prompts
-MADE: list[SimEngine] = []
-"""The test's engines, closed when it ends (``_close_engines``)."""
-
-
-@pytest.fixture(autouse=True)
-def _close_engines() -> Iterator[None]:
-    yield
-    while MADE:
-        close_engine(MADE.pop())
 
 
 def make_engine(tier: dict[str, Any], layout_name: str = "latent", host_blocks: int = 4) -> SimEngine:

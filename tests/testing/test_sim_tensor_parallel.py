@@ -16,10 +16,10 @@ named ``..._is_caught``):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tests.testing.engines import MADE
 
 from kvoffload.blocks import Medium
 from kvoffload.connector.metadata import WorkerReport
@@ -27,7 +27,7 @@ from kvoffload.connector.worker import WorkerFinished
 from kvoffload.keys import Namespace
 from kvoffload.testing import sim_values, sim_workload, slot_files
 from kvoffload.testing.sim import SimEngine, SimRequest, Status
-from kvoffload.testing.sim_workload import close_engine, tokens
+from kvoffload.testing.sim_workload import tokens
 from kvoffload.tiers.disk.paths import rank_directory, slot_file_path
 from kvoffload.tiers.disk.slot_file import ENTRY_BYTES
 from kvoffload.tiers.lower.block_format import HEADER_BYTES
@@ -38,15 +38,6 @@ BLOCK = 4
 PROMPT_TOKENS = 16  # 4 blocks
 RANKS = 2
 FINGERPRINT = slice(16, 32)  # the namespace fingerprint in a block's header (tiers/lower/block_format.py)
-MADE: list[SimEngine] = []
-"""The test's engines, closed when it ends (``_close_engines``)."""
-
-
-@pytest.fixture(autouse=True)
-def _close_engines() -> Iterator[None]:
-    yield
-    while MADE:
-        close_engine(MADE.pop())
 
 
 def make_engine(host_blocks: int = 16, disk: Path | None = None) -> SimEngine:

@@ -16,6 +16,7 @@ import pytest
 
 from kvoffload.auth import TierSecret
 from kvoffload.keys import OffloadKey, offload_key
+from kvoffload.testing.router_indexer import wait_for
 from kvoffload.tiers.disk import foreign as foreign_module
 from kvoffload.tiers.disk.engine_files import prepare_files
 from kvoffload.tiers.disk.foreign import CHUNK, ForeignTables
@@ -60,15 +61,6 @@ def poke_bytes(file: Path, offset: int, data: bytes) -> None:
         f.write(data)
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
-
-
 @pytest.fixture
 def rank_dir(tmp_path: Path) -> Path:
     """Rank 0's directory with three engines' slot files (0 is this engine's)."""
@@ -87,7 +79,7 @@ def opened() -> Iterator[Callable[..., ForeignTables]]:
                     ) -> ForeignTables:
         tables = ForeignTables(rank_dir, own, fmt, interval_s)
         made.append(tables)
-        assert wait_for(lambda: tables.reads >= 1)
+        assert wait_for(lambda: tables.reads >= 1, 5.0)
         return tables
 
     yield open_tables
@@ -260,7 +252,7 @@ def test_a_poke_wakes_the_thread_and_close_stops_it(
     put(rank_dir, 1, {3: key})
     reads = tables.reads
     tables.poke()
-    assert wait_for(lambda: tables.reads == reads + 1)
+    assert wait_for(lambda: tables.reads == reads + 1, 5.0)
     assert tables.find(key) == location(1, 3)
     started = time.monotonic()
     tables.close()
@@ -274,7 +266,7 @@ def test_the_thread_reads_every_interval_without_a_poke(
     (key,) = keys(1)
     tables = opened(rank_dir, interval_s=0.01)
     put(rank_dir, 1, {3: key})
-    assert wait_for(lambda: tables.find(key) == location(1, 3))
+    assert wait_for(lambda: tables.find(key) == location(1, 3), 5.0)
 
 
 def test_a_failed_read_is_logged_and_the_thread_goes_on(
@@ -295,7 +287,7 @@ def test_a_failed_read_is_logged_and_the_thread_goes_on(
     put(rank_dir, 1, {3: key})
     with caplog.at_level(logging.ERROR, logger="kvoffload"):
         tables.poke()
-        assert wait_for(failed.is_set)
-        assert wait_for(lambda: any("tables failed" in r.getMessage() for r in caplog.records))
+        assert wait_for(failed.is_set, 5.0)
+        assert wait_for(lambda: any("tables failed" in r.getMessage() for r in caplog.records), 5.0)
         tables.poke()
-        assert wait_for(lambda: tables.find(key) == location(1, 3))
+        assert wait_for(lambda: tables.find(key) == location(1, 3), 5.0)

@@ -21,7 +21,6 @@ import stat
 import subprocess
 import sys
 import threading
-import time
 import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,6 +35,7 @@ from kvoffload.index.policies.base import Policy
 from kvoffload.index.policies.registry import make_policy
 from kvoffload.index.tenants import TenantBook, TenantPolicy
 from kvoffload.keys import Namespace, OffloadKey, offload_key
+from kvoffload.testing.router_indexer import wait_for
 from kvoffload.tiers.disk import index as index_module
 from kvoffload.tiers.disk.foreign import ForeignTables
 from kvoffload.tiers.disk.index import DiskIndex
@@ -170,15 +170,6 @@ def places(index: DiskIndex, ks: list[OffloadKey]) -> tuple[int, ...]:
     assert isinstance(spec, TierBlocks)
     index.complete_load(ks)
     return spec.slots
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 # ---- configuration ----------------------------------------------------------------------------------------------
@@ -466,11 +457,11 @@ def test_a_damaged_block_of_another_engine_fails_its_load_and_is_not_tried_again
 def test_a_miss_wakes_the_reads_of_the_other_engines_tables(tmp_path: Path, start: Start) -> None:
     a, b = start(tmp_path), start(tmp_path)
     b._foreign = ForeignTables(files(tmp_path)[0].parent, b.engine, PLAIN, interval_s=3600.0)  # only when poked
-    assert wait_for(lambda: tables(b).reads >= 1)
+    assert wait_for(lambda: tables(b).reads >= 1, 5.0)
     (key,) = keys(1)
     stored(a, tmp_path, [key])
     assert b.lookup([key]) == LookupResult(0)  # the miss asks for a read
-    assert wait_for(lambda: b.lookup([key]).hits == 1)
+    assert wait_for(lambda: b.lookup([key]).hits == 1, 5.0)
 
 
 # ---- eviction and the layout's capacity --------------------------------------------------------------------------

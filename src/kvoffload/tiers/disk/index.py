@@ -166,6 +166,8 @@ class DiskIndex(BlockIndex):
 
     def prepare_load(self, keys: Sequence[OffloadKey]) -> BlockSpec:
         found = self._found
+        if not found:  # no other engine's block was ever found: the plain index's load, no step per key
+            return self._index.prepare_load(keys)
         own = [key for key in keys if key not in found or self._index.slot_of(key) is not None]
         if len(own) == len(keys):
             return self._index.prepare_load(keys)
