@@ -24,6 +24,7 @@ _STARTUP_ENVIRON = dict(os.environ)  # first, before anything here can import an
 import importlib.metadata  # noqa: E402
 import logging  # noqa: E402
 import shutil  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -31,7 +32,7 @@ from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 
-from kvoffload.testing.ceph_rgw import CephRGW, CephUnavailable  # noqa: E402
+from kvoffload.testing.ceph_rgw import CephRGW, CephStartError, CephUnavailable  # noqa: E402
 from kvoffload.testing.redis_server import RedisServer, RedisServerUnavailable  # noqa: E402
 
 
@@ -99,15 +100,30 @@ def ceph_rgw() -> Iterator[CephRGW]:
     fail the tests that take it (``make setup-ceph`` installs them): an S3 test never passes by skipping."""
     directory = Path(tempfile.mkdtemp(prefix="kvoffload-ceph-"))
     try:
-        try:
-            server = CephRGW(directory)
-        except CephUnavailable as e:
-            raise pytest.fail.Exception(str(e), pytrace=False) from None
+        server = _start_ceph(directory)
         with server:
             _warm(server)
             yield server
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _start_ceph(directory: Path, tries: int = 2) -> CephRGW:
+    """The cluster, started afresh (new ports, emptied directory) once more if a try fails: a daemon can exit while
+    starting when another process took one of its ports between ``free_ports`` and its bind (CI saw the whole
+    object-tier set error out so, once). The failed try's log is printed, for the record."""
+    for attempt in range(1, tries + 1):
+        try:
+            return CephRGW(directory)
+        except CephUnavailable as e:
+            raise pytest.fail.Exception(str(e), pytrace=False) from None
+        except CephStartError as e:
+            if attempt == tries:
+                raise
+            print(f"Ceph did not start (try {attempt} of {tries}), starting it afresh: {e}", file=sys.stderr)
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir()
+    raise AssertionError("unreachable")
 
 
 def _warm(server: CephRGW) -> None:

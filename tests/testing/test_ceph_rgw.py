@@ -18,7 +18,7 @@ from botocore.config import Config
 from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
 
 from kvoffload.testing import ceph_rgw as ceph_rgw_module
-from kvoffload.testing.ceph_rgw import CephRGW, CephUnavailable
+from kvoffload.testing.ceph_rgw import CephRGW, CephStartError, CephUnavailable
 
 MIB = 1 << 20
 FAULT_READ_TIMEOUT_S = 2.0
@@ -161,3 +161,25 @@ def test_a_used_directory_is_refused(tmp_path: Path) -> None:
     (tmp_path / "ceph.conf").write_text("")
     with pytest.raises(ValueError, match="not empty"):
         CephRGW(tmp_path)
+
+
+def test_the_session_cluster_is_started_afresh_once_when_a_try_fails(monkeypatch: pytest.MonkeyPatch,
+                                                                        tmp_path: Path) -> None:
+    import tests.conftest as session
+
+    tries: list[list[Path]] = []
+
+    def flaky(directory: Path) -> object:
+        tries.append(list(directory.iterdir()))  # what the try found there
+        (directory / "left-by-the-try").touch()
+        if len(tries) < 4:
+            raise CephStartError("mon.a exited with 1 while starting")
+        return "started"
+
+    monkeypatch.setattr(session, "CephRGW", flaky)
+    with pytest.raises(CephStartError):  # two tries, both failed: the second's error
+        session._start_ceph(tmp_path)
+    assert len(tries) == 2
+    assert session._start_ceph(tmp_path) == "started"  # its first try fails, its second starts
+    assert len(tries) == 4
+    assert tries[1] == tries[3] == []  # each second try started in an emptied directory
