@@ -25,11 +25,12 @@ from kvoffload.config.tiers import (
     ObjectTierConfig,
     PluginTierConfig,
     RemoteTierConfig,
+    RetentionConfig,
     TenantConfig,
 )
 from kvoffload.config.values import GIB, REMOTE_SCHEMES
 
 __all__ = ["DEFAULT_NODE_PATH", "FAULT_KEYS", "GIB", "KEYS", "REMOTE_SCHEMES", "ConfigError", "DiskTierConfig",
            "EvictionPolicy", "HostScope", "HostTierConfig", "LoadPolicy", "NodeTierConfig", "ObjectTierConfig",
-           "OffloadConfig", "PluginTierConfig", "RemoteTierConfig", "StoreAdmission", "TenantBy",
+           "OffloadConfig", "PluginTierConfig", "RemoteTierConfig", "RetentionConfig", "StoreAdmission", "TenantBy",
            "TenantConfig", "WritePolicy"]

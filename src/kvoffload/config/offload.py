@@ -26,6 +26,7 @@ from kvoffload.config.tiers import (
     ObjectTierConfig,
     PluginTierConfig,
     RemoteTierConfig,
+    RetentionConfig,
     TenantConfig,
 )
 from kvoffload.config.values import (
@@ -79,6 +80,8 @@ class OffloadConfig:
     """Names the weights in the key namespace when the model config cannot tell two checkpoints apart."""
     tenants: TenantConfig | None = None
     """Tenants' shares of the private host tier; None (``tenant_by`` none, the default): one pool for all."""
+    retention: RetentionConfig | None = field(default_factory=RetentionConfig)
+    """Retention hints honoured by every tier; None (``max_retain_s`` 0): hints are ignored."""
     inject_load_failures: int = 0
     """Testing knob: the first N load jobs of each worker fail (exercises the recompute path end to end)."""
     inject_load_corruption: int = 0
@@ -183,6 +186,9 @@ KEYS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "tenant_quota_file": (tenant_quota_file, "JSON file holding the tenant_quota mapping instead, re-read by a "
                                              "running engine when it changes (a bad one is refused, the old "
                                              "quotas kept); needs tenant_by cache_salt or lora"),
+    "max_retain_s": (FloatRange(0, 86_400, "1 day"), 'cap on retention hints, kv_transfer_params {"kvoffload": '
+                     '{"retain_s": N}} (default 3600; 0: hints ignored)'),
+    "retain_share": (FloatRange(0, 1), "fraction of each tier (tenant's share) retained blocks may hold (0.5)"),
     "inject_load_failures": (_FAULT_COUNT, "testing: the first N load jobs fail, forcing recompute"),
     "inject_load_corruption": (_FAULT_COUNT,
                                "testing: the first N load jobs load a zeroed block yet succeed (wrong KV)"),
@@ -382,6 +388,12 @@ class _Parser:
             model_id=v.get("model_id"),
             model_version=v.get("model_version"),
             tenants=self._tenants(),
+            retention=_retention(v),
             inject_load_failures=v.get("inject_load_failures", 0),
             inject_load_corruption=v.get("inject_load_corruption", 0),
         )
+
+
+def _retention(v: dict[str, Any]) -> RetentionConfig | None:
+    config = RetentionConfig(v.get("max_retain_s", RetentionConfig.max_retain_s), v.get("retain_share", 0.5))
+    return config if config.max_retain_s > 0 else None

@@ -138,3 +138,13 @@ class TenantConfig:
     shares: tuple[tuple[str, float], ...] = ()
     quota_file: Path | None = None
     """``tenant_quota_file``: where the shares were read, re-read by a running engine when it changes."""
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    """Retention hints (keys ``max_retain_s`` and ``retain_share``; docs/sessions.md): a request's
+    ``kv_transfer_params`` may ask that its blocks stay for up to ``max_retain_s`` seconds (longer asks are capped
+    to it), and retained blocks may hold up to ``share`` of each tier (of each tenant's share, with tenants on)."""
+
+    max_retain_s: float = 3600.0
+    share: float = 0.5

@@ -55,7 +55,7 @@ from collections.abc import Callable, Iterable, Sequence
 from kvoffload._stepscan import common_value
 from kvoffload.config import EvictionPolicy, TenantConfig
 from kvoffload.index.base import IntegrityError
-from kvoffload.index.policies.base import CanEvict, Policy, any_key, consume
+from kvoffload.index.policies.base import CanEvict, Policy, any_key, consume, counting
 from kvoffload.index.policies.registry import make_policy
 from kvoffload.index.tenant_book import OTHER, SHARED, TenantBook, TenantCounts
 from kvoffload.keys import OffloadKey
@@ -115,6 +115,15 @@ class TenantPolicy(Policy):
         """Per group name: (resident keys, counts so far)."""
         return {name: (len(inner), counts)
                 for name, inner, counts in zip(self.book.names, self._inner, self.counts, strict=True)}
+
+    def inner_of(self, key: OffloadKey) -> Policy | None:
+        """The policy of ``key``'s group (None: not resident)."""
+        group = self.of.get(key)
+        return None if group is None else self._inner[group]
+
+    def inners(self) -> Sequence[Policy]:
+        """Each group's policy, in group order."""
+        return self._inner
 
     def insert(self, key: OffloadKey) -> None:
         of = self.of
@@ -211,7 +220,7 @@ class TenantPolicy(Policy):
                 # A refused call changes nothing and offers every key it could give: asked again, counting them,
                 # it says how many (only a store short of room pays for the count).
                 allowed: set[OffloadKey] = set()
-                self._inner[group].victims(run, _counting(can_evict, allowed))
+                self._inner[group].victims(run, counting(can_evict, allowed))
                 avail[group] = len(allowed) if len(allowed) < run else 0
                 if self._short(used, storing, avail, left):
                     self._give_back(taken)
@@ -334,16 +343,6 @@ class TenantPolicy(Policy):
     def _drain(inner: Policy) -> list[OffloadKey]:
         """All of ``inner``'s keys, in its eviction order (it is left empty)."""
         return inner.victims(len(inner), any_key) or []
-
-
-def _counting(can_evict: CanEvict, allowed: set[OffloadKey]) -> CanEvict:
-    """``can_evict``, remembering the keys it allowed."""
-    def check(key: OffloadKey) -> bool:
-        if can_evict(key):
-            allowed.add(key)
-            return True
-        return False
-    return check
 
 
 PolicyOf = Callable[[EvictionPolicy, int, str], "EvictionPolicy | Policy"]

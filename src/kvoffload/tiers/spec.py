@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from kvoffload.canonical import CanonicalKV
     from kvoffload.index.base import HostIndex, LowerIndex
     from kvoffload.index.policies.base import Policy
+    from kvoffload.index.retention import RetentionBook
     from kvoffload.index.tenants import TenantBook
     from kvoffload.transfer.base import TransferHandler
     from kvoffload.transfer.host_pool import HostPool
@@ -48,13 +49,16 @@ class TierContext:
     """Engine blocks per offload block."""
     tenants: TenantBook | None = None
     """The scheduler half's tenants' book, shared by every tier's index (None: tenants off, or a worker)."""
+    retention: RetentionBook | None = None
+    """The scheduler half's retention deadlines, shared by every tier's index (None: hints off, or a worker)."""
 
     def policy(self, kind: EvictionPolicy, capacity: int, tier: str) -> EvictionPolicy | Policy:
         """The eviction policy of a tier of ``capacity`` blocks named ``tier`` in figures: ``kind``, per tenant
-        when tenants are on (docs/tenants.md); what a ``SlotIndex`` takes."""
-        from kvoffload.index.tenants import tier_policy
+        when tenants are on (docs/tenants.md), around retained keys when hints are on (docs/sessions.md); what a
+        ``SlotIndex`` takes."""
+        from kvoffload.index.tier_policies import tier_policy
 
-        return tier_policy(self.tenants, kind, capacity, tier)
+        return tier_policy(self.tenants, self.retention, kind, capacity, tier)
 
     @property
     def entry_bytes(self) -> tuple[int, ...]:

@@ -25,6 +25,17 @@ consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 calls with no Python step per key (a prompt's touch is thousands of keys, every scheduler step)."""
 
 
+def counting(can_evict: CanEvict, allowed: set[OffloadKey]) -> CanEvict:
+    """``can_evict``, remembering the keys it allowed (a policy that cannot give a run has offered every key it may
+    give: the caller then knows how many it can)."""
+    def check(key: OffloadKey) -> bool:
+        if can_evict(key):
+            allowed.add(key)
+            return True
+        return False
+    return check
+
+
 def any_key(_: OffloadKey) -> bool:
     """A ``CanEvict`` that refuses nothing (for tiers of keys only, where nothing is in flight or pinned)."""
     return True

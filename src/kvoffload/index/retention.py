@@ -1,0 +1,290 @@
+"""Retention hints (docs/sessions.md): a request may ask that its blocks stay for a while, and every tier keeps
+them after its other blocks until then.
+
+``RetentionBook`` holds the deadlines the scheduler was given: a key's deadline is when the hint that named it last
+runs out (``hold``: the prompt's keys when a hinted request is looked up, its new keys when they are stored). Every
+tier that honours hints wraps its policy in a ``RetainPolicy`` on the book (``retain_policy``; with tenants on, one
+per tenant, inside the tenant's share: index/tenants.py) or, like the node pool, keeps deadlines of its own, and
+registers with the book as a ``RetainTier``.
+
+``RetainPolicy``'s rule: a resident key whose deadline has not passed is *retained*: the inner policy does not see
+it, so every unretained key of the tier (of the tenant, with tenants on) goes first, in the inner policy's order;
+retained keys then go oldest deadline first. A tier's retained keys are capped (``share`` of what the policy is
+sized for): one over the cap makes the key with the oldest deadline ordinary. A key whose deadline passes joins the
+inner policy as if stored then (its use before the pause is not remembered: the hint stood for it). With no
+deadline given, every call goes straight to the inner policy: the order is the inner policy's, key for key.
+
+Deadlines are seconds on ``time.monotonic`` (CLOCK_MONOTONIC, the same for every process of a machine: the node
+pool keeps them in its shared index); replay passes the trace's clock.
+
+Costs: with nothing retained, one attribute test per call on top of the inner policy's. With keys retained, a dict
+lookup per key and a heap push per retained key; ``victims`` takes from retained keys only when the inner policy
+cannot give the run (then O(retained keys)). Bounds: the book's deadlines are capped at ``MAX_DEADLINES`` (the
+oldest go first), each tier's retained keys by its cap.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvoffload.index.base import IntegrityError
+from kvoffload.index.policies.base import CanEvict, Policy, counting
+from kvoffload.keys import OffloadKey
+
+MAX_DEADLINES = 4_000_000
+"""The most keys the book keeps deadlines for (about 0.5 GB at worst); beyond it the oldest deadlines are dropped
+(their keys stay retained where they are until their tiers' own deadlines pass)."""
+
+Clock = Callable[[], float]
+
+
+@dataclass
+class RetainCounts:
+    """One tier's retention figures so far: ``hits`` uses of retained keys, ``demoted`` retained keys made ordinary
+    because the tier's retained share was full, ``evicted`` retained keys evicted (every unretained key had gone)."""
+
+    hits: int = 0
+    demoted: int = 0
+    evicted: int = 0
+
+
+class RetainTier(Protocol):
+    """A tier keeping retained keys on a ``RetentionBook``."""
+
+    tier: str
+    """The tier's name in figures ("host", "disk", ...)."""
+
+    def retain(self, keys: Sequence[OffloadKey]) -> None:
+        """The book has new deadlines for ``keys``: resident ones become (or stay) retained."""
+        ...
+
+    def retained(self) -> int:
+        """Retained keys now (expired ones not counted)."""
+        ...
+
+    def counts(self) -> RetainCounts:
+        """The tier's figures so far."""
+        ...
+
+
+class RetentionBook:
+    """The deadlines of held keys, shared by every tier honouring hints.
+
+    Args:
+        share: the fraction of each tier (of each tenant's share, with tenants on) that retained keys may hold.
+        clock: seconds; ``time.monotonic`` in engines, the trace's clock in replay.
+    """
+
+    __slots__ = ("_heap", "clock", "deadlines", "share", "tiers")
+
+    def __init__(self, share: float, clock: Clock = time.monotonic) -> None:
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"RetentionBook: share {share} is not within [0, 1]")
+        self.share = share
+        self.clock = clock
+        self.deadlines: dict[OffloadKey, float] = {}
+        """Held keys' deadlines (some may have passed: ``deadline`` checks)."""
+        self._heap: list[tuple[float, OffloadKey]] = []
+        self.tiers: list[RetainTier] = []
+        """Every tier on this book, in the order built (host first)."""
+
+    def hold(self, keys: Sequence[OffloadKey], deadline: float) -> None:
+        """Keep ``keys`` until ``deadline`` (a later deadline a key has stays); tell every tier."""
+        self._expire()
+        deadlines, heap = self.deadlines, self._heap
+        for key in keys:
+            if deadlines.get(key, -math.inf) < deadline:
+                deadlines[key] = deadline
+                heapq.heappush(heap, (deadline, key))
+        while len(deadlines) > MAX_DEADLINES:
+            self._pop()
+        for tier in self.tiers:
+            tier.retain(keys)
+
+    def deadline(self, key: OffloadKey) -> float | None:
+        """``key``'s deadline if one was given and has not passed."""
+        deadline = self.deadlines.get(key)
+        return deadline if deadline is not None and deadline > self.clock() else None
+
+    @property
+    def active(self) -> bool:
+        """Whether any key was given a deadline (that may not have passed)."""
+        return bool(self.deadlines)
+
+    def _expire(self) -> None:
+        heap, now = self._heap, self.clock()
+        while heap and heap[0][0] <= now:
+            self._pop()
+        if len(heap) > 2 * len(self.deadlines) + 64:  # extended deadlines leave stale entries: compact
+            self._heap = [(d, k) for d, k in heap if self.deadlines.get(k) == d]
+            heapq.heapify(self._heap)
+
+    def _pop(self) -> None:
+        deadline, key = heapq.heappop(self._heap)
+        if self.deadlines.get(key) == deadline:
+            del self.deadlines[key]
+
+
+class RetainPolicy(Policy):
+    """``inner``'s order for unretained keys, then retained keys oldest deadline first (the module docstring).
+
+    Args:
+        inner: the configured policy, which orders the unretained keys.
+        book: the deadlines; this policy joins its ``tiers`` when ``tier`` is given (a tenant's policy is
+            reached through its tier's ``TenantPolicy`` instead).
+        size: what the policy is sized for, in keys (the tier's capacity, or the tenant's quota): its cap is the
+            book's share of it.
+        tier: the tier's name in figures.
+    """
+
+    __slots__ = ("_book", "_cap", "_counts", "_heap", "_held", "_inner", "tier")
+
+    def __init__(self, inner: Policy, book: RetentionBook, size: int, tier: str | None = None) -> None:
+        self._inner = inner
+        self._book = book
+        self._cap = math.floor(book.share * size)
+        self._held: dict[OffloadKey, float] = {}
+        self._heap: list[tuple[float, OffloadKey]] = []
+        self._counts = RetainCounts()
+        self.tier = tier or "host"
+        if tier is not None:
+            book.tiers.append(self)
+
+    # ---- the Policy interface ------------------------------------------------------------------------------------
+
+    def insert(self, key: OffloadKey) -> None:
+        if key in self._held or (self._book.deadlines and self._hold(key)):
+            return  # (inserting a resident key is a use: a retained key's place is its deadline's)
+        self._inner.insert(key)
+
+    def insert_all(self, keys: Iterable[OffloadKey]) -> None:
+        if not self._book.deadlines and not self._held:
+            self._inner.insert_all(keys)
+            return
+        for key in keys:
+            self.insert(key)
+
+    def touch(self, key: OffloadKey) -> None:
+        if key in self._held:
+            self._counts.hits += 1
+        else:
+            self._inner.touch(key)
+
+    def touch_all(self, keys: Iterable[OffloadKey]) -> None:
+        if not self._held:
+            self._inner.touch_all(keys)
+            return
+        for key in keys:
+            self.touch(key)
+
+    def remove(self, key: OffloadKey) -> None:
+        if self._held.pop(key, None) is None:
+            self._inner.remove(key)
+
+    def entering(self, keys: Sequence[OffloadKey]) -> None:
+        self._inner.entering(keys)
+
+    def victims(self, n: int, can_evict: CanEvict) -> list[OffloadKey] | None:
+        if self._held:
+            self._expire()
+        if not self._held:
+            return self._inner.victims(n, can_evict)
+        allowed: set[OffloadKey] = set()
+        got = self._inner.victims(n, counting(can_evict, allowed))
+        if got is not None:
+            return got
+        # Every unretained key the inner policy may give goes first; the rest are retained, oldest deadline first.
+        need = n - len(allowed)
+        taken = [key for _, key in sorted((d, k) for k, d in self._held.items()) if can_evict(key)][:need]
+        if len(taken) < need:
+            return None
+        first = self._inner.victims(len(allowed), can_evict) if allowed else []
+        if first is None:  # the inner policy offered fewer than it allowed: it changed nothing
+            return None
+        for key in taken:
+            del self._held[key]
+        self._counts.evicted += len(taken)
+        return first + taken
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._held or key in self._inner
+
+    def __len__(self) -> int:
+        return len(self._held) + len(self._inner)
+
+    def check_integrity(self) -> None:
+        both = [key for key in self._held if key in self._inner]
+        if both:
+            raise IntegrityError(f"RetainPolicy: {len(both)} keys both retained and in the inner policy")
+        if len(self._held) > self._cap:
+            raise IntegrityError(f"RetainPolicy: {len(self._held)} retained keys over the cap {self._cap}")
+        self._inner.check_integrity()
+
+    # ---- retention -----------------------------------------------------------------------------------------------
+
+    def retain(self, keys: Sequence[OffloadKey]) -> None:
+        """The book has new deadlines for ``keys``: those resident here become (or stay) retained."""
+        inner, held = self._inner, self._held
+        for key in keys:
+            if key in held or key in inner:
+                self._hold(key)
+
+    def retained(self) -> int:
+        self._expire()
+        return len(self._held)
+
+    def counts(self) -> RetainCounts:
+        return self._counts
+
+    def _hold(self, key: OffloadKey) -> bool:
+        """Retain ``key`` if the book has a deadline for it that has not passed (from the inner policy, if it was
+        there); answers whether it did."""
+        deadline = self._book.deadline(key)
+        if deadline is None or self._cap == 0:
+            return False
+        held = self._held
+        if held.get(key) == deadline:
+            return True
+        if key not in held:
+            self._inner.remove(key)
+        held[key] = deadline
+        heapq.heappush(self._heap, (deadline, key))
+        if len(held) > self._cap:
+            self._demote()
+        return key in held
+
+    def _demote(self) -> None:
+        """The cap is passed: the key with the oldest deadline becomes ordinary."""
+        heap, held = self._heap, self._held
+        while heap:
+            deadline, key = heapq.heappop(heap)
+            if held.get(key) == deadline:
+                del held[key]
+                self._inner.insert(key)
+                self._counts.demoted += 1
+                return
+
+    def _expire(self) -> None:
+        """Keys whose deadline passed join the inner policy."""
+        heap, held, now = self._heap, self._held, self._book.clock()
+        while heap and heap[0][0] <= now:
+            deadline, key = heapq.heappop(heap)
+            if held.get(key) == deadline:
+                del held[key]
+                self._inner.insert(key)
+        if len(heap) > 2 * len(held) + 64:
+            self._heap = [(d, k) for d, k in heap if held.get(k) == d]
+            heapq.heapify(self._heap)
+
+
+def retain_policy(inner: Policy, book: RetentionBook | None, size: int, tier: str | None = None) -> Policy:
+    """``inner`` wrapped to honour hints on ``book`` (``inner`` itself with hints off: ``book`` None)."""
+    return inner if book is None else RetainPolicy(inner, book, size, tier)
+
+
+__all__ = ["MAX_DEADLINES", "RetainCounts", "RetainPolicy", "RetainTier", "RetentionBook", "retain_policy"]
