@@ -4,6 +4,7 @@ stores a prompt, and the workers' report of a step's jobs. No tensors."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvoffload.config import OffloadConfig, TenantBy
 from kvoffload.connector.metadata import ConnectorMetadata, WorkerReport
@@ -22,6 +23,7 @@ class Req:
     all_token_ids: list[int]
     extra_keys: tuple[str, ...] = ()
     blocks: list[int] = field(default_factory=list)
+    kv_transfer_params: dict[str, Any] | None = None
 
     def tenant(self, by: TenantBy) -> str | None:
         return None

@@ -131,9 +131,12 @@ def test_adaptive_eviction_is_steered_by_the_rule_the_scheduler_builds() -> None
     from kvoffload.config import EvictionPolicy
     from kvoffload.index.admission import AdaptiveAdmission
     from kvoffload.index.policies import AdaptivePolicy
+    from kvoffload.index.retention import RetainPolicy
 
     engine = sim_workload.make_engine(block_size=BLOCK, num_blocks=64, host_blocks=64, eviction_policy="adaptive")
     rule, policy = engine.scheduler.admission, engine.scheduler.index.host_policy
+    assert isinstance(policy, RetainPolicy)  # hints are on by default: the adaptive policy orders the rest
+    policy = policy.inner
     assert isinstance(policy, AdaptivePolicy) and isinstance(rule, AdaptiveAdmission) and rule._steer is policy
     assert policy.live is EvictionPolicy.LRU and rule.admits_all  # behind store_admission all: every block
     (_, a_stats, a_held), (b, _, _), _ = three_requests(engine)

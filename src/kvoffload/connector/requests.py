@@ -6,9 +6,9 @@ The engine hands over requests through the small ``EngineRequest`` protocol and 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from kvoffload.blocks import JobId
 from kvoffload.config import TenantBy
@@ -34,6 +34,12 @@ class EngineRequest(Protocol):
     def tenant(self, by: TenantBy) -> str | None:
         """The request's tenant (docs/tenants.md): its cache salt (``by`` cache_salt) or LoRA adapter name
         (``by`` lora); None when it has none (the shared tenant) or ``by`` is none. Asked only with tenants on."""
+        ...
+
+    @property
+    def kv_transfer_params(self) -> Mapping[str, Any] | None:
+        """What the client asked of KV connectors (vLLM's ``kv_transfer_params``): kvoffload reads its retention
+        hint there (docs/sessions.md). Read once, when the request is first seen; None: nothing asked."""
         ...
 
 
@@ -132,6 +138,10 @@ class RequestState:
     """Scheduler clock when the request was first seen (for ``record_trace``)."""
     prompt_tokens: int = 0
     """Tokens the request had when first seen: its prompt."""
+    retain_s: float | None = None
+    """How long the request's blocks are to be kept (its retention hint, capped); None: no hint."""
+    held: bool = False
+    """Its prompt's blocks were held (at its first lookup)."""
     _framed_extra: bytes | None = None
     _keys: list[list[OffloadKey]] = field(default_factory=list)
 

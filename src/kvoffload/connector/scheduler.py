@@ -26,11 +26,13 @@ from kvoffload.connector.loads import LoadPlanner
 from kvoffload.connector.metadata import ConnectorMetadata, WorkerReport
 from kvoffload.connector.recording import TraceTap
 from kvoffload.connector.requests import EngineRequest, RequestState, StepSchedule
+from kvoffload.connector.retention import make_retention
 from kvoffload.connector.stats import SchedulerStats
 from kvoffload.connector.stores import StoreAdmitter, StoreScan
 from kvoffload.connector.tenants import make_tenants
 from kvoffload.index.admission import make_admission
 from kvoffload.index.base import NO_STORE_COUNTS, BlockIndex, OffloadEvent, TierUsage
+from kvoffload.index.retention import RetentionBook, retention_book_of
 from kvoffload.index.tenants import TenantBook, TenantPolicy
 from kvoffload.keys import Namespace
 from kvoffload.layout import KVCacheLayout
@@ -66,11 +68,14 @@ class ConnectorScheduler:
         self.num_groups = len(layout.groups)
         self.state_groups = frozenset(layout.state_groups)
         book = TenantBook.of_config(config.tenants) if config.tenants is not None else None
-        self.index = index or build_index(config, TierContext(namespace, layout, self.factor, book))
+        held = RetentionBook(config.retention.share) if config.retention is not None else None
+        self.index = index or build_index(config, TierContext(namespace, layout, self.factor, book, held))
         if index is not None:
-            book = _book_of(index)
+            book, held = _book_of(index), retention_book_of(index.host_policy)
         self.tenants = make_tenants(config.tenants, book, host_slot_bytes(layout, self.factor))
         """With tenants on, whose blocks are and each tenant's figures (None: tenants off)."""
+        self.retention = make_retention(config.retention, held, host_slot_bytes(layout, self.factor))
+        """With hints on, each request's hint and the keys it holds (None: hints off)."""
         self.flush_stores_next_step = flush_stores_next_step
         self.load_cost = LoadCost(config.load_policy, self.offload_tokens, host_slot_bytes(layout, self.factor),
                                   config.prefill_tokens_per_s)
@@ -130,6 +135,10 @@ class ConnectorScheduler:
         """
         state = self._state(request)
         self._usage_moved = True  # a lookup may reserve host room for a promotion
+        if state.retain_s is not None and not state.held and self.retention is not None and not state.ambiguous:
+            # Before the lookup: a block an earlier turn left is then kept from this turn on, a new one as stored.
+            state.held = True
+            self.retention.hold(state, state.prompt_tokens // self.offload_tokens, range(self.num_groups))
         return self._loads.lookup(request, state, num_computed_tokens)
 
     def may_hit(self, request: EngineRequest) -> bool:
@@ -210,6 +219,10 @@ class ConnectorScheduler:
     def request_finished(self, req_id: str) -> None:
         """The request is done (finished or aborted): its blocks may be reused once its pending jobs are flushed."""
         if (state := self._requests.pop(req_id, None)) is not None:
+            if state.retain_s is not None and self.retention is not None and not state.ambiguous:
+                # The pause the hint covers starts now: every block of the request, its output's too.
+                self.retention.hold(state, len(state.request.all_token_ids) // self.offload_tokens,
+                                    range(self.num_groups))
             self._jobs.fence(state)
             self._generation += 1
             if self._trace is not None:
@@ -258,6 +271,8 @@ class ConnectorScheduler:
         self._store_reported = counts
         if self.tenants is not None:
             stats.tenants = self.tenants.take_figures()
+        if self.retention is not None:
+            stats.retention = self.retention.take_figures()
         return stats
 
     def usage(self) -> list[TierUsage]:
@@ -287,7 +302,8 @@ class ConnectorScheduler:
         state = self._requests.get(request.request_id)
         if state is None:
             state = RequestState(request, self._root, self.offload_tokens, self.num_groups,
-                                 arrival=self._clock(), prompt_tokens=len(request.all_token_ids))
+                                 arrival=self._clock(), prompt_tokens=len(request.all_token_ids),
+                                 retain_s=None if self.retention is None else self.retention.retain_s(request))
             self._requests[request.request_id] = state
             self._generation += 1
         elif state.request is not request and state.request != request and not state.ambiguous:

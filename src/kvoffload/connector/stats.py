@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvoffload.blocks import transfer_name
 from kvoffload.transfer.base import TransferResult
@@ -98,6 +98,36 @@ class TenantFigures:
 
 
 @dataclass
+class RetentionFigures:
+    """Retention hints since the last ``take`` (docs/sessions.md).
+
+    ``hints``: [received, capped to ``max_retain_s``, ignored as bad]; ``tiers``: tier -> [retained bytes (now),
+    hits on retained blocks, retained blocks made ordinary as the tier's retained share was full, retained blocks
+    evicted (since the last take)].
+    """
+
+    hints: list[int] = field(default_factory=lambda: [0, 0, 0])
+    tiers: dict[str, list[int]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"hints": list(self.hints), "tiers": {t: list(v) for t, v in self.tiers.items()}}
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> RetentionFigures:
+        """What ``as_dict`` made (shipped between processes as plain data)."""
+        return cls([int(x) for x in raw.get("hints", [0, 0, 0])][:3],
+                   {str(t): [int(x) for x in v][:4] for t, v in raw.get("tiers", {}).items()})
+
+    def aggregate(self, other: RetentionFigures) -> RetentionFigures:
+        """Hints and counts add up; retained bytes are the latest."""
+        tiers = {t: list(v) for t, v in self.tiers.items()}
+        for tier, (retained, *counts) in other.tiers.items():
+            mine = tiers.setdefault(tier, [0, 0, 0, 0])
+            mine[:] = [retained, *(a + b for a, b in zip(mine[1:], counts, strict=True))]
+        return RetentionFigures([a + b for a, b in zip(self.hints, other.hints, strict=True)], tiers)
+
+
+@dataclass
 class SchedulerStats:
     """Prefix tokens asked for beyond the engine's own cache (``query_tokens``) and served by kvoffload; offload
     blocks that store admission let through or declined."""
@@ -122,6 +152,8 @@ class SchedulerStats:
     while too many waited): the store's own expiry removes them."""
     tenants: TenantFigures | None = None
     """With tenants on, what each tenant did (``connector.tenants``); None: tenants off, or nothing changed."""
+    retention: RetentionFigures | None = None
+    """With hints on, hints and retained blocks (``connector.retention``); None: hints off, or nothing changed."""
 
     @property
     def miss_tokens(self) -> int:
@@ -132,15 +164,16 @@ class SchedulerStats:
         # Spelled out: every decode step asks, and a loop over dataclasses.fields() costs microseconds.
         return not (self.requests or self.query_tokens or self.hit_tokens or self.failed_load_tokens
                     or self.skipped_slow_tokens or self.admitted_blocks or self.declined_blocks
-                    or self.unanswered_lookups or self.undeleted_blocks or self.tenants is not None)
+                    or self.unanswered_lookups or self.undeleted_blocks or self.tenants is not None
+                    or self.retention is not None)
 
     def take(self) -> SchedulerStats:
         """What was counted, moved into a new object (the caller owns it); this one starts again from zero and
         stays the one that the scheduler half's parts count into."""
         taken = SchedulerStats(self.requests, self.query_tokens, self.hit_tokens, self.failed_load_tokens,
                                self.skipped_slow_tokens, self.admitted_blocks, self.declined_blocks,
-                               self.unanswered_lookups, self.undeleted_blocks, self.tenants)
-        self.tenants = None
+                               self.unanswered_lookups, self.undeleted_blocks, self.tenants, self.retention)
+        self.tenants = self.retention = None
         self.requests = self.query_tokens = self.hit_tokens = self.failed_load_tokens = 0
         self.skipped_slow_tokens = self.admitted_blocks = self.declined_blocks = 0
         self.unanswered_lookups = self.undeleted_blocks = 0
@@ -155,10 +188,14 @@ class SchedulerStats:
                               self.declined_blocks + other.declined_blocks,
                               self.unanswered_lookups + other.unanswered_lookups,
                               self.undeleted_blocks + other.undeleted_blocks,
-                              _merged(self.tenants, other.tenants))
+                              _merged(self.tenants, other.tenants), _merged(self.retention, other.retention))
 
 
-def _merged(a: TenantFigures | None, b: TenantFigures | None) -> TenantFigures | None:
+Figures = TypeVar("Figures", TenantFigures, RetentionFigures)
+
+
+def _merged(a: Figures | None, b: Figures | None) -> Figures | None:
     if a is None or b is None:
         return a or b
     return a.aggregate(b)
+

@@ -24,6 +24,7 @@ from kvoffload.config import EvictionPolicy, StoreAdmission
 from kvoffload.index.policies.adaptive import EXPERTS, AdaptivePolicy
 from kvoffload.index.policies.base import Policy, any_key, consume
 from kvoffload.index.policies.registry import make_policy
+from kvoffload.index.retention import RetainPolicy
 from kvoffload.keys import OffloadKey
 
 SIGHTING_MEMORY = 4
@@ -252,6 +253,8 @@ def make_admission(kind: StoreAdmission, capacity_blocks: int, policy: Policy | 
     """
     if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) or capacity_blocks <= 0:
         raise ValueError(f"make_admission: capacity {capacity_blocks!r} blocks must be a positive integer")
+    if isinstance(policy, RetainPolicy):  # hints on: the adaptive policy orders the unretained keys
+        policy = policy.inner
     if isinstance(policy, AdaptivePolicy):
         admissions = _FIXED if kind is StoreAdmission.ADAPTIVE else (kind,)
         return AdaptiveAdmission(capacity_blocks, EXPERTS, admissions, steer=policy)

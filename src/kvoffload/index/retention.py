@@ -142,11 +142,11 @@ class RetainPolicy(Policy):
         tier: the tier's name in figures.
     """
 
-    __slots__ = ("_book", "_cap", "_counts", "_heap", "_held", "_inner", "tier")
+    __slots__ = ("_cap", "_counts", "_heap", "_held", "_inner", "book", "tier")
 
     def __init__(self, inner: Policy, book: RetentionBook, size: int, tier: str | None = None) -> None:
         self._inner = inner
-        self._book = book
+        self.book = book
         self._cap = math.floor(book.share * size)
         self._held: dict[OffloadKey, float] = {}
         self._heap: list[tuple[float, OffloadKey]] = []
@@ -155,15 +155,20 @@ class RetainPolicy(Policy):
         if tier is not None:
             book.tiers.append(self)
 
+    @property
+    def inner(self) -> Policy:
+        """The policy that orders the unretained keys (an adaptive one is steered through it: index/admission.py)."""
+        return self._inner
+
     # ---- the Policy interface ------------------------------------------------------------------------------------
 
     def insert(self, key: OffloadKey) -> None:
-        if key in self._held or (self._book.deadlines and self._hold(key)):
+        if key in self._held or (self.book.deadlines and self._hold(key)):
             return  # (inserting a resident key is a use: a retained key's place is its deadline's)
         self._inner.insert(key)
 
     def insert_all(self, keys: Iterable[OffloadKey]) -> None:
-        if not self._book.deadlines and not self._held:
+        if not self.book.deadlines and not self._held:
             self._inner.insert_all(keys)
             return
         for key in keys:
@@ -244,7 +249,7 @@ class RetainPolicy(Policy):
     def _hold(self, key: OffloadKey) -> bool:
         """Retain ``key`` if the book has a deadline for it that has not passed (from the inner policy, if it was
         there); answers whether it did."""
-        deadline = self._book.deadline(key)
+        deadline = self.book.deadline(key)
         if deadline is None or self._cap == 0:
             return False
         held = self._held
@@ -271,7 +276,7 @@ class RetainPolicy(Policy):
 
     def _expire(self) -> None:
         """Keys whose deadline passed join the inner policy."""
-        heap, held, now = self._heap, self._held, self._book.clock()
+        heap, held, now = self._heap, self._held, self.book.clock()
         while heap and heap[0][0] <= now:
             deadline, key = heapq.heappop(heap)
             if held.get(key) == deadline:
@@ -282,9 +287,20 @@ class RetainPolicy(Policy):
             heapq.heapify(self._heap)
 
 
+def retention_book_of(policy: Policy | None) -> RetentionBook | None:
+    """The book a tier's policy honours hints on (the tier's own wrapper, or its first tenant's), if any: for an
+    index built elsewhere (tests, tools)."""
+    if isinstance(policy, RetainPolicy):
+        return policy.book
+    inners = getattr(policy, "inners", None)
+    first = inners()[0] if inners is not None else None
+    return first.book if isinstance(first, RetainPolicy) else None
+
+
 def retain_policy(inner: Policy, book: RetentionBook | None, size: int, tier: str | None = None) -> Policy:
     """``inner`` wrapped to honour hints on ``book`` (``inner`` itself with hints off: ``book`` None)."""
     return inner if book is None else RetainPolicy(inner, book, size, tier)
 
 
-__all__ = ["MAX_DEADLINES", "RetainCounts", "RetainPolicy", "RetainTier", "RetentionBook", "retain_policy"]
+__all__ = ["MAX_DEADLINES", "RetainCounts", "RetainPolicy", "RetainTier", "RetentionBook", "retain_policy",
+           "retention_book_of"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -55,6 +56,8 @@ class SimRequest:
     engine_hashes: list[int] = field(default_factory=list)
     """The simulated engine's own hash of each full engine block (``SimDescriber``), as its router events name
     them: computed once, as blocks fill."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """What the client asked of KV connectors: a retention hint, ``{"kvoffload": {"retain_s": N}}``."""
 
     @property
     def num_new_tokens(self) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -327,6 +327,11 @@ class VllmRequest:
         if by is TenantBy.LORA and self.request.lora_request is not None:
             return str(self.request.lora_request.lora_name)
         return None
+
+    @property
+    def kv_transfer_params(self) -> Mapping[str, Any] | None:
+        params = getattr(self.request, "kv_transfer_params", None)  # vLLM's OpenAI server fills it from the body
+        return params if isinstance(params, Mapping) else None
 
 
 def is_offloadable(request: Request) -> bool:

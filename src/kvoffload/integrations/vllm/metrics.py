@@ -36,6 +36,8 @@ the counters that a vLLM server shows on ``/metrics``:
     vllm:kvoffload_tenant_evicted_blocks_total{tenant,tier}  the tenant's blocks the tier evicted
     vllm:kvoffload_tenant_hit_blocks_total{tenant,tier}      loads of the tenant's blocks the tier held
                                                        (tenant: each tenant named in the quotas, and "other")
+    vllm:kvoffload_retention_hints_total{outcome} and vllm:kvoffload_retained_*{tier}: retention hints
+                                                       (integrations/vllm/retention_metrics.py)
 
 Names start with ``vllm:`` so that vLLM's own metric clean-up (between engines in one process) covers them.
 """
@@ -59,7 +61,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvoffload.blocks import Medium, transfer_name
 from kvoffload.config import OffloadConfig
-from kvoffload.connector.stats import SchedulerStats, TenantFigures, TransferStats
+from kvoffload.connector.stats import RetentionFigures, SchedulerStats, TenantFigures, TransferStats
+from kvoffload.integrations.vllm.retention_metrics import RetentionMetrics
 from kvoffload.tiers.node.index import POOL_COUNTERS
 from kvoffload.tiers.node.status import gauges, read_status
 from kvoffload.tiers.stack import host_spec, tier_specs, transfer_routes
@@ -70,6 +73,7 @@ TRANSFERS = "transfers"
 LOOKUPS = "lookups"
 HOST_USED_BYTES = "host_used_bytes"
 TENANTS = "tenants"
+RETENTION = "retention"
 NODE_POOL = "node_pool"
 NODE_POOL_PATH = "node_pool_path"
 SCRAPE_CACHE_S = 1.0
@@ -97,6 +101,8 @@ class KVOffloadStats(KVConnectorStats):
             data[LOOKUPS] = {name: getattr(lookups, name) for name in _LOOKUP_FIELDS}
             if lookups.tenants is not None:
                 data[TENANTS] = lookups.tenants.as_dict()
+            if lookups.retention is not None:
+                data[RETENTION] = lookups.retention.as_dict()
         if host_used_bytes is not None:
             data[HOST_USED_BYTES] = host_used_bytes
         if node_pool:
@@ -112,9 +118,10 @@ class KVOffloadStats(KVConnectorStats):
     @property
     def lookups(self) -> SchedulerStats:
         raw = self.data.get(LOOKUPS, {})
-        tenants = self.data.get(TENANTS)
+        tenants, retention = self.data.get(TENANTS), self.data.get(RETENTION)
         return SchedulerStats(**{name: int(raw.get(name, 0)) for name in _LOOKUP_FIELDS},
-                              tenants=None if tenants is None else TenantFigures.from_dict(tenants))
+                              tenants=None if tenants is None else TenantFigures.from_dict(tenants),
+                              retention=None if retention is None else RetentionFigures.from_dict(retention))
 
     def reset(self) -> None:
         self.data = {}
@@ -206,6 +213,10 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
         self._start_at_zero(transfer_routes(config))
         if self._tenants is not None and config.tenants is not None:
             self._tenants.start_at_zero(self.per_engine_labelvalues.values(), config)
+        self._retention = None if config.retention is None else RetentionMetrics(
+            self._counter_cls, self._gauge_cls, labelnames)
+        if self._retention is not None:
+            self._retention.start_at_zero(self.per_engine_labelvalues.values(), config)
 
     def _start_at_zero(self, routes: Sequence[tuple[Medium, Medium]]) -> None:
         """Create every series that can occur, at 0, so that /metrics lists them before the first event: a
@@ -237,6 +248,8 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
             self._host_used.labels(*labels).set(stats.data[HOST_USED_BYTES])
         if self._tenants is not None and lookups.tenants is not None:
             self._tenants.observe(labels, lookups.tenants)
+        if self._retention is not None and lookups.retention is not None:
+            self._retention.observe(labels, lookups.retention)
         if self._node_pool is not None:
             path = stats.data.get(NODE_POOL_PATH)
             if path and engine_idx not in self._live:
