@@ -171,10 +171,12 @@ static uint64_t now_s(void) {
     return (uint64_t)ts.tv_sec;
 }
 
+static int64_t clock_shift_ms; /* tests only (``shift_clock``): deadlines pass without the test sleeping */
+
 static uint64_t now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts); /* Python's time.monotonic: the clock the engines' books keep */
-    return (uint64_t)ts.tv_sec * 1000ULL + (uint64_t)ts.tv_nsec / 1000000ULL;
+    return (uint64_t)((int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000 + clock_shift_ms);
 }
 
 static uint64_t mix(uint64_t x) {
@@ -1767,6 +1769,18 @@ static PyObject *py_set_rule(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* shift_clock(ms): tests only: the clock deadlines are read against runs ``ms`` ahead of CLOCK_MONOTONIC. */
+static PyObject *py_shift_clock(PyObject *self, PyObject *args) {
+    long long ms;
+    if (!PyArg_ParseTuple(args, "L", &ms)) return NULL;
+    if (ms < 0 || ms > (long long)(100 * MAX_RETAIN_MS)) {
+        PyErr_SetString(PyExc_ValueError, "shift_clock: 0 to 100 days");
+        return NULL;
+    }
+    clock_shift_ms = ms;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"init", py_init, METH_VARARGS, "Format a new segment."},
     {"size", py_size, METH_VARARGS, "Bytes of a segment of num_slots slots and table_size table entries."},
@@ -1792,6 +1806,7 @@ static PyMethodDef methods[] = {
     {"tenants", py_tenants, METH_VARARGS, "(generation, on, [(position, name, hashed, share, resident, stores, evictions)])."},
     {"set_tenants", py_set_tenants, METH_VARARGS, "Write the tenant table (replace: even over another one)."},
     {"set_rule", py_set_rule, METH_VARARGS, "Tests only: evict by the rule (0) or one of its mutants."},
+    {"shift_clock", py_shift_clock, METH_VARARGS, "Tests only: read deadlines against a clock ms ahead."},
     {NULL, NULL, 0, NULL},
 };
 
