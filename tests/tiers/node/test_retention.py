@@ -15,6 +15,7 @@ import pytest
 from tests.tiers.node.pools import keys, locks_in, segment_in
 
 from kvoffload import _nodeindex
+from kvoffload.blocks import HostBlocks
 from kvoffload.config import TenantBy, TenantConfig
 from kvoffload.index.retention import RetentionBook
 from kvoffload.keys import BlockHash, OffloadKey, offload_key
@@ -195,7 +196,7 @@ def victims(node_path: Path, book: RetentionBook | None, layout: str, hold: bool
         out = a.prepare_store(stored)
         if tenant_book is not None:
             tenant_book.clear()
-        assert out is not None
+        assert out is not None and isinstance(out.store_spec, HostBlocks)
         a.complete_store(out.keys_to_store)
         seen.append((list(out.store_spec.slots), list(out.evicted_keys)))
         looked = fixed_keys(step * 2, 2)
