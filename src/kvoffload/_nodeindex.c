@@ -35,6 +35,15 @@
  * count is trusted for nothing but the choice of victims, damage there is repaired from the slots (counts
  * recounted, bad bytes to "other") and a damaged table is reset (engines write theirs again within a second).
  *
+ * Retention hints (docs/node.md, "Retention hints"): a slot may carry a deadline (CLOCK_MONOTONIC milliseconds, the
+ * same in every process of the machine), given with its store (``reserve``) or raised later by any engine
+ * (``retain``). While the pool holds any (``retained`` in the header), both sweeps pass a slot whose deadline has
+ * not passed and take it only when no other victim is left, oldest deadline first; a passed deadline makes the slot
+ * ordinary. Retained slots are capped (each call gives its engine's cap): past it, the oldest deadlines are dropped.
+ * Deadlines are fairness, never safety, like the tenant bytes: outside the check word, one past now + MAX_RETAIN_MS
+ * clamped to it, counts recounted from the slots by the repair. With no deadline ever given the sweeps are the
+ * ones of version 4, victim for victim.
+ *
  * Functions take the mapped segment (a writable buffer; verify and stats also accept a read-only one) and
  * keys as one bytes object of 16-byte keys.
  */
@@ -48,8 +57,10 @@
 #include <time.h>
 
 #define MAGIC 0x313065646f6e766bULL /* "kvnode01" little endian */
-#define VERSION 4 /* 3: checked slots, files bound to the index (generation, inodes), the lock in the engines file;
-                   * 4: tenants' shares (the tenant table after the pool inodes, a tenant byte in each slot) */
+#define VERSION 5 /* 3: checked slots, files bound to the index (generation, inodes), the lock in the engines file;
+                   * 4: tenants' shares (the tenant table after the pool inodes, a tenant byte in each slot);
+                   * 5: retention deadlines (one in each slot, 64 bytes now; the retained count and figures after
+                   *    the tenant table) */
 #define LOCK_BYTE MAX_ATTACH /* the byte of the engines file whose lock is the index's: after the attachments' */
 #define KEY 16
 #define MAX_ATTACH 64
@@ -58,6 +69,8 @@
 #define LOCKFREE_TRIES 8
 #define QUARANTINE_S 30
 #define MAX_TABLE (1ULL << 40)
+#define MAX_RETAIN_MS 86400000ULL /* a deadline further than this from now (max_retain_s's bound) is damage: clamped */
+#define DEMOTE_SLACK 16 /* past the cap, demote 1/16 of it more than needed: the scan for the oldest is not per store */
 
 enum { FREE = 0, IN_FLIGHT = 1, READY = 2, LOST = 3 };
 
@@ -119,6 +132,8 @@ typedef struct {
     uint64_t tenants_on;            /* 1: the table below is the pool's (set_tenants), 0: no tenants */
     uint64_t tenants_gen;           /* bumped by every change of the table: engines re-read it when it moves */
     Tenant tenant[MAX_TENANTS];     /* by position: named tenants first, OTHER last */
+    uint64_t retained; /* resident slots with a deadline (some may have passed); 0: the sweeps ignore deadlines */
+    uint64_t retain_hits, retain_demoted, retain_evicted; /* pins of retained slots; dropped past the cap; evicted */
 } Header;
 
 typedef struct {
@@ -132,6 +147,7 @@ typedef struct {
     uint8_t ref;   /* CLOCK reference bit */
     uint8_t tenant; /* the table position of the tenant it was stored for: a hint for eviction, never checked */
     uint8_t pad[4];
+    uint64_t deadline; /* retention: CLOCK_MONOTONIC ms before which eviction passes it by; 0 none; a hint */
 } Slot;
 
 typedef struct {
@@ -153,6 +169,14 @@ static uint64_t now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_BOOTTIME, &ts); /* one clock for every process on the machine */
     return (uint64_t)ts.tv_sec;
+}
+
+static int64_t clock_shift_ms; /* tests only (``shift_clock``): deadlines pass without the test sleeping */
+
+static uint64_t now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts); /* Python's time.monotonic: the clock the engines' books keep */
+    return (uint64_t)((int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000 + clock_shift_ms);
 }
 
 static uint64_t mix(uint64_t x) {
@@ -260,6 +284,114 @@ static void recount_tenants(Header *h, Slot *slots, uint64_t n) {
     for (int t = 0; t < MAX_TENANTS; t++) h->tenant[t].resident = resident[t];
 }
 
+/* ---- retention deadlines ------------------------------------------------------------------------------------ */
+
+static int holds_key(const Slot *sl) { return sl->state == READY || sl->state == IN_FLIGHT; }
+
+/* The slot is ordinary again: its deadline goes, and the count with it. */
+static void drop_deadline(Header *h, Slot *sl) {
+    if (!sl->deadline) return;
+    sl->deadline = 0;
+    if (h->retained) h->retained--; /* a wrong count is found by the check and recounted */
+}
+
+/* Whether a resident slot is retained at ``now``: a passed deadline is dropped (the slot is ordinary from here), one
+ * further than MAX_RETAIN_MS is clamped (written by no engine: damage, which may cost fairness for that long). */
+static int retained_at(Header *h, Slot *sl, uint64_t now) {
+    uint64_t d = sl->deadline;
+    if (!d) return 0;
+    if (d <= now) {
+        drop_deadline(h, sl);
+        return 0;
+    }
+    if (d > now + MAX_RETAIN_MS) sl->deadline = now + MAX_RETAIN_MS;
+    return 1;
+}
+
+/* Raise a resident slot's deadline to ``d`` (never lower it); a deadline past is no hint. */
+static void hold(Header *h, Slot *sl, uint64_t d, uint64_t now) {
+    if (d <= now) return;
+    if (d > now + MAX_RETAIN_MS) d = now + MAX_RETAIN_MS;
+    if (!sl->deadline) h->retained++;
+    if (d > sl->deadline) sl->deadline = d;
+}
+
+typedef struct {
+    uint64_t deadline;
+    int64_t slot;
+} Held;
+
+static int by_deadline(const void *a, const void *b) {
+    const Held *x = a, *y = b;
+    if (x->deadline != y->deadline) return x->deadline < y->deadline ? -1 : 1;
+    return x->slot < y->slot ? -1 : x->slot > y->slot;
+}
+
+/* The retained slots eviction may take (ready, unpinned, not marked, of ``tenant`` unless it is -1) into ``out``
+ * (room for s->n), passed deadlines dropped on the way; how many. */
+static Py_ssize_t takeable_retained(Seg *s, uint8_t *marks, int tenant, uint64_t now, Held *out) {
+    Py_ssize_t count = 0;
+    for (uint64_t i = 0; i < s->n; i++) {
+        Slot *sl = &s->slots[i];
+        if (!sl->deadline || sl->state != READY || sl->pins || ((marks[i >> 3] >> (i & 7)) & 1) || !slot_ok(sl))
+            continue;
+        if (tenant >= 0 && tenant_of(s->h, sl) != tenant) continue;
+        if (retained_at(s->h, sl, now)) out[count++] = (Held){sl->deadline, (int64_t)i};
+    }
+    return count;
+}
+
+/* Up to ``need`` retained slots of ``tenant`` (-1: any), oldest deadline first, marked and put into ``found``:
+ * what eviction takes once no other victim is left. How many (fewer: no room). */
+static Py_ssize_t take_retained(Seg *s, uint8_t *marks, int64_t *found, Py_ssize_t need, int tenant, uint64_t now) {
+    Held *held = PyMem_Malloc(sizeof(Held) * s->n);
+    if (!held) return 0; /* no room found: the store is refused, nothing changed */
+    Py_ssize_t count = takeable_retained(s, marks, tenant, now, held), got = 0;
+    qsort(held, (size_t)count, sizeof(Held), by_deadline);
+    for (; got < need && got < count; got++) {
+        uint64_t i = (uint64_t)held[got].slot;
+        found[got] = (int64_t)i;
+        marks[i >> 3] |= (uint8_t)(1 << (i & 7));
+    }
+    PyMem_Free(held);
+    return got;
+}
+
+/* Past ``cap`` retained slots, the oldest deadlines are dropped (the slots ordinary) down to the cap less a 16th of
+ * it, so that a pool at its cap scans its slots once per cap/16 new deadlines, not once per store. The scan also
+ * drops passed deadlines and recounts. */
+static void cap_retained(Seg *s, uint64_t cap, uint64_t now) {
+    Header *h = s->h;
+    if (h->retained <= cap) return;
+    Held *held = PyMem_Malloc(sizeof(Held) * s->n);
+    if (!held) return; /* over the cap until the next call: fairness, never safety */
+    uint64_t count = 0;
+    for (uint64_t i = 0; i < s->n; i++) {
+        Slot *sl = &s->slots[i];
+        if (sl->deadline && holds_key(sl) && retained_at(h, sl, now)) held[count++] = (Held){sl->deadline, (int64_t)i};
+    }
+    h->retained = count; /* the scan's count: a drifted one is right again */
+    if (count > cap) {
+        uint64_t keep = cap - cap / DEMOTE_SLACK;
+        qsort(held, (size_t)count, sizeof(Held), by_deadline);
+        for (uint64_t j = 0; j < count - keep; j++) drop_deadline(h, &s->slots[held[j].slot]);
+        h->retain_demoted += count - keep;
+    }
+    PyMem_Free(held);
+}
+
+/* Retained slots now (resident, deadline not passed), read without the lock: a figure. */
+static uint64_t count_retained(Seg *s) {
+    uint64_t now = now_ms(), count = 0;
+    if (!__atomic_load_n(&s->h->retained, __ATOMIC_RELAXED)) return 0;
+    for (uint64_t i = 0; i < s->n; i++) {
+        const Slot *sl = &s->slots[i];
+        uint64_t d = __atomic_load_n(&sl->deadline, __ATOMIC_RELAXED);
+        count += d > now && holds_key(sl);
+    }
+    return count;
+}
+
 /* Map a buffer; 0 with an exception set (Damaged) when it is not, or no longer, a segment this module made. */
 static int open_seg(PyObject *obj, Py_buffer *view, Seg *s, int writable) {
     if (PyObject_GetBuffer(obj, view, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) return 0;
@@ -360,6 +492,7 @@ static void erase(Seg *s, const uint8_t *key) {
 static void free_slot(Seg *s, int64_t i) {
     Tenant *t = &s->h->tenant[tenant_of(s->h, &s->slots[i])];
     if (t->resident) t->resident--; /* a wrong count is found by the check and recounted */
+    drop_deadline(s->h, &s->slots[i]);
     erase(s, s->slots[i].key);
     s->slots[i].pins = 0;
     set_state(&s->slots[i], FREE);
@@ -409,7 +542,7 @@ static void release(Seg *s, int a) {
  * the holder field, which a process that lost its attachment may still have written. */
 static void repair(Seg *s) {
     Header *h = s->h;
-    uint64_t live = live_mask(s), top = h->next_epoch, used = 0;
+    uint64_t live = live_mask(s), top = h->next_epoch, used = 0, retained = 0;
     for (uint64_t i = 0; i <= s->mask; i++) s->table[i] = EMPTY;
     s->bad = 0;
     for (uint64_t i = 0; i < s->n; i++) {
@@ -435,8 +568,12 @@ static void repair(Seg *s) {
         if (sl->epoch >= top) top = sl->epoch + 1; /* checked: an epoch this module wrote */
         insert(s, sl->key, (int32_t)i);
         used++;
+        retained += sl->deadline != 0;
     }
+    for (uint64_t i = 0; i < s->n; i++)
+        if (!holds_key(&s->slots[i])) s->slots[i].deadline = 0; /* outside the check word: a free slot holds none */
     h->used = used;
+    h->retained = retained;
     if (!table_ok(h)) reset_table(h);
     recount_tenants(h, s->slots, s->n);
     h->hand %= s->n;
@@ -800,6 +937,7 @@ static PyObject *py_pin(PyObject *self, PyObject *args) {
     s.fd = fd;
     Py_ssize_t n = keys.len / KEY;
     if (lock(&s, a)) {
+        uint64_t ms = s.h->retained ? now_ms() : 0;
         out = PyList_New(n);
         for (Py_ssize_t i = 0; out && i < n; i++) {
             int64_t slot = find(&s, (const uint8_t *)keys.buf + i * KEY);
@@ -808,6 +946,7 @@ static PyObject *py_pin(PyObject *self, PyObject *args) {
                 Slot *sl = &s.slots[slot];
                 sl->pins |= 1ULL << a;
                 epoch = sl->epoch;
+                s.h->retain_hits += ms && sl->deadline > ms;
                 if (sl->owner != a) {
                     s.h->cross_hits++;
                     s.h->served[sl->owner]++; /* owner < MAX_ATTACH: find checked the slot */
@@ -911,11 +1050,14 @@ static PyObject *py_complete(PyObject *self, PyObject *args) {
 }
 
 /* CLOCK: up to ``need`` slots that are free, ready (unpinned, unreferenced) or lost past their quarantine, and not
- * marked (held by this call), the hand moving on and clearing reference bits as it passes. Two turns at most;
- * fewer found means no room (nothing evicted yet). */
+ * marked (held by this call), the hand moving on and clearing reference bits as it passes, and passing retained
+ * slots by. Two turns at most; then retained slots, oldest deadline first. Fewer found means no room (nothing
+ * evicted yet). */
 static Py_ssize_t sweep(Seg *s, uint8_t *marks, int64_t *found, Py_ssize_t need) {
     Py_ssize_t got = 0;
     uint64_t n = s->n, now = 0;
+    int hints = s->h->retained != 0; /* none: version 4's sweep, victim for victim */
+    uint64_t ms = hints ? now_ms() : 0;
     for (uint64_t step = 0; step < 2 * n && got < need; step++) {
         uint64_t i = s->h->hand % n;
         s->h->hand = (i + 1) % n;
@@ -930,6 +1072,7 @@ static Py_ssize_t sweep(Seg *s, uint8_t *marks, int64_t *found, Py_ssize_t need)
             now = now ? now : now_s();
             take = now >= slot->lost_until || slot->lost_until > now + QUARANTINE_S;
         } else if (slot->state == READY && slot->pins == 0) {
+            if (hints && retained_at(s->h, slot, ms)) continue; /* passed untouched: its reference bit stays */
             take = !slot->ref;
             slot->ref = 0;
         }
@@ -938,6 +1081,7 @@ static Py_ssize_t sweep(Seg *s, uint8_t *marks, int64_t *found, Py_ssize_t need)
             marks[i >> 3] |= (uint8_t)(1 << (i & 7));
         }
     }
+    if (got < need && hints) got += take_retained(s, marks, found + got, need - got, -1, ms);
     return got;
 }
 
@@ -1003,7 +1147,8 @@ static void take(uint8_t *marks, int64_t *found, Py_ssize_t *got, uint64_t i) {
 
 /* sweep with a tenant table: free slots first (nothing is evicted while the pool has room: a tenant alone fills
  * it, its share lent), then victims by the rule, each tenant's in CLOCK order: the hand clears and takes only
- * slots of tenants that may give, and passes the others' untouched. A tenant the hand went two turns past without
+ * slots of tenants that may give, and passes the others' untouched (and retained slots: once the hand found none
+ * other of the chosen tenant in two turns, its retained slots go, oldest deadline first). A tenant the hand went two turns past without
  * finding one to take has none; at most two turns per tenant in all. Fewer found means no room (nothing evicted
  * yet). ``fresh_tenants``: the tenant of each key to store. */
 static Py_ssize_t sweep_tenants(Seg *s, uint8_t *marks, int64_t *found, Py_ssize_t need,
@@ -1012,6 +1157,9 @@ static Py_ssize_t sweep_tenants(Seg *s, uint8_t *marks, int64_t *found, Py_ssize
     uint64_t n = s->n, now = 0, used = h->used < n ? h->used : n;
     Py_ssize_t got = 0;
     Rule r = {.storing = 0, .exhausted = 0};
+    int hints = h->retained != 0; /* none: version 4's sweep, victim for victim */
+    uint64_t ms = hints ? now_ms() : 0;
+    uint32_t drained = 0; /* a bit per tenant (bit 0: anyone, RULE_ANY) the hand found no unretained slot of */
     for (int t = 0; t < MAX_TENANTS; t++) {
         uint64_t resident = h->tenant[t].resident < n ? h->tenant[t].resident : n; /* a damaged count: bounded */
         r.excess[t] = (int64_t)resident * SHARE_ONE - (int64_t)h->tenant[t].share * (int64_t)n;
@@ -1040,12 +1188,26 @@ static Py_ssize_t sweep_tenants(Seg *s, uint8_t *marks, int64_t *found, Py_ssize
     int chosen = got < need ? choose(&r) : -1;
     uint64_t since = 0; /* steps since the last victim or choice */
     for (uint64_t step = 0; got < need && chosen >= 0 && step < 2 * n * (MAX_TENANTS + 1); step++) {
+        uint32_t bit = r.tier == 0 ? 1u : 1u << chosen;
+        if (drained & bit) { /* the chosen tenant gives its retained slots now, oldest deadline first */
+            if (take_retained(s, marks, found + got, 1, r.tier == 0 ? -1 : chosen, ms) == 1)
+                r.excess[tenant_of(h, &s->slots[found[got++]])] -= SHARE_ONE;
+            else
+                r.exhausted |= bit;
+            chosen = choose(&r);
+            since = 0;
+            continue;
+        }
         uint64_t i = h->hand % n;
         h->hand = (i + 1) % n;
         Slot *slot = &s->slots[i];
-        if (++since > 2 * n) { /* two turns without one: nothing more to take there */
-            r.exhausted |= r.tier == 0 ? 1u : 1u << chosen;
-            chosen = choose(&r);
+        if (++since > 2 * n) { /* two turns without one: nothing more to take there, but retained slots */
+            if (hints) {
+                drained |= bit;
+            } else {
+                r.exhausted |= bit;
+                chosen = choose(&r);
+            }
             since = 0;
         }
         if ((marks[i >> 3] >> (i & 7)) & 1) continue;
@@ -1061,6 +1223,7 @@ static Py_ssize_t sweep_tenants(Seg *s, uint8_t *marks, int64_t *found, Py_ssize
         if (slot->tenant >= MAX_TENANTS) s->bad = 1; /* recounted before the lock goes */
         int t = tenant_of(h, slot);
         if (!may_give(&r, t, chosen)) continue; /* protected: its reference bit is its own CLOCK's */
+        if (hints && retained_at(h, slot, ms)) continue; /* its tenant's other slots go first */
         if (slot->ref) {
             slot->ref = 0;
             continue;
@@ -1073,30 +1236,53 @@ static Py_ssize_t sweep_tenants(Seg *s, uint8_t *marks, int64_t *found, Py_ssize
     return got;
 }
 
-/* reserve(buffer, attachment, keys, tenants=b"") -> None (no room: nothing changed) or
+/* Each key's deadline in ``deadlines`` (8 bytes a key, native order, ms; 0 none; none given: all 0). */
+static uint64_t deadline_at(const Py_buffer *deadlines, Py_ssize_t i) {
+    uint64_t d = 0;
+    if (deadlines->obj && deadlines->len) memcpy(&d, (const char *)deadlines->buf + i * 8, 8);
+    return d;
+}
+
+static int check_deadlines(const Py_buffer *deadlines, const Py_buffer *keys) {
+    if (deadlines->obj && deadlines->len && deadlines->len / 8 * KEY != keys->len) {
+        PyErr_Format(PyExc_ValueError, "%zd deadline bytes for %zd keys", deadlines->len, keys->len / KEY);
+        return 0;
+    }
+    return 1;
+}
+
+/* reserve(buffer, attachment, keys, tenants=b"", deadlines=b"", cap=0) -> None (no room: nothing changed) or
  * ([positions of the keys to store], [slots], [epochs], evicted keys as bytes). Keys already held (ready or in
  * flight, by any engine) are left out and protected from this call's evictions. ``tenants``: each key's tenant
  * (a table position; one byte a key, or none: every key "other's"), which evicts by the rule when the pool has a
- * tenant table (sweep_tenants) and is recorded in the slots either way. */
+ * tenant table (sweep_tenants) and is recorded in the slots either way. ``deadlines``: each key's retention
+ * deadline (8 bytes a key, ms of CLOCK_MONOTONIC, 0 none), given to its slot (raised, for a key already held) when
+ * ``cap``, this engine's bound on the pool's retained slots, is not 0. */
 static PyObject *py_reserve(PyObject *self, PyObject *args) {
     PyObject *obj;
     int fd, a;
-    Py_buffer keys, tenants = {0};
-    if (!PyArg_ParseTuple(args, "Oiiy*|y*", &obj, &fd, &a, &keys, &tenants)) return NULL;
+    unsigned long long cap = 0;
+    Py_buffer keys, tenants = {0}, deadlines = {0};
+    if (!PyArg_ParseTuple(args, "Oiiy*|y*y*K", &obj, &fd, &a, &keys, &tenants, &deadlines, &cap)) return NULL;
     Py_buffer view;
     Seg s;
     PyObject *out = NULL;
-    if (tenants.obj && tenants.len && tenants.len * KEY != keys.len) {
-        PyErr_Format(PyExc_ValueError, "reserve: %zd tenant bytes for %zd keys", tenants.len, keys.len / KEY);
+    if ((tenants.obj && tenants.len && tenants.len * KEY != keys.len) || !check_deadlines(&deadlines, &keys)) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "reserve: %zd tenant bytes for %zd keys", tenants.len, keys.len / KEY);
         PyBuffer_Release(&keys);
-        PyBuffer_Release(&tenants);
+        if (tenants.obj) PyBuffer_Release(&tenants);
+        if (deadlines.obj) PyBuffer_Release(&deadlines);
         return NULL;
     }
     if (!check_attachment(a) || !check_keys(&keys) || !open_seg(obj, &view, &s, 1)) {
         PyBuffer_Release(&keys);
         if (tenants.obj) PyBuffer_Release(&tenants);
+        if (deadlines.obj) PyBuffer_Release(&deadlines);
         return NULL;
     }
+    int hinted = cap && deadlines.obj && deadlines.len; /* else no deadline is written, none dropped */
+    uint64_t ms = hinted ? now_ms() : 0;
     s.fd = fd;
     const uint8_t *k = keys.buf;
     Py_ssize_t n = keys.len / KEY;
@@ -1115,6 +1301,7 @@ static PyObject *py_reserve(PyObject *self, PyObject *args) {
         int64_t slot = find(&s, k + i * KEY);
         if (slot >= 0) {
             marks[slot >> 3] |= (uint8_t)(1 << (slot & 7));
+            if (hinted) hold(s.h, &s.slots[slot], deadline_at(&deadlines, i), ms);
             continue;
         }
         uint8_t t = tenants.obj && tenants.len ? ((const uint8_t *)tenants.buf)[i] : OTHER;
@@ -1126,6 +1313,7 @@ static PyObject *py_reserve(PyObject *self, PyObject *args) {
     Py_ssize_t got = with_tenants ? sweep_tenants(&s, marks, victims, need, fresh_tenants)
                                   : sweep(&s, marks, victims, need);
     if (got < need) {
+        if (hinted) cap_retained(&s, cap, ms);
         write_end(&s);
         unlock(&s);
         out = Py_None;
@@ -1140,6 +1328,7 @@ static PyObject *py_reserve(PyObject *self, PyObject *args) {
         for (Py_ssize_t i = 0; i < need; i++) {
             Slot *slot = &s.slots[victims[i]];
             if (slot->state == READY) {
+                if (slot->deadline && slot->deadline > (ms = ms ? ms : now_ms())) s.h->retain_evicted++;
                 memcpy(ev + nevicted++ * KEY, slot->key, KEY);
                 s.h->tenant[tenant_of(s.h, slot)].evictions++;
                 free_slot(&s, victims[i]);
@@ -1156,15 +1345,18 @@ static PyObject *py_reserve(PyObject *self, PyObject *args) {
             slot->epoch = epoch;
             slot->tenant = fresh_tenants[i];
             s.h->tenant[fresh_tenants[i]].resident++;
+            slot->deadline = 0; /* free, so none counted (damage here is the repair's) */
             memcpy(slot->key, k + fresh[i] * KEY, KEY);
             set_state(slot, IN_FLIGHT);
             insert(&s, slot->key, (int32_t)victims[i]);
             s.h->used++;
+            if (hinted) hold(s.h, slot, deadline_at(&deadlines, fresh[i]), ms);
             PyList_SET_ITEM(positions, i, PyLong_FromSsize_t(fresh[i]));
             PyList_SET_ITEM(slots, i, PyLong_FromLongLong(victims[i]));
             PyList_SET_ITEM(epochs, i, PyLong_FromUnsignedLongLong(epoch));
         }
     }
+    if (hinted) cap_retained(&s, cap, ms);
     write_end(&s);
     unlock(&s);
     if (positions && slots && epochs && evicted && !PyErr_Occurred() &&
@@ -1184,6 +1376,58 @@ done:
     PyBuffer_Release(&view);
     PyBuffer_Release(&keys);
     if (tenants.obj) PyBuffer_Release(&tenants);
+    if (deadlines.obj) PyBuffer_Release(&deadlines);
+    return out;
+}
+
+/* retain(buffer, attachment, keys, deadlines, cap) -> how many keys the pool holds (ready or in flight): their
+ * slots' deadlines are raised to ``deadlines`` (8 bytes a key, ms of CLOCK_MONOTONIC), never lowered; past
+ * ``cap`` retained slots, the oldest deadlines are dropped. The sequence counter is not bumped: lookups read no
+ * deadline. */
+static PyObject *py_retain(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    int fd, a;
+    unsigned long long cap;
+    Py_buffer keys, deadlines;
+    if (!PyArg_ParseTuple(args, "Oiiy*y*K", &obj, &fd, &a, &keys, &deadlines, &cap)) return NULL;
+    Py_buffer view;
+    Seg s;
+    long held = 0;
+    int ok = check_attachment(a) && check_keys(&keys) && check_deadlines(&deadlines, &keys) &&
+             deadlines.len / 8 * KEY == keys.len && open_seg(obj, &view, &s, 1);
+    if (ok) {
+        s.fd = fd;
+        if (cap && lock(&s, a)) {
+            uint64_t ms = now_ms();
+            for (Py_ssize_t i = 0; i < keys.len / KEY; i++) {
+                int64_t slot = find(&s, (const uint8_t *)keys.buf + i * KEY);
+                if (slot < 0) continue;
+                hold(s.h, &s.slots[slot], deadline_at(&deadlines, i), ms);
+                held++;
+            }
+            cap_retained(&s, cap, ms);
+            unlock(&s);
+        }
+        PyBuffer_Release(&view);
+    }
+    PyBuffer_Release(&keys);
+    PyBuffer_Release(&deadlines);
+    if (PyErr_Occurred()) return NULL;
+    return PyLong_FromLong(held);
+}
+
+/* retention(buffer) -> (retained slots now, hits, demoted, evicted): the pool's figures, read without the lock (a
+ * gauge may be a step behind). */
+static PyObject *py_retention(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    if (!PyArg_ParseTuple(args, "O", &obj)) return NULL;
+    Py_buffer view;
+    Seg s;
+    if (!open_seg(obj, &view, &s, 0)) return NULL;
+    PyObject *out = Py_BuildValue("(KKKK)", (unsigned long long)count_retained(&s),
+                                  (unsigned long long)s.h->retain_hits, (unsigned long long)s.h->retain_demoted,
+                                  (unsigned long long)s.h->retain_evicted);
+    PyBuffer_Release(&view);
     return out;
 }
 
@@ -1285,7 +1529,7 @@ static PyObject *py_served(PyObject *self, PyObject *args) {
 /* The first broken law of a locked segment into ``problem`` ("" when none). */
 static void find_problem(Seg *s, char *problem, size_t size) {
     Header *h = s->h;
-    uint64_t used = 0, entries = 0, live = live_mask(s), resident[MAX_TENANTS] = {0};
+    uint64_t used = 0, entries = 0, live = live_mask(s), resident[MAX_TENANTS] = {0}, retained = 0;
     *problem = 0;
     if (!table_ok(h)) PROBLEM("the tenant table is damaged");
     for (uint64_t i = 0; i < s->n && !*problem; i++) {
@@ -1302,6 +1546,9 @@ static void find_problem(Seg *s, char *problem, size_t size) {
             PROBLEM("slot %llu's key is not indexed to it", u);
         else if ((slot->state == READY || slot->state == IN_FLIGHT) && tenant_of(h, slot) != slot->tenant)
             PROBLEM("slot %llu's tenant %u is not in the tenant table", u, slot->tenant);
+        else if (!holds_key(slot) && slot->deadline)
+            PROBLEM("free slot %llu has a deadline", u);
+        retained += holds_key(slot) && slot->deadline;
         used += slot->state == READY || slot->state == IN_FLIGHT;
         if (slot->state == READY || slot->state == IN_FLIGHT) resident[tenant_of(h, slot)]++;
     }
@@ -1309,6 +1556,9 @@ static void find_problem(Seg *s, char *problem, size_t size) {
         if (resident[t] != h->tenant[t].resident)
             PROBLEM("tenant %d holds %llu slots, its count says %llu", t, (unsigned long long)resident[t],
                     (unsigned long long)h->tenant[t].resident);
+    if (!*problem && retained != h->retained)
+        PROBLEM("%llu slots have deadlines, the count says %llu", (unsigned long long)retained,
+                (unsigned long long)h->retained);
     for (uint64_t i = 0; i <= s->mask && !*problem; i++) {
         int64_t slot = entry(s, i);
         if (slot == -1) continue;
@@ -1519,6 +1769,18 @@ static PyObject *py_set_rule(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* shift_clock(ms): tests only: the clock deadlines are read against runs ``ms`` ahead of CLOCK_MONOTONIC. */
+static PyObject *py_shift_clock(PyObject *self, PyObject *args) {
+    long long ms;
+    if (!PyArg_ParseTuple(args, "L", &ms)) return NULL;
+    if (ms < 0 || ms > (long long)(100 * MAX_RETAIN_MS)) {
+        PyErr_SetString(PyExc_ValueError, "shift_clock: 0 to 100 days");
+        return NULL;
+    }
+    clock_shift_ms = ms;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"init", py_init, METH_VARARGS, "Format a new segment."},
     {"size", py_size, METH_VARARGS, "Bytes of a segment of num_slots slots and table_size table entries."},
@@ -1534,6 +1796,8 @@ static PyMethodDef methods[] = {
     {"unpin", py_unpin, METH_VARARGS, "Unpin slots (of these epochs); drop: free them when no one pins them."},
     {"complete", py_complete, METH_VARARGS, "Complete this engine's stores (success) or forget them."},
     {"reserve", py_reserve, METH_VARARGS, "Reserve slots for the keys not held; None when there is no room."},
+    {"retain", py_retain, METH_VARARGS, "Raise held keys' deadlines (ms); past the cap the oldest are dropped."},
+    {"retention", py_retention, METH_VARARGS, "(retained slots now, hits, demoted, evicted)."},
     {"reset", py_reset, METH_VARARGS, "Drop the ready, unpinned blocks this engine wrote."},
     {"verify", py_verify, METH_VARARGS, "Whether slots are in a state (READY by default) at these epochs."},
     {"stats", py_stats, METH_VARARGS, "The pool's counters."},
@@ -1542,6 +1806,7 @@ static PyMethodDef methods[] = {
     {"tenants", py_tenants, METH_VARARGS, "(generation, on, [(position, name, hashed, share, resident, stores, evictions)])."},
     {"set_tenants", py_set_tenants, METH_VARARGS, "Write the tenant table (replace: even over another one)."},
     {"set_rule", py_set_rule, METH_VARARGS, "Tests only: evict by the rule (0) or one of its mutants."},
+    {"shift_clock", py_shift_clock, METH_VARARGS, "Tests only: read deadlines against a clock ms ahead."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1560,6 +1825,7 @@ PyMODINIT_FUNC PyInit__nodeindex(void) {
         PyModule_AddObjectRef(m, "Damaged", Damaged) < 0 ||
         PyModule_AddIntConstant(m, "MAX_ATTACH", MAX_ATTACH) < 0 ||
         PyModule_AddIntConstant(m, "WAIT_MS", WAIT_MS) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_RETAIN_MS", (long)MAX_RETAIN_MS) < 0 ||
         PyModule_AddIntConstant(m, "MAX_RANKS", MAX_RANKS) < 0 ||
         PyModule_AddIntConstant(m, "VERSION", VERSION) < 0 ||
         PyModule_AddIntConstant(m, "READY", READY) < 0 || PyModule_AddIntConstant(m, "IN_FLIGHT", IN_FLIGHT) < 0 ||
@@ -1578,7 +1844,7 @@ PyMODINIT_FUNC PyInit__nodeindex(void) {
     }
     /* Where fields lie, for tests that damage them on purpose (and tools that read them). */
     PyObject *layout = Py_BuildValue(
-        "{snsnsnsnsnsnsnsnsnsnsnsnsnsnsn}", "seq", (Py_ssize_t)offsetof(Header, seq),
+        "{snsnsnsnsnsnsnsnsnsnsnsnsnsnsnsnsn}", "seq", (Py_ssize_t)offsetof(Header, seq),
         "hand", (Py_ssize_t)offsetof(Header, hand), "next_epoch", (Py_ssize_t)offsetof(Header, next_epoch),
         "att", (Py_ssize_t)offsetof(Header, att), "slot_epoch", (Py_ssize_t)offsetof(Slot, epoch),
         "slot_pins", (Py_ssize_t)offsetof(Slot, pins), "slot_state", (Py_ssize_t)offsetof(Slot, state),
@@ -1586,7 +1852,8 @@ PyMODINIT_FUNC PyInit__nodeindex(void) {
         "tenant", (Py_ssize_t)offsetof(Header, tenant), "tenant_name", (Py_ssize_t)offsetof(Tenant, name),
         "tenant_share", (Py_ssize_t)offsetof(Tenant, share), "tenant_flags", (Py_ssize_t)offsetof(Tenant, flags),
         "tenant_resident", (Py_ssize_t)offsetof(Tenant, resident),
-        "tenant_stores", (Py_ssize_t)offsetof(Tenant, stores));
+        "tenant_stores", (Py_ssize_t)offsetof(Tenant, stores), "slot_deadline", (Py_ssize_t)offsetof(Slot, deadline),
+        "retained", (Py_ssize_t)offsetof(Header, retained));
     if (!layout || PyModule_AddObject(m, "LAYOUT", layout) < 0) {
         Py_XDECREF(layout);
         Py_DECREF(m);

@@ -1,7 +1,8 @@
 """The chaos loop: engines of two users share a node pool while it is attacked the ways issue 34 found it broke:
 engines SIGKILLed and SIGSTOPped, the pool's files removed, truncated and replaced, random words written into the
 index (its header, slot table, hash table and mutex, its tenant table and the slots' tenant bytes: the engines
-store for three tenants under shares). Throughout, no engine reads a wrong byte through the index,
+store for three tenants under shares; the slots' retention deadlines and their count: the engines hold some of
+their blocks with hints). Throughout, no engine reads a wrong byte through the index,
 no surviving engine crashes, an engine never frozen keeps making progress, and the pool's laws hold afterwards.
 
 Raw writes into the slots' bytes by a trusted user stay outside what the index can catch (docs/node.md), so the
@@ -42,6 +43,7 @@ ENGINE = textwrap.dedent(f"""
     from pathlib import Path
     from kvoffload import _mapguard, _nodeindex
     from kvoffload.config import NodeTierConfig, TenantBy, TenantConfig
+    from kvoffload.index.retention import RetentionBook
     from kvoffload.keys import Namespace
     from kvoffload.tiers.node.files import guard, open_pool
     from kvoffload.tiers.node.index import NodeIndex
@@ -56,11 +58,12 @@ ENGINE = textwrap.dedent(f"""
     geometry = NodeGeometry({SLOTS}, {SLOT_BYTES}, ns.chain_root())
     universe = [bytes([i]) * 16 for i in range({UNIVERSE})]
     TENANTS = TenantConfig(TenantBy.CACHE_SALT, 0.25, (("a", 0.5), ("b", 0.25)))
+    book = RetentionBook(0.5)
 
     def attach():
         directory = open_directory(node, ns)
         segment, files, pool = open_pool(directory, 0, geometry, access_of(node))
-        index = NodeIndex(segment, EngineLocks(directory, access_of(node)), files, tenants=TENANTS)
+        index = NodeIndex(segment, EngineLocks(directory, access_of(node)), files, tenants=TENANTS, retention=book)
         guards = [g for g in (guard(pool, index), guard(segment, index)) if g is not None]
         return index, segment, pool, guards
 
@@ -80,6 +83,8 @@ ENGINE = textwrap.dedent(f"""
             print("reattached", flush=True)
         lost = lambda: any(_mapguard.lost(g) for g in guards)
         prompt = rng.sample(universe, rng.randint(1, 6))
+        if rng.random() < 0.3:  # a hinted request: its blocks held for a while, in the pool or when stored
+            book.hold(prompt, time.monotonic() + rng.uniform(0.05, 2.0))
         hits = index.lookup(prompt).hits
         if hits:
             spec = index.prepare_load(prompt[:hits])
@@ -96,6 +101,7 @@ ENGINE = textwrap.dedent(f"""
         if index.tenant_book is not None:
             index.tenant_book.clear()
         index.tenant_counts()
+        index.retention.retained(), index.retention.counts()
         if out is not None:
             spec = out.store_spec
             ok = checked(segment, spec.slots, spec.epochs, _nodeindex.IN_FLIGHT) and not lost()  # the worker's check
@@ -160,12 +166,13 @@ def test_a_reader_catches_an_engine_that_writes_wrong_bytes(shared_path: Path) -
 def scribble(directory: Path, rng: random.Random) -> str:
     """A random 8-byte word into the index: its sequence counter, hand, counters and attachments, or its slots
     and table (its geometry and magic make the engines leave it at once: the file faults cover that), or its tenant
-    table; or a random byte as a slot's tenant."""
+    table; or a random byte as a slot's tenant; or a slot's retention deadline (random, or far in the future) or the
+    count of retained slots."""
     path = directory / "index"
     layout = _nodeindex.LAYOUT
     try:
         size = path.stat().st_size
-        where = rng.choice(["header", "slots", "tenants", "slot-tenant"])
+        where = rng.choice(["header", "slots", "tenants", "slot-tenant", "slot-deadline", "retained"])
         word = rng.randbytes(8)
         if where == "header":
             at = rng.randrange(layout["seq"], layout["att"] + 24 * _nodeindex.MAX_ATTACH, 8)
@@ -175,6 +182,12 @@ def scribble(directory: Path, rng: random.Random) -> str:
         elif where == "slot-tenant":
             at = _nodeindex.HEADER_BYTES + rng.randrange(SLOTS) * _nodeindex.SLOT_BYTES + layout["slot_tenant"]
             word = word[:1]
+        elif where == "slot-deadline":
+            at = _nodeindex.HEADER_BYTES + rng.randrange(SLOTS) * _nodeindex.SLOT_BYTES + layout["slot_deadline"]
+            far = ((1 << 64) - 1, time.monotonic_ns() // 1_000_000 + 10**9)  # forever; 11 days ahead
+            word = rng.choice([word, *(ms.to_bytes(8, "little") for ms in far)])
+        elif where == "retained":
+            at = layout["retained"]
         else:
             at = rng.randrange(_nodeindex.HEADER_BYTES, max(size - 8, _nodeindex.HEADER_BYTES + 1))
         with open(path, "r+b") as f:
@@ -247,7 +260,8 @@ def test_the_pool_survives_the_chaos_loop(shared_path: Path) -> None:
     print(f"chaos loop: {LOOP_S:.0f} s, faults {dict(sorted(faults.items()))}, watcher ops "
           f"{10 * len(watcher.progress)}, longest watcher gap {watcher.longest_gap(end):.2f} s")
     assert faults["sigkill"] and faults["sigstop"] and sum(v for k, v in faults.items() if "scribble" in k)
-    assert faults["scribble-tenants"] and faults["scribble-slot-tenant"], dict(faults)
+    assert faults["scribble-tenants"] and faults["scribble-slot-tenant"] and faults["scribble-slot-deadline"], \
+        dict(faults)
     # Afterwards: whatever set is there now is whole, or made anew, and keeps its laws.
     node = NodeTierConfig(shared_path, shared_group=GROUP)
     ns = Namespace(model="m", dtype="bf16", layout="chaos")

@@ -10,6 +10,8 @@ import fcntl
 import os
 import random
 import struct
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -301,6 +303,84 @@ def test_random_words_in_the_tenant_table_never_raise_out_of_a_step(node_path: P
         served_right(a, blocks, spec)
         a.prepare_store(keys(2))
         a.tenant_counts()
+        tick(a)
+        a.check_integrity()
+        a.close()
+
+
+# ---- retention deadlines and their count: fairness only, bounded, repaired from the slots -----------------------
+
+@pytest.fixture
+def monotonic_shift() -> Iterator[None]:
+    """The index's deadline clock back to CLOCK_MONOTONIC after a test that moved it."""
+    _nodeindex.shift_clock(0)
+    yield
+    _nodeindex.shift_clock(0)
+
+
+def deadline_of(index: NodeIndex, slot: int) -> int:
+    return int(struct.unpack_from("<Q", index._segment, slot_field(index, slot, "deadline"))[0])
+
+
+@pytest.mark.parametrize(("damage", "problem"), [
+    ("forever", "1 slots have deadlines, the count says 0"),
+    ("free_slot", "free slot 7 has a deadline"),
+    ("count", "0 slots have deadlines, the count says 1152921504606846976"),
+])
+def test_damaged_deadlines_are_found_and_repaired_without_losing_a_block(node_path: Path, damage: str,
+                                                                         problem: str) -> None:
+    a = index_in(node_path, 8)
+    blocks = keys(3)
+    spec = store(a, blocks)
+    if damage == "forever":
+        put(a, slot_field(a, spec.slots[0], "deadline"), "<Q", (1 << 64) - 1)
+    elif damage == "free_slot":
+        put(a, slot_field(a, 7, "deadline"), "<Q", 12345)
+    else:
+        put(a, LAYOUT["retained"], "<Q", 1 << 60)
+    with pytest.raises(IntegrityError, match=problem):
+        a.check_integrity()
+    tick(a)  # recounted; a free slot's deadline cleared
+    a.check_integrity()
+    load = a.prepare_load(blocks)
+    assert _nodeindex.verify(a._segment, load.slots, load.epochs)
+    a.complete_load(blocks)
+    for _ in range(12):  # the sweep is never stuck: every store finds room
+        store(a, keys(2))
+        a.check_integrity()
+
+
+def test_a_deadline_written_far_in_the_future_holds_a_block_a_day_at_most(node_path: Path,
+                                                                          monotonic_shift: None) -> None:
+    """Garbage in a deadline costs fairness for at most ``MAX_RETAIN_MS`` (the sweep clamps it), never a store."""
+    a = index_in(node_path, 4)
+    blocks = keys(1)
+    spec = store(a, blocks)
+    put(a, slot_field(a, spec.slots[0], "deadline"), "<Q", (1 << 64) - 1)
+    tick(a)  # the count recounted: the pool holds a retained slot now
+    for _ in range(8):
+        store(a, keys(1))
+    assert a.lookup(blocks).hits == 1  # retained: the cost is fairness
+    assert deadline_of(a, spec.slots[0]) <= time.monotonic_ns() // 1_000_000 + _nodeindex.MAX_RETAIN_MS
+    _nodeindex.shift_clock(_nodeindex.MAX_RETAIN_MS + 1000)
+    for _ in range(8):
+        store(a, keys(1))
+    assert a.lookup(blocks).hits == 0  # the clamped deadline passed: an ordinary block again
+    a.check_integrity()
+
+
+def test_random_deadlines_never_raise_out_of_a_step_nor_refuse_a_store(node_path: Path) -> None:
+    rng = random.Random(11)
+    for seed in range(6):
+        a = index_in(node_path, 8, layout=f"damage-deadlines-{seed}")
+        blocks = keys(4)
+        spec = store(a, blocks)
+        for _ in range(6):
+            put(a, slot_field(a, rng.randrange(8), "deadline"), "<Q", rng.getrandbits(64))
+        put(a, LAYOUT["retained"], "<Q", rng.getrandbits(64))
+        served_right(a, blocks, spec)
+        for _ in range(6):
+            store(a, keys(1))  # retained slots go last, but they go
         tick(a)
         a.check_integrity()
         a.close()

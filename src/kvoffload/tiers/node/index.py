@@ -12,7 +12,8 @@ means the same, with what sharing adds:
 - an engine's repeated pins of one key are counted here, once in the shared index;
 - eviction is CLOCK over the whole pool (``_nodeindex.c``); ``eviction_policy`` applies to the tiers below; with
   tenants on, by the tenants' shares of the whole pool, every engine's blocks counted (``tenants``: the pool's
-  table, who writes it, and ``tenant_book``, where the scheduler says whose each store's keys are);
+  table, who writes it, and ``tenant_book``, where the scheduler says whose each store's keys are); with hints on,
+  retained blocks go last, whichever engine gave the hint (``retention``: deadlines kept in the shared index);
 - ``reset`` drops only the blocks this engine wrote; ``usage`` is the whole pool's;
 - at most once a ``RECLAIM_S`` the index releases what engines that died hold (pins, half-made stores), checks
   the shared index (and repairs it from its slots when damaged) and that the directory still holds this engine's
@@ -53,12 +54,14 @@ from kvoffload.index.base import (
     TierTransfer,
     TierUsage,
 )
+from kvoffload.index.retention import RetentionBook
 from kvoffload.index.tenants import TenantBook
 from kvoffload.keys import KEY_BYTES, OffloadKey
 from kvoffload.tiers.node.announce import Announcements, Described
 from kvoffload.tiers.node.calls import SharedCalls
 from kvoffload.tiers.node.files import BoundFiles
 from kvoffload.tiers.node.liveness import EngineLocks
+from kvoffload.tiers.node.retention import NodeRetention
 from kvoffload.tiers.node.segment import MISSING_EPOCH, own_identity
 from kvoffload.tiers.node.tenants import NodeTenants, Table
 
@@ -89,6 +92,8 @@ class NodeIndex(SharedCalls, HostIndex):
             no table, and its stores count for the shared tenant if another engine gave the pool one).
         book: where the scheduler assigns each store's keys to tenants (``tenant_book``); None: one is made from
             ``tenants``.
+        retention: the engine's retention deadlines (the index registers as one of its tiers); None: hints off
+            (its stores give no deadline; other engines' still count).
     Raises:
         ConfigError: every attachment of the pool is taken (``_nodeindex.MAX_ATTACH`` engines).
     """
@@ -96,7 +101,8 @@ class NodeIndex(SharedCalls, HostIndex):
     medium = Medium.HOST
 
     def __init__(self, segment: mmap.mmap, locks: EngineLocks, files: BoundFiles | None = None,
-                 tenants: TenantConfig | None = None, book: TenantBook | None = None) -> None:
+                 tenants: TenantConfig | None = None, book: TenantBook | None = None,
+                 retention: RetentionBook | None = None) -> None:
         self._segment = segment
         self._locks = locks
         self._files = files
@@ -118,6 +124,8 @@ class NodeIndex(SharedCalls, HostIndex):
         if self.attachment >= 0:
             self._tenants.writer = self._write_table
             self._tenants.join(self._call, self._mine)
+        self.retention = None if retention is None else \
+            NodeRetention(retention, self.capacity, self._call, lambda: self._mine)
 
     @property
     def tenant_book(self) -> TenantBook | None:
@@ -220,7 +228,9 @@ class NodeIndex(SharedCalls, HostIndex):
         if not self._settled():
             return None  # the lock was busy just now: skipped without a second wait
         unique = list(dict.fromkeys(keys))
-        out = self._call(_nodeindex.reserve, None, *self._mine, b"".join(unique), self._tenants.positions(unique))
+        hints = () if self.retention is None else self.retention.reserve_args(unique)
+        out = self._call(_nodeindex.reserve, None, *self._mine, b"".join(unique), self._tenants.positions(unique),
+                         *hints)
         if out is None:
             return None
         positions, slots, epochs, evicted = out

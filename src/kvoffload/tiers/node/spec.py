@@ -41,7 +41,8 @@ class NodeTierSpec(HostSpec):
 
     def make_index(self, context: TierContext) -> NodeIndex:
         """The scheduler side: this engine attached to the shared index (made if this engine is the first), with
-        its tenants' shares (``tenant_quota``) offered to the pool and its ``tenant_book`` made from them.
+        its tenants' shares (``tenant_quota``) offered to the pool and its ``tenant_book`` made from them, and on
+        the retention book (``context.retention``) when hints are on.
 
         Raises:
             ConfigError: ``node_path`` is unusable or untrusted, or the pool there was made with another size.
@@ -54,7 +55,8 @@ class NodeTierSpec(HostSpec):
         # Guarded before the index first reads it (attaching does), for as long as the index keeps ``files``: a
         # truncated index reads as zeros (damaged: the engine leaves the pool), never SIGBUS.
         guard(segment, files)
-        return NodeIndex(segment, EngineLocks(directory, access), files, self._config.tenants, context.tenants)
+        return NodeIndex(segment, EngineLocks(directory, access), files, self._config.tenants, context.tenants,
+                         context.retention)
 
     def make_pool(self, context: TierContext, pin_memory: bool) -> NodePool:
         """The worker side: this rank's slots of the shared pool.
