@@ -29,11 +29,12 @@ class Req:
         return None
 
 
-def make_scheduler(factor: int = 1, groups: int = 1, world_size: int = 1, host_blocks: int = 64
-                   ) -> ConnectorScheduler:
+def make_scheduler(factor: int = 1, groups: int = 1, world_size: int = 1, host_blocks: int = 64,
+                   **extra: Any) -> ConnectorScheduler:
+    """A scheduler over a host tier of ``host_blocks`` offload blocks; ``extra``: more configuration keys."""
     layout = KVCacheLayout(num_blocks=128, groups=tuple(KVGroup.uniform([f"g{g}.l0"], SPEC) for g in range(groups)))
     config = OffloadConfig.from_dict({"offload_block_tokens": factor * BLOCK,
-                                      "host_bytes": host_blocks * factor * SPEC.page_bytes})
+                                      "host_bytes": host_blocks * factor * SPEC.page_bytes, **extra})
     return ConnectorScheduler(config, layout, BLOCK, Namespace("m", "fp16", layout.describe(),
                                                                world_size=world_size))
 

@@ -92,7 +92,8 @@ class SchedulerRetention:
             tiers[tier.tier] = [tier.retained() * self._block_bytes, *(a - b for a, b in zip(now, before,
                                                                                                strict=True))]
         retained = {tier: v[0] for tier, v in tiers.items()}
-        moved, self._bytes = retained != self._bytes, retained
+        moved = any(value != self._bytes.get(tier, 0) for tier, value in retained.items())
+        self._bytes = retained
         if not any(hints) and not moved and not any(any(v[1:]) for v in tiers.values()):
             return None
         return RetentionFigures(hints, tiers)
