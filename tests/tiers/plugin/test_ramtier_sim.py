@@ -100,3 +100,26 @@ def test_with_tenants_on_the_plugin_tier_keeps_shares_through_its_context(ramtie
     assert [policy.tier for policy in tenants.book.policies] == ["host", "ramtier"]
     below = engine.scheduler.index.lower_indexes[0]  # type: ignore[attr-defined]
     assert isinstance(below.host_policy, TenantPolicy)
+
+
+@pytest.mark.parametrize("hinted", [True, False])
+def test_retention_hints_reach_the_plugin_tier_through_its_context(ramtier_installed: Path, hinted: bool) -> None:
+    # The host holds 4 blocks, the ram tier 8: a hinted prompt's blocks stay in the ram tier through 6 fillers' 24
+    # blocks and its repeat loads them all; without the hint the fillers push them out (the control).
+    engine = sim_workload.make_engine(block_size=BLOCK, host_blocks=PROMPT_BLOCKS,
+                                      extra_tiers={"ramtier": {"capacity_blocks": 8}})
+    retention = engine.scheduler.retention
+    assert retention is not None
+    assert [tier.tier for tier in retention.book.tiers] == ["host", "ramtier"]
+    prompt = tokens(PROMPT_BLOCKS * BLOCK, seed=3)
+    first = engine.add_request("a", prompt)
+    first.kv_transfer_params = {"kvoffload": {"retain_s": 600}} if hinted else None
+    run_checked(engine)
+    for i in range(6):
+        engine.add_request(f"filler-{i}", tokens(PROMPT_BLOCKS * BLOCK, seed=50 + i))
+        run_checked(engine)
+    engine.pool.drop_cache()
+    again = engine.add_request("b", [*prompt, 1])
+    run_checked(engine)
+    assert (again.loaded_tokens == PROMPT_BLOCKS * BLOCK) == hinted
+    assert engine.corrupt_blocks == []
