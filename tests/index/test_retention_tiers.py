@@ -24,7 +24,7 @@ from kvoffload.tiers.spec import TierContext
 def tiered(lower: Tier, book: RetentionBook, host_slots: int = 4, lower_blocks: int = 10) -> TieredIndex:
     """Host over ``lower``, both on ``book``, as ``build_index`` makes them."""
     host = SlotIndex(host_slots, tier_policy(None, book, EvictionPolicy.LRU, host_slots, "host"))
-    context = TierContext(NS, Layout(), 2, None, book)  # type: ignore[arg-type]
+    context = TierContext(NS, Layout(), 2, None, book)
     if lower.medium == Medium.DISK:
         config = DiskTierConfig(path=lower.tmp_path, capacity_bytes=disk_bytes(lower_blocks))
         made = TieredIndex(host, [Below(DiskTierSpec(config).make_index(context), WritePolicy.WRITE_THROUGH)])
