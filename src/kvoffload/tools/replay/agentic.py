@@ -66,10 +66,12 @@ class AgenticSpec:
     """The generator's parameters (the module docstring says what each shapes and why its default)."""
 
     seed: int = 0
-    sessions: int = 24
-    """Agent sessions live at once."""
+    sessions: int = 8
+    """Agent sessions live at once: about 800 blocks of live prompts, a fraction of the tiers figured."""
     duration_s: float = 7200.0
-    oneoff_per_s: float = 0.5
+    oneoff_per_s: float = 4.0
+    """About 45 new blocks a second: a tier of 2,000 blocks turns over in under a minute, shorter than a third of
+    the pauses, so recency alone keeps a session's prefix across short pauses only."""
     turns_mean: float = 12.0
     pause_median_s: float = 30.0
     pause_sigma: float = 1.5
