@@ -106,7 +106,7 @@ def test_a_trace_without_hints_replays_as_the_plain_loop_does(mooncake_head: Tra
 
 def test_replay_sessions_prints_every_row_and_saves_the_trace(capsys: pytest.CaptureFixture[str],
                                                              tmp_path: Path) -> None:
-    name = "agentic:sessions=2,duration_s=300,oneoff_per_s=1"
+    name = "agentic:sessions=2,duration_s=120,oneoff_per_s=1"
     saved = tmp_path / "a.jsonl"
     assert main(["replay", "--trace", name, "--capacity", "51200", "--sessions", "--json",
                  "--save-trace", str(saved)]) == 0
@@ -114,7 +114,7 @@ def test_replay_sessions_prints_every_row_and_saves_the_trace(capsys: pytest.Cap
     assert [r["label"] for r in doc["rows"]] == ["lru", "arc", "adaptive", "lru+hints expected",
                                                  "lru+hints fixed-600", "optimum"]
     assert doc["rows"][-1]["session_of_optimum"] == 1.0 and doc["rows"][3]["hinted"] > 0
-    assert read_trace(saved) == agentic(AgenticSpec(sessions=2, duration_s=300, oneoff_per_s=1))
+    assert read_trace(saved) == agentic(AgenticSpec(sessions=2, duration_s=120, oneoff_per_s=1))
     assert main(["replay", "--trace", name, "--capacity", "51200", "--sessions", "--policy", "lru"]) == 0
     assert "lru+hints fixed-600" in capsys.readouterr().out
 
