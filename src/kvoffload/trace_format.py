@@ -10,6 +10,15 @@ One JSON object per line, in arrival order (the file's order is the order replay
 - ``block_tokens`` (recorded traces only): tokens per block; absent means 512, the Mooncake block size;
 - ``tenant`` (optional): whose request it is, a non-empty string (``kvoffload replay --tenants``); absent or null
   means the shared tenant's, as a request without a salt. The recorder does not write it yet.
+- ``session`` (optional): the agent session or conversation the request is a turn of, a non-empty string; absent or
+  null: a request of no session (a one-off prompt). ``kvoffload replay --sessions`` counts hit rates per kind.
+- ``retain_s`` (optional): the retention hint the client sent with the request (``kv_transfer_params``
+  ``{"kvoffload": {"retain_s": N}}``, docs/configuration.md ``max_retain_s``): seconds, a non-negative number, that
+  it asks its prompt's and output's blocks to stay; absent or null: no hint. The agentic generator
+  (tools/replay/agentic.py) writes both; the recorder does not write them yet.
+
+Readers ignore fields they do not know, and every optional field's absence means what it meant before the field
+existed: an older trace reads, and replays, unchanged.
 
 A trace has one block size: replay converts a capacity in tokens to blocks with it. The recorder writes keys as hex,
 lengths and offload keys only, never tokens, so users can size their tiers on their own traffic without their prompts

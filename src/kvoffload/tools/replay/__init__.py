@@ -5,7 +5,9 @@ writes); ``loop.py`` feeds them through ``SlotIndex``; ``optimum.py`` is Belady'
 turns capacities into bytes; ``sweep.py`` runs many points; ``engines.py`` splits a trace over several engines'
 private tiers beside one node pool; ``tenants.py`` replays a multi-tenant trace with and without quotas
 (``tenant_traces.py`` splits a trace into tenants, ``shares.py`` sizes their shares, ``tenant_report.py`` and
-``plan_tenants.py`` print them); ``replay_command.py`` and ``plan_command.py`` are ``kvoffload replay`` and
+``plan_tenants.py`` print them); ``agentic.py`` builds traces of agent sessions with retention hints among one-off
+prompts and ``sessions.py`` replays them with and without the hints (``session_report.py`` prints them);
+``replay_command.py`` and ``plan_command.py`` are ``kvoffload replay`` and
 ``kvoffload plan``. Imports no torch and no engine.
 """
 

@@ -1,6 +1,7 @@
 """``kvoffload replay``: one trace at one capacity through every chosen policy, beside the optimum and the
 unbounded maximum; with ``--engines N``, N private tiers of C/N beside one node pool of C (``engines.py``); with
-``--tenants SPEC``, each tenant with quotas, without, and alone on its share (``tenants.py``)."""
+``--tenants SPEC``, each tenant with quotas, without, and alone on its share (``tenants.py``); with ``--sessions``,
+session turns and one-off prompts apart, without and with retention hints (``session_report.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import argparse
 import json
 from typing import Any
 
-from kvoffload.config import StoreAdmission
+from kvoffload.config import EvictionPolicy, StoreAdmission
 from kvoffload.tools.bench.common import format_table
 from kvoffload.tools.replay.engines import (
     Comparison,
@@ -35,10 +36,18 @@ from kvoffload.tools.replay.report import (
     result_doc,
 )
 from kvoffload.tools.replay.result import ReplayResult
+from kvoffload.tools.replay.session_report import (
+    add_session_arguments,
+    check_session_options,
+    session_rows,
+    session_summary,
+    sessions_doc,
+    sessions_table,
+)
 from kvoffload.tools.replay.sweep import Point, load, run_points
 from kvoffload.tools.replay.tenant_report import TenantOptions, tenant_options, tenants_doc, tenants_table
 from kvoffload.tools.replay.tenants import EQUAL, compare_tenants
-from kvoffload.tools.replay.trace import Trace
+from kvoffload.tools.replay.trace import Trace, write_trace
 
 DEFAULT_CAPACITY = "3M"
 
@@ -62,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='tenants\' shares of the tier, as tenant_quota: \'{"default": 0.2, "t0": 0.4, ...}\', '
                              f'or {EQUAL} (every tenant of the trace, equal shares): each tenant\'s hit rate with '
                              'quotas, without, and alone on a pool of its share (one --policy, default lru)')
+    add_session_arguments(parser)
+    parser.add_argument("--save-trace", default=None, metavar="PATH",
+                        help="also write the trace replayed to PATH (JSONL; a synthetic or agentic one as a file)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,9 +85,15 @@ def run(args: argparse.Namespace) -> int:
         engines = parse_engines(args.engines, args.router, args.seed)
         trace, _ = load(args.trace, with_future=False)
         tenants = tenant_options(args, trace, policies, admission) if args.tenants is not None else None
+        if args.sessions:
+            check_session_options(args)
+        if args.save_trace is not None:
+            write_trace(trace, args.save_trace)
     except ValueError as e:
         return fail("replay", e)
     blocks = max(1, capacity_tokens // trace.block_tokens)
+    if args.sessions:
+        return _run_sessions(args, trace, policies if args.policy else None, blocks, bpt)
     if tenants is not None:
         return _run_tenants(args, trace, tenants, blocks, bpt)
     strategies: list[Strategy] = [*policies, Bound.OPTIMUM, Bound.UNBOUNDED]
@@ -109,6 +127,22 @@ def _run_tenants(args: argparse.Namespace, trace: Trace, options: TenantOptions,
         print(f"policy {options.kind.value} in each tenant; quotas {json.dumps(options.quotas.spec())}; token hit "
               f"rates with quotas, without (one pool), and alone on a pool of the tenant's share")
         print(tenants_table(comparison, bpt))
+    return 0
+
+
+def _run_sessions(args: argparse.Namespace, trace: Trace, policies: list[EvictionPolicy] | None, blocks: int,
+                  bpt: int | None) -> int:
+    rows = session_rows(trace, blocks, policies, args.retain_share, args.max_retain_s)
+    if args.json:
+        doc: dict[str, Any] = {
+            "trace": args.trace, "requests": len(trace.requests), "block_tokens": trace.block_tokens,
+            "capacity_tokens": blocks * trace.block_tokens, "retain_share": args.retain_share,
+            "max_retain_s": args.max_retain_s, **sessions_doc(rows)}
+        print(json.dumps(doc, indent=1))
+    else:
+        print(_summary(args.trace, len(trace.requests), blocks * trace.block_tokens, bpt))
+        print(session_summary(trace, args))
+        print(sessions_table(rows))
     return 0
 
 

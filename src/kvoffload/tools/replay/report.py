@@ -30,7 +30,9 @@ class Bounds(NamedTuple):
 
 def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
     """``--trace``, ``--admission``, ``--json`` and ``--workers``."""
-    parser.add_argument("--trace", required=True, help="trace JSONL (the Mooncake format, or one kvoffload recorded)")
+    parser.add_argument("--trace", required=True,
+                        help="trace JSONL (the Mooncake format, or one kvoffload recorded), synthetic:NAME[:TIER], "
+                             "tenants:N[+flood]:PATH or agentic[:FIELD=VALUE,...]")
     names, default = [a.value for a in StoreAdmission], StoreAdmission.ALL.value
     parser.add_argument("--admission", default=default,
                         help=f"store admission rule for the policies: {', '.join(names)} (default {default})")

@@ -12,6 +12,8 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import NamedTuple
 
 from kvoffload.config import EvictionPolicy, StoreAdmission
+from kvoffload.tools.replay.agentic import PREFIX as AGENTIC_PREFIX
+from kvoffload.tools.replay.agentic import agentic_trace
 from kvoffload.tools.replay.loop import Bound, Strategy, replay
 from kvoffload.tools.replay.optimum import NextUse, next_uses
 from kvoffload.tools.replay.result import ReplayResult
@@ -53,11 +55,12 @@ _LOADED: dict[str, tuple[Trace, NextUse | None]] = {}
 
 
 def load(path: str, with_future: bool = True) -> tuple[Trace, NextUse | None]:
-    """Read the trace at ``path`` (or build the ``synthetic:NAME`` one, or the ``tenants:N[+flood]:PATH`` one)
-    once per process; with its next-use table if ``with_future``.
+    """Read the trace at ``path`` (or build the ``synthetic:NAME`` one, the ``tenants:N[+flood]:PATH`` one or the
+    ``agentic[:FIELD=VALUE,...]`` one) once per process; with its next-use table if ``with_future``.
 
     Raises:
-        TraceError: as ``read_trace``. ValueError: an unknown synthetic trace, a malformed ``tenants:`` one.
+        TraceError: as ``read_trace``. ValueError: an unknown synthetic trace, a malformed ``tenants:`` or
+            ``agentic`` one.
     """
     trace, future = _LOADED.get(path) or (_build(path), None)
     if with_future and future is None:
@@ -71,6 +74,8 @@ def _build(path: str) -> Trace:
         return synthetic(path)
     if path.startswith(TENANTS_PREFIX):
         return tenant_trace(path)
+    if path == AGENTIC_PREFIX or path.startswith(AGENTIC_PREFIX + ":"):
+        return agentic_trace(path)
     return read_trace(path)
 
 

@@ -7,6 +7,7 @@ one block size: replay converts a capacity in tokens to blocks with it.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -26,6 +27,10 @@ class Request(NamedTuple):
     keys: tuple[OffloadKey, ...]
     tenant: str | None = None
     """Whose request it is (``kvoffload replay --tenants``); None: the shared tenant's, as a request without a salt."""
+    session: str | None = None
+    """The agent session (conversation) it is a turn of (``kvoffload replay --sessions``); None: a one-off prompt."""
+    retain_s: float | None = None
+    """The retention hint it carries, in seconds; None: none."""
 
 
 class Trace(NamedTuple):
@@ -99,6 +104,28 @@ def read_trace(path: str | Path) -> Trace:
     return Trace(tuple(requests), block_tokens)
 
 
+def write_trace(trace: Trace, path: str | Path) -> None:
+    """Write ``trace`` as ``kvoffload.trace_format`` lines, keys as hex (as the recorder writes them); the optional
+    fields only where a request has them, so a trace without them writes as it always did.
+
+    Raises:
+        TraceError: the file cannot be written (the message names it).
+    """
+    path = Path(path)
+    lines = []
+    for r in trace.requests:
+        doc: dict[str, Any] = {"timestamp": r.timestamp_ms, "input_length": r.input_length,
+                               "output_length": r.output_length, "block_tokens": trace.block_tokens,
+                               "hash_ids": [key.hex() for key in r.keys]}
+        optional = {"tenant": r.tenant, "session": r.session, "retain_s": r.retain_s}
+        doc.update({field: value for field, value in optional.items() if value is not None})
+        lines.append(json.dumps(doc) + "\n")
+    try:
+        path.write_text("".join(lines), encoding="utf-8")
+    except OSError as e:
+        raise TraceError(f"cannot write trace {path}: {e.strerror or e}") from None
+
+
 def _numbered(lines: Sequence[str]) -> Iterator[tuple[int, str]]:
     """Non-blank lines with their 1-based line numbers."""
     for number, line in enumerate(lines, start=1):
@@ -128,7 +155,8 @@ def _parse(line: str, interned: dict[Any, OffloadKey]) -> tuple[Request, int]:
             key = interned[block_id] = _key(block_id)
         keys.append(key)
     request = Request(_number("timestamp", doc["timestamp"]), _count("input_length", doc["input_length"]),
-                      _count("output_length", doc["output_length"]), tuple(keys), _tenant(doc.get("tenant")))
+                      _count("output_length", doc["output_length"]), tuple(keys), _name("tenant", doc.get("tenant")),
+                      _name("session", doc.get("session")), _retain(doc.get("retain_s")))
     tokens = _count("block_tokens", doc.get("block_tokens", MOONCAKE_BLOCK_TOKENS))
     if tokens == 0:
         raise ValueError("block_tokens must be positive")
@@ -152,12 +180,21 @@ def _count(field: str, value: object) -> int:
     return value
 
 
-def _tenant(value: object) -> str | None:
+def _name(field: str, value: object) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value or len(value) > 256:
-        raise ValueError(f"tenant must be a non-empty string of at most 256 characters, got {repr(value)[:60]}")
+        raise ValueError(f"{field} must be a non-empty string of at most 256 characters, got {repr(value)[:60]}")
     return value
+
+
+def _retain(value: object) -> float | None:
+    if value is None:
+        return None
+    seconds = _number("retain_s", value)
+    if not 0 <= seconds < math.inf:
+        raise ValueError(f"retain_s must be a non-negative number of seconds, got {value!r}")
+    return seconds
 
 
 def _number(field: str, value: object) -> float:
