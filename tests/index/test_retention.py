@@ -128,15 +128,25 @@ def test_a_later_hold_extends_a_deadline_and_an_earlier_one_does_not_shorten_it(
     assert policy.victims(1, any_key) == [key(1)]
 
 
-def test_past_the_cap_the_oldest_deadline_becomes_ordinary() -> None:
+def test_past_the_cap_the_longest_hint_becomes_ordinary() -> None:
     policy, book, _ = make(size=10, share=0.2)  # 2 retained keys at most
-    for i, deadline in enumerate((1500.0, 1200.0, 1800.0)):
+    for i, deadline in enumerate((1500.0, 1800.0, 1200.0)):  # hints of 500, 800 and 200 s, given now
         book.hold([key(i)], deadline)
         policy.insert(key(i))
     assert policy.retained() == 2 and policy.counts().demoted == 1
     policy.insert(key(3))
-    assert policy.victims(2, any_key) == [key(1), key(3)]  # 1 (demoted) is the oldest ordinary key now
+    assert policy.victims(2, any_key) == [key(1), key(3)]  # 1 (the longest hint, demoted) is the oldest ordinary key
     policy.check_integrity()
+
+
+def test_past_the_cap_of_equal_hints_the_oldest_deadline_becomes_ordinary() -> None:
+    policy, book, clock = make(size=10, share=0.2)
+    for i in range(3):  # the same 600 s hint, given a second apart
+        book.hold([key(i)], clock.now + 600)
+        policy.insert(key(i))
+        clock.now += 1
+    assert policy.victims(1, any_key) == [key(0)]
+    assert policy.retained() == 2
 
 
 def test_no_share_means_nothing_is_retained() -> None:
