@@ -248,10 +248,24 @@ class RetainPolicy(Policy):
 
     def retain(self, keys: Sequence[OffloadKey]) -> None:
         """The book has new deadlines for ``keys``: those resident here become (or stay) retained."""
-        inner, held = self._inner, self._held
+        if self._cap == 0:
+            return  # nothing is ever retained
+        # ``_hold`` inlined (a finished request's keys all come here again, each already retained).
+        inner, held, heap, deadlines, clock, cap = self._inner, self._held, self._heap, self.book.deadlines, \
+            self.book.clock, self._cap
         for key in keys:
-            if key in held or key in inner:
-                self._hold(key)
+            was = held.get(key)
+            if was is None and key not in inner:
+                continue  # not resident here
+            deadline = deadlines.get(key)
+            if deadline is None or deadline == was or deadline <= clock():
+                continue
+            if was is None:
+                inner.remove(key)
+            held[key] = deadline
+            heapq.heappush(heap, (deadline, key))
+            if len(held) > cap:
+                self._demote()
 
     def retained(self) -> int:
         self._expire()
