@@ -19,9 +19,10 @@ Deadlines are seconds on ``time.monotonic`` (CLOCK_MONOTONIC, the same for every
 pool keeps them in its shared index); replay passes the trace's clock.
 
 Costs: with nothing retained, one attribute test per call on top of the inner policy's. With keys retained, a dict
-lookup per key and a heap push per retained key; ``victims`` takes from retained keys only when the inner policy
-cannot give the run (then O(retained keys)). Bounds: the book's deadlines are capped at ``MAX_DEADLINES`` (the
-oldest go first), each tier's retained keys by its cap.
+lookup per key in C for a batch of keys none of which is held (``insert_all``, ``touch_all``: the rest go to the
+inner policy in one call), a heap push per retained key; ``victims`` asks the inner policy as if nothing were
+retained, and takes from retained keys only when it cannot give the run (then O(retained keys)). Bounds: the
+book's deadlines are capped at ``MAX_DEADLINES`` (the oldest go first), each tier's retained keys by its cap.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import filterfalse
 from typing import Protocol
 
 from kvoffload.index.base import IntegrityError
@@ -180,11 +182,16 @@ class RetainPolicy(Policy):
         self._inner.insert(key)
 
     def insert_all(self, keys: Iterable[OffloadKey]) -> None:
-        if not self.book.deadlines and not self._held:
-            self._inner.insert_all(keys)
-            return
-        for key in keys:
-            self.insert(key)
+        deadlines, held = self.book.deadlines, self._held
+        if deadlines or held:
+            keys = list(keys)
+            # A batch none of whose keys is retained or has a deadline (a request without a hint) goes to the inner
+            # policy whole, as with nothing retained: key by key, ``insert`` would hand each on alone.
+            if any(map(held.__contains__, keys)) or any(map(deadlines.__contains__, keys)):
+                for key in keys:
+                    self.insert(key)
+                return
+        self._inner.insert_all(keys)
 
     def touch(self, key: OffloadKey) -> None:
         if key in self._held:
@@ -193,11 +200,16 @@ class RetainPolicy(Policy):
             self._inner.touch(key)
 
     def touch_all(self, keys: Iterable[OffloadKey]) -> None:
-        if not self._held:
+        held = self._held
+        if not held:
             self._inner.touch_all(keys)
             return
-        for key in keys:
-            self.touch(key)
+        # The retained keys are counted and left out in C; the others go to the inner policy in one call, in order.
+        keys = list(keys)
+        rest = list(filterfalse(held.__contains__, keys))
+        self._counts.hits += len(keys) - len(rest)
+        if rest:
+            self._inner.touch_all(rest)
 
     def remove(self, key: OffloadKey) -> None:
         if self._held.pop(key, None) is None:
@@ -209,8 +221,10 @@ class RetainPolicy(Policy):
     def victims(self, n: int, can_evict: CanEvict) -> list[OffloadKey] | None:
         if self._held:
             self._expire()
-        if not self._held:
-            return self._inner.victims(n, can_evict)
+        got = self._inner.victims(n, can_evict)
+        if got is not None or not self._held:
+            return got
+        # The inner policy cannot give the run (it changed nothing): asked again, it names every key it may give.
         allowed: set[OffloadKey] = set()
         got = self._inner.victims(n, counting(can_evict, allowed))
         if got is not None:
@@ -246,10 +260,24 @@ class RetainPolicy(Policy):
 
     def retain(self, keys: Sequence[OffloadKey]) -> None:
         """The book has new deadlines for ``keys``: those resident here become (or stay) retained."""
-        inner, held = self._inner, self._held
+        if self._cap == 0:
+            return  # nothing is ever retained
+        # ``_hold`` inlined (a finished request's keys all come here again, each already retained).
+        inner, held, heap, deadlines, clock, cap = self._inner, self._held, self._heap, self.book.deadlines, \
+            self.book.clock, self._cap
         for key in keys:
-            if key in held or key in inner:
-                self._hold(key)
+            was = held.get(key)
+            if was is None and key not in inner:
+                continue  # not resident here
+            deadline = deadlines.get(key)
+            if deadline is None or deadline == was or deadline <= clock():
+                continue
+            if was is None:
+                inner.remove(key)
+            held[key] = deadline
+            heapq.heappush(heap, (deadline, key))
+            if len(held) > cap:
+                self._demote()
 
     def retained(self) -> int:
         self._expire()
@@ -261,8 +289,9 @@ class RetainPolicy(Policy):
     def _hold(self, key: OffloadKey) -> bool:
         """Retain ``key`` if the book has a deadline for it that has not passed (from the inner policy, if it was
         there); answers whether it did."""
-        deadline = self.book.deadline(key)
-        if deadline is None or self._cap == 0:
+        book = self.book
+        deadline = book.deadlines.get(key)  # book.deadline inlined: it runs for every hinted key stored
+        if deadline is None or deadline <= book.clock() or self._cap == 0:
             return False
         held = self._held
         if held.get(key) == deadline:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from kvoffload.config import EvictionPolicy
+from kvoffload.index.retention import RetainPolicy
 from kvoffload.tools.bench import manager as bench
 from kvoffload.tools.bench.common import Measurement, emit
 
@@ -120,3 +121,47 @@ def test_with_tenants_each_store_evicts_its_own_tenants_keys() -> None:
 def test_run_refuses_too_many_tenants(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench.run(_args("--tenants", "17")) == 2
     assert "--tenants 17 must be in [0, 16]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("policy", list(EvictionPolicy))
+def test_with_hints_both_hint_sides_are_compared_with_hints_off(policy: EvictionPolicy,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.run(_args("--json", "--policies", policy.value, "--hints")) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = doc["rows"]
+    assert doc["settings"]["hints"] is True
+    assert [r["operation"] for r in rows] == list(bench.OPERATIONS) * 2
+    assert {r["baseline_name"] for r in rows} == {f"kvoffload {policy.value}"}
+    assert [bench._hinted(r) for r in rows] == ["none"] * len(bench.OPERATIONS) + ["half"] * len(bench.OPERATIONS)
+    assert all(r["ratio"] > 0 for r in rows)
+
+
+def test_with_hints_and_no_hint_given_the_wrapper_holds_nothing() -> None:
+    work = bench.make_workload(128, 16, 32, 4, runs=1, reps=1)
+    side = bench.HintSide(32, EvictionPolicy.LRU, hinted=False, request=len(work.prompt))
+    side.fill(work.filler + work.prompt)
+    side.store_cycle(work.store_batches[0])
+    policy = side.manager.host_policy
+    assert isinstance(policy, RetainPolicy) and policy.retained() == 0 and not side.book.active
+
+
+def test_with_hints_half_hinted_the_prompt_is_retained_and_stores_retain_and_demote() -> None:
+    """The hinted side times the wrapper at work: the prompt retained, the tier at its cap (half of it), and
+    every other store held, each pushing an older retained key back to the inner policy, while every store still
+    evicts exactly its own size (``check_stores``)."""
+    work = bench.make_workload(128, 16, 32, 4, runs=1, reps=1)
+    side = bench.HintSide(32, EvictionPolicy.LRU, hinted=True, request=len(work.prompt))
+    side.fill(work.filler + work.prompt)
+    policy = side.manager.host_policy
+    assert isinstance(policy, RetainPolicy)
+    assert policy.retained() == 16 and all(key in policy._held for key in work.prompt)
+    side.store_cycle(work.store_batches[0])
+    held = [key for batch in work.store_batches[0][::2] for key in batch]
+    assert all(key in policy._held for key in held)
+    assert policy.counts().demoted == len(held) and policy.retained() == 16
+    side.manager.check_integrity()
+
+
+def test_run_refuses_tenants_and_hints_together(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.run(_args("--tenants", "2", "--hints")) == 2
+    assert "--tenants and --hints" in capsys.readouterr().err

@@ -116,3 +116,42 @@ def test_events_sides_are_measured_in_one_run_with_the_bytes_an_announced_block_
     published = [r for r in doc["rows"] if r["events"] == "published" and r["step_kind"] == "admission"]
     assert published[0]["mean_us_by_call"]["take_announcements"] > 0
     assert any("announced blocks keep" in note and "bytes each" in note for note in doc["notes"])
+
+
+def test_hints_sides_are_measured_in_one_run_each_beside_hints_off(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.run(_args("--json", "--hints")) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["settings"]["hints"] is True
+    assert {(r["hints"], r["step_kind"]) for r in doc["rows"]} == {
+        (side, kind) for side in bench.HINT_SIDES.values() for kind in ("admission", "decode", "finish")}
+    for r in doc["rows"]:
+        assert r["vs_off"] > 0
+        if r["hints"] == "off":
+            assert r["vs_off"] == 1.0
+    assert any("hints: off = max_retain_s 0" in note for note in doc["notes"])
+
+
+@pytest.mark.parametrize(("hints", "retained"), [(None, None), (False, 0), (True, 4 * 8)])
+def test_hint_sides_build_the_scheduler_they_name(hints: bool | None, retained: int | None) -> None:
+    """Hints off builds no retention at all; on with no hint holds nothing; every other request hinted keeps its
+    stored blocks (4 of 8 requests, 8 prompt blocks of 4 tokens each; the 4 tokens decoded never fill a stored
+    block, the last one never being computed), still without a hit."""
+    run = bench.SideRun(bench.Side(None, hints), 8, 32, 4, 3, seed=0)
+    try:
+        while run.engine.has_work:
+            run.step()
+        run.check_misses()
+        retention = run.engine.scheduler.retention
+        if retained is None:
+            assert retention is None
+        else:
+            assert [tier.retained() for tier in retention.book.tiers] == [retained]
+    finally:
+        run.shutdown()
+
+
+def test_sides_are_stepped_in_turn_on_engines_of_their_own() -> None:
+    samples = bench.run_sides([bench.Side(None, None), bench.Side(None, True)], 8, 32, 4, decode_steps=6)
+    assert len(samples) == 2
+    for side in samples:
+        assert side[0].kind == "admission" and side[-1].kind == "finish"

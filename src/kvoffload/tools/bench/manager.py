@@ -25,6 +25,11 @@ With ``--tenants N`` the comparison is ours with tenants on against ours without
 N named tenants and "other", each an equal share, the scheduler's bookkeeping timed with each store (whose the
 batch's keys are, assigned before ``prepare_store`` and cleared after); the tier is filled by every tenant in turn
 and each store batch is the next tenant's, so each store finds its tenant over its share and evicts its own.
+
+With ``--hints`` the comparison is ours with retention hints on against hints off (``max_retain_s`` 0: no
+``RetainPolicy`` wrapper), two rows per operation (``HintSide``): hints on with no request hinted (the wrapper passes
+every call through: what every deployment pays, hints being on by default), and every other request hinted (the
+prompt retained, the tier at its retained cap, every other store batch held first, the hold timed with its store).
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from kvoffload.tools.bench.common import (
     positive_int,
     summarize,
 )
-from kvoffload.tools.bench.manager_sides import OurSide, Side, TenantSide, VllmSide
+from kvoffload.tools.bench.manager_sides import HintSide, OurSide, Side, TenantSide, VllmSide
 
 VLLM_POLICIES = frozenset({EvictionPolicy.LRU, EvictionPolicy.ARC})
 """The policies vLLM's CPUOffloadingManager has: the baseline of the others is our own ARC manager."""
@@ -127,42 +132,51 @@ def _build(side: Callable[[int, EvictionPolicy], Side], work: Workload,
     return prompt_tier, store_tier
 
 
-def baseline(policy: EvictionPolicy, tenants: int = 0) -> tuple[Callable[[int, EvictionPolicy], Side], EvictionPolicy]:
-    """The side and policy ``policy`` is compared with: with tenants, ours without them; else vLLM's manager
-    with it, else our own with ARC."""
-    if tenants:
+def baseline(policy: EvictionPolicy, tenants: int = 0,
+             hints: bool = False) -> tuple[Callable[[int, EvictionPolicy], Side], EvictionPolicy]:
+    """The side and policy ``policy`` is compared with: with tenants or hints, ours without them; else vLLM's
+    manager with it, else our own with ARC."""
+    if tenants or hints:
         return OurSide, policy
     return (VllmSide, policy) if policy in VLLM_POLICIES else (OurSide, EvictionPolicy.ARC)
 
 
-def measure(work: Workload, policy: EvictionPolicy, runs: int, warmup: int,
-            progress: Progress | None = None, tenants: int = 0) -> list[dict[str, Any]]:
-    """One row per operation for ``policy``: calls per second of ours (with ``tenants`` tenants, if any) and of
-    its ``baseline``, and ours / its."""
-    base_side, base_policy = baseline(policy, tenants)
-    ours_side: Callable[[int, EvictionPolicy], Side] = OurSide
-    if tenants:
-        ours_side = functools.partial(TenantSide, tenants=tenants)
-    ours, base = _build(ours_side, work, policy), _build(base_side, work, base_policy)
-    samples: dict[str, dict[str, list[float]]] = {s: {op: [] for op in OPERATIONS} for s in ("ours", "baseline")}
+def candidates(work: Workload, tenants: int = 0, hints: bool = False) -> list[Callable[[int, EvictionPolicy], Side]]:
+    """The sides compared with the baseline, a row each per operation: ours (with tenants, if any), or with hints
+    on, no request hinted and every other one hinted."""
+    if hints:
+        return [functools.partial(HintSide, hinted=hinted, request=len(work.prompt)) for hinted in (False, True)]
+    return [functools.partial(TenantSide, tenants=tenants) if tenants else OurSide]
+
+
+def measure(work: Workload, policy: EvictionPolicy, runs: int, warmup: int, progress: Progress | None = None,
+            tenants: int = 0, hints: bool = False) -> list[dict[str, Any]]:
+    """One row per operation and candidate for ``policy``: calls per second of the candidate (ours, with
+    ``tenants`` tenants or ``hints`` if any) and of its ``baseline``, and candidate / baseline."""
+    base_side, base_policy = baseline(policy, tenants, hints)
+    sides = [_build(side, work, policy) for side in candidates(work, tenants, hints)]
+    sides.append(_build(base_side, work, base_policy))
+    samples: list[dict[str, list[float]]] = [{op: [] for op in OPERATIONS} for _ in sides]
     for run in range(warmup + runs):
-        order = [("ours", ours), ("baseline", base)]
-        for name, (prompt_tier, store_tier) in order if run % 2 == 0 else reversed(order):
-            seconds = _run_once(prompt_tier, store_tier, work, run)
+        # The order rotates run by run (with two sides: alternates), so every side runs first as often.
+        for i in [(run + j) % len(sides) for j in range(len(sides))]:
+            seconds = _run_once(*sides[i], work, run)
             if run >= warmup:
                 for op, s in seconds.items():
-                    samples[name][op].append(1.0 / s)
+                    samples[i][op].append(1.0 / s)
         if progress is not None:
             progress.advance(f"{policy.value} run {run + 1}")
+    base, base_samples = sides[-1][0], samples[-1]
     rows = []
-    for op in OPERATIONS:
-        if not samples["baseline"][op]:
-            continue  # the baseline has no such call (vLLM 0.34's manager has no touch)
-        ours_m, base_m = summarize(samples["ours"][op], "calls/s"), summarize(samples["baseline"][op], "calls/s")
-        ratios = [a / b for a, b in zip(samples["ours"][op], samples["baseline"][op], strict=True)]
-        rows.append({"operation": op, "policy": policy.value, "keys_per_call": _keys_per_call(op, work),
-                     "ours": ours_m, "baseline": base_m, "baseline_name": base[0].name,
-                     "ratio": statistics.median(ratios), "note": NOTES[op]})
+    for (ours, _), ours_samples in zip(sides[:-1], samples[:-1], strict=True):
+        for op in OPERATIONS:
+            if not base_samples[op]:
+                continue  # the baseline has no such call (vLLM 0.34's manager has no touch)
+            ours_m, base_m = summarize(ours_samples[op], "calls/s"), summarize(base_samples[op], "calls/s")
+            ratios = [a / b for a, b in zip(ours_samples[op], base_samples[op], strict=True)]
+            rows.append({"operation": op, "policy": policy.value, "keys_per_call": _keys_per_call(op, work),
+                         "ours": ours_m, "ours_name": ours.name, "baseline": base_m, "baseline_name": base.name,
+                         "ratio": statistics.median(ratios), "note": NOTES[op]})
     return rows
 
 
@@ -180,6 +194,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     names = ", ".join(p.value for p in EvictionPolicy)
     parser.add_argument("--tenants", type=int, default=0,
                         help="with N > 0: ours with N named tenants (and \"other\") against ours without tenants")
+    parser.add_argument("--hints", action="store_true",
+                        help="ours with retention hints on (no request hinted; every other one hinted) against "
+                             "ours with hints off")
     parser.add_argument("--policies", default="lru,arc",
                         help=f"comma-separated, of {names} (default lru,arc; vLLM has lru and arc, the others are "
                              "compared with our own arc)")
@@ -196,7 +213,10 @@ def run(args: argparse.Namespace) -> int:
     if args.tenants < 0 or args.tenants > MAX_TENANTS:
         print(f"kvoffload bench manager: --tenants {args.tenants} must be in [0, {MAX_TENANTS}]", file=sys.stderr)
         return 2
-    if VLLM_POLICIES.intersection(policies) and not args.tenants:
+    if args.tenants and args.hints:
+        print("kvoffload bench manager: --tenants and --hints are separate comparisons; give one", file=sys.stderr)
+        return 2
+    if VLLM_POLICIES.intersection(policies) and not args.tenants and not args.hints:
         try:
             import vllm.v1.kv_offload.cpu.manager  # noqa: F401 (fail early, with a clear message)
         except ImportError as e:
@@ -205,33 +225,43 @@ def run(args: argparse.Namespace) -> int:
             return 2
     progress = Progress("bench manager", len(policies) * (args.warmup + args.runs), enabled=not args.quiet)
     rows = [row for policy in policies
-            for row in measure(work, policy, args.runs, args.warmup, progress, args.tenants)]
+            for row in measure(work, policy, args.runs, args.warmup, progress, args.tenants, args.hints)]
     progress.close()
     emit(report(rows, args), args, plot=lambda path: _plot(path, rows))
     return 0
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> Report:
+    hints = getattr(args, "hints", False)
     table = format_table(
-        ("operation", "policy", "keys/call", "ours calls/s", "baseline", "baseline calls/s", "ratio", "spread ours",
-         "spread baseline"),
-        [(r["operation"], r["policy"], r["keys_per_call"], r["ours"].median, r["baseline_name"],
-          r["baseline"].median, r["ratio"], r["ours"].spread, r["baseline"].spread) for r in rows])
+        ("operation", "policy", *(("hinted",) if hints else ()), "keys/call", "ours calls/s", "baseline",
+         "baseline calls/s", "ratio", "spread ours", "spread baseline"),
+        [(r["operation"], r["policy"], *((_hinted(r),) if hints else ()), r["keys_per_call"], r["ours"].median,
+          r["baseline_name"], r["baseline"].median, r["ratio"], r["ours"].spread, r["baseline"].spread)
+         for r in rows])
     notes = (f"median of {args.runs} runs after {args.warmup} warm-up runs, sides interleaved; "
              f"ratio = median of per-run ours / baseline; spread = (max - min) / median",
              ("baseline: our manager with the same policy, tenants off; ours: with "
               f"{args.tenants} named tenants and other, equal shares" if args.tenants else
+              "baseline: our manager with the same policy, hints off (no wrapper); ours: hints on, with no request "
+              "hinted (none) or every other one (half: the prompt retained, the tier at its retained cap, every "
+              "other store batch held first, the hold timed with its store)" if hints else
               "baseline: vLLM's manager with the same policy where vLLM has it (lru, arc), else our manager with arc"),
              f"tier of {args.capacity} blocks, full; prompt {args.prompt_tokens} tokens in "
              f"{args.block_tokens}-token blocks; vLLM with events on (ours always records them)",
              *(f"{op}: {note}" for op, note in NOTES.items()))
     settings = {k: getattr(args, k) for k in ("runs", "warmup", "prompt_tokens", "block_tokens", "capacity",
-                                              "store_batch", "reps", "policies", "tenants")}
+                                              "store_batch", "reps", "policies", "tenants", "hints")}
     return Report("manager", rows, table, notes, settings)
 
 
+def _hinted(row: dict[str, Any]) -> str:
+    return "half" if "every other" in row["ours_name"] else "none"
+
+
 def _plot(path: str, rows: list[dict[str, Any]]) -> None:
-    labels = [f"{r['operation']} {r['policy']} vs {r['baseline_name']}" for r in rows]
+    labels = [f"{r['operation']} {r['policy']}{', ' + _hinted(r) + ' hinted' if 'hints' in r['ours_name'] else ''}"
+              f" vs {r['baseline_name']}" for r in rows]
     bar_plot(path, "scheduler-side calls per second", labels,
              {"kvoffload": [r["ours"].median for r in rows], "baseline": [r["baseline"].median for r in rows]},
              "calls/s")

@@ -1,6 +1,7 @@
 """The managers ``kvoffload bench manager`` drives (``manager.py``): our ``SlotIndex`` (``OurSide``), the same with
-tenants on (``TenantSide``), and vLLM's ``CPUOffloadingManager`` (``VllmSide``). Every timed method returns the
-seconds spent inside the manager's calls; both sides get the very same key objects."""
+tenants on (``TenantSide``) or retention hints on (``HintSide``), and vLLM's ``CPUOffloadingManager``
+(``VllmSide``). Every timed method returns the seconds spent inside the manager's calls; both sides get the very
+same key objects."""
 
 from __future__ import annotations
 
@@ -113,6 +114,51 @@ class TenantSide(OurSide):
                 return prepare(batch)
             finally:
                 book.clear()
+        return store
+
+
+class HintSide(OurSide):
+    """``OurSide`` with retention hints on, its policy built as the scheduler builds a tier's (``tier_policy``).
+
+    ``hinted`` False: no request gives a hint, so the wrapper passes every call through (what every deployment
+    pays with hints on by default). True: every other request is hinted, the scheduler's ``hold`` timed with its
+    store, as ``TenantSide`` times ``assign``: the fill holds every other run of ``request`` keys, the prompt's
+    included (the tier starts at its retained cap: half of it), and every other store batch is held, so stores
+    retain keys and push the oldest retained ones back to the inner policy.
+    """
+
+    RETAIN_S = 3600.0
+    """The hint's seconds: far longer than a run, so that no deadline passes while timed."""
+
+    def __init__(self, capacity: int, policy: EvictionPolicy, hinted: bool, request: int) -> None:
+        from kvoffload.config.tiers import RetentionConfig
+        from kvoffload.index.retention import RetentionBook
+        from kvoffload.index.slot_index import SlotIndex
+        from kvoffload.index.tier_policies import tier_policy
+
+        self.book = RetentionBook(RetentionConfig().share)
+        self.manager = SlotIndex(capacity, tier_policy(None, self.book, policy, capacity, "host"))
+        self.hinted, self.request = hinted, request
+        self.name = f"kvoffload {policy.value}, hints on, {'every other' if hinted else 'no'} request hinted"
+
+    def fill(self, keys: Sequence[OffloadKey]) -> None:
+        if self.hinted:  # from the end, so that the prompt's run (the last) is held
+            runs = [keys[max(0, end - self.request):end] for end in range(len(keys), 0, -self.request)]
+            for run in reversed(runs[::2]):  # oldest deadline first, as earlier requests would have been held
+                self.book.hold(run, self.book.clock() + self.RETAIN_S)
+        super().fill(keys)
+
+    def _prepare_store(self) -> Callable[[Sequence[OffloadKey]], PrepareStoreOutput | None]:
+        """The scheduler's part with hints on, timed with the store: every other batch held (at its request's
+        first lookup, before its store), then stored."""
+        prepare, book, turn = self.manager.prepare_store, self.book, itertools.count()
+        if not self.hinted:
+            return prepare
+
+        def store(batch: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
+            if next(turn) % 2 == 0:
+                book.hold(batch, book.clock() + self.RETAIN_S)
+            return prepare(batch)
         return store
 
 

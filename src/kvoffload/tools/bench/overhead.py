@@ -86,12 +86,13 @@ class StepSample:
 
 
 def build_engine(requests: int, prompt_tokens: int, block_size: int, decode_steps: int,
-                 events: bool | None = None) -> tuple[Any, CallTimer]:
+                 events: bool | None = None, hints: bool = True) -> tuple[Any, CallTimer]:
     """A SimEngine sized for ``requests`` running at once, its connector calls wrapped by a ``CallTimer``.
 
     ``events``: None, the engine asks for no KV events (the figures before router events existed); False, it asks
     for the tiers' events each step and publishes none (vLLM without ``--kv-events-config``); True, it publishes
-    them, each block described (``connector.announce``)."""
+    them, each block described (``connector.announce``). ``hints``: retention hints on (the default config) or off
+    (``max_retain_s`` 0: no retention book, no wrapper around the tiers' policies)."""
     from kvoffload.config import OffloadConfig
     from kvoffload.testing.layouts import attention_layout
     from kvoffload.testing.sim import SimEngine
@@ -101,7 +102,8 @@ def build_engine(requests: int, prompt_tokens: int, block_size: int, decode_step
     num_blocks = requests * blocks_per_request + 16
     layout, make_kv = attention_layout(2, num_blocks=num_blocks, block_size=block_size)
     slot_bytes = layout.group_block_bytes(0)
-    config = OffloadConfig.from_dict({"host_bytes": 2 * num_blocks * slot_bytes, "copy_threads": 1})
+    config = OffloadConfig.from_dict({"host_bytes": 2 * num_blocks * slot_bytes, "copy_threads": 1,
+                                      **({} if hints else {"max_retain_s": 0})})
     # An admission step takes a quarter of the requests, so admission is spread over several steps.
     engine = SimEngine(layout, make_kv, config, block_size=block_size,
                        max_batch_tokens=max(prompt_tokens, requests * prompt_tokens // 4),
@@ -116,42 +118,97 @@ def build_engine(requests: int, prompt_tokens: int, block_size: int, decode_step
     return engine, timer
 
 
+@dataclass(frozen=True)
+class Side:
+    """What one engine of a run does: ``events`` as ``build_engine``'s; ``hints`` None, hints off; False, on and no
+    request hinted (the default); True, on and every other request hinted (``HINT``)."""
+
+    events: bool | None = None
+    hints: bool | None = False
+
+
+HINT = {"kvoffload": {"retain_s": 600}}
+"""The hinted requests' ``kv_transfer_params``: far longer than a run, so that their blocks stay retained."""
+
+
+class SideRun:
+    """One side's engine, its requests added, stepped one step at a time; ``samples`` one per step."""
+
+    def __init__(self, side: Side, requests: int, prompt_tokens: int, block_size: int, decode_steps: int,
+                 seed: int) -> None:
+        self.side = side
+        self.engine, self.timer = build_engine(requests, prompt_tokens, block_size, decode_steps, side.events,
+                                               hints=side.hints is not None)
+        self.samples: list[StepSample] = []
+        self._limit = 10 * (requests + decode_steps)
+        rng = random.Random(seed)
+        describe = self.engine.scheduler.announcer.describe if self.engine.scheduler.announcer is not None else None
+        for i in range(requests):
+            request = self.engine.add_request(f"r{i}", [rng.randrange(1000) for _ in range(prompt_tokens)],
+                                              max_new_tokens=decode_steps + 1)
+            if side.hints and i % 2 == 0:
+                request.kv_transfer_params = HINT
+            if describe is not None:
+                # The engine hashes its blocks whether or not it publishes events (vLLM: as tokens arrive, for its
+                # prefix cache): not kvoffload's cost, so not in the timed calls.
+                describe.engine_hashes(request, prompt_tokens // block_size)
+
+    def step(self) -> str:
+        """One engine step, sampled; returns its kind."""
+        engine = self.engine
+        kind = "admission" if engine.waiting else "decode"
+        start = time.perf_counter()
+        report = engine.step()
+        if self.side.events is False:
+            engine.scheduler.take_events()  # vLLM asks every step, whether or not it publishes
+        step_s = time.perf_counter() - start
+        connector_s, by_call = self.timer.take()
+        self.samples.append(StepSample("finish" if report.finished else kind, connector_s, step_s, by_call))
+        if len(self.samples) > self._limit:
+            raise RuntimeError("bench overhead: the simulated engine did not finish")
+        return kind
+
+    def check_misses(self) -> None:
+        hits = sum(r.loaded_tokens for r in self.engine.requests.values())
+        if hits:
+            raise RuntimeError(f"bench overhead: {hits} tokens were loaded; the miss path must have no hits")
+
+    def shutdown(self) -> None:
+        for worker in self.engine.workers:
+            worker.shutdown()
+
+
+def run_sides(sides: list[Side], requests: int, prompt_tokens: int, block_size: int, decode_steps: int,
+              seed: int = 0, progress: Progress | None = None) -> list[list[StepSample]]:
+    """Admit ``requests`` distinct prompts, decode ``decode_steps`` tokens each, finish, on one engine per side,
+    the engines stepped in turn (the first to step rotating), so that every side sees the same machine load; one
+    sample per step per side."""
+    runs: list[SideRun] = []
+    try:
+        for side in sides:
+            runs.append(SideRun(side, requests, prompt_tokens, block_size, decode_steps, seed))
+        turn = 0
+        while any(r.engine.has_work for r in runs):
+            for i in range(len(runs)):
+                run = runs[(turn + i) % len(runs)]
+                if run.engine.has_work:
+                    kind = run.step()
+                    if progress is not None:
+                        progress.advance(kind)
+            turn += 1
+        for run in runs:
+            run.check_misses()
+    finally:
+        for run in runs:
+            run.shutdown()
+    return [run.samples for run in runs]
+
+
 def run_steps(requests: int, prompt_tokens: int, block_size: int, decode_steps: int, seed: int = 0,
               progress: Progress | None = None, events: bool | None = None) -> list[StepSample]:
     """Admit ``requests`` distinct prompts, decode ``decode_steps`` tokens each, finish; one sample per step
     (``events``: as ``build_engine``)."""
-    engine, timer = build_engine(requests, prompt_tokens, block_size, decode_steps, events)
-    rng = random.Random(seed)
-    describe = engine.scheduler.announcer.describe if engine.scheduler.announcer is not None else None
-    for i in range(requests):
-        request = engine.add_request(f"r{i}", [rng.randrange(1000) for _ in range(prompt_tokens)],
-                                     max_new_tokens=decode_steps + 1)
-        if describe is not None:
-            # The engine hashes its blocks whether or not it publishes events (vLLM: as tokens arrive, for its
-            # prefix cache): not kvoffload's cost, so not in the timed calls.
-            describe.engine_hashes(request, prompt_tokens // block_size)
-    samples = []
-    try:
-        while engine.has_work:
-            kind = "admission" if engine.waiting else "decode"
-            start = time.perf_counter()
-            report = engine.step()
-            if events is False:
-                engine.scheduler.take_events()  # vLLM asks every step, whether or not it publishes
-            step_s = time.perf_counter() - start
-            connector_s, by_call = timer.take()
-            samples.append(StepSample("finish" if report.finished else kind, connector_s, step_s, by_call))
-            if progress is not None:
-                progress.advance(kind)
-            if len(samples) > 10 * (requests + decode_steps):
-                raise RuntimeError("bench overhead: the simulated engine did not finish")
-        hits = sum(r.loaded_tokens for r in engine.requests.values())
-        if hits:
-            raise RuntimeError(f"bench overhead: {hits} tokens were loaded; the miss path must have no hits")
-    finally:
-        for worker in engine.workers:
-            worker.shutdown()
-    return samples
+    return run_sides([Side(events)], requests, prompt_tokens, block_size, decode_steps, seed, progress)[0]
 
 
 def summarize_steps(samples: list[StepSample], warmup: int) -> list[dict[str, Any]]:
@@ -191,6 +248,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--vs-vllm: rounds of admission, decode and finish per request count (default 5)")
     parser.add_argument("--prompt-tokens", type=positive_int, default=128, help="prompt length (default 128)")
     parser.add_argument("--block-size", type=positive_int, default=16, help="engine block size (default 16)")
+    parser.add_argument("--hints", action="store_true",
+                        help="three sides in one run: retention hints off (max_retain_s 0), on with no request "
+                             "hinted, on with every other request hinted; each row's connector time / hints off's")
     parser.add_argument("--events", action="store_true",
                         help="three sides in one run: no KV events asked for, events asked for and none published "
                              "(vLLM without --kv-events-config), router events published (each block described); "
@@ -205,22 +265,34 @@ def run(args: argparse.Namespace) -> int:
     # --runs is the number of timed decode steps; --warmup the decode steps left out before them. Requests admitted
     # early decode during the later admission steps, and finish early: ADMISSION_MARGIN keeps enough pure decode.
     decode_steps = args.runs + args.warmup + ADMISSION_MARGIN
-    sides: tuple[bool | None, ...] = (None, False, True) if args.events else (None,)
+    sides = [Side(events, hints) for events in ((None, False, True) if args.events else (None,))
+             for hints in ((None, False, True) if args.hints else (False,))]
     progress = Progress("bench overhead", len(sides) * _expected_steps(args, decode_steps), enabled=not args.quiet)
     rows = []
-    for events in sides:
-        samples = run_steps(args.requests, args.prompt_tokens, args.block_size, decode_steps, progress=progress,
-                            events=events)
+    for side, samples in zip(sides, run_sides(sides, args.requests, args.prompt_tokens, args.block_size,
+                                              decode_steps, progress=progress), strict=True):
         for row in summarize_steps(samples, args.warmup):
-            rows.append({"events": EVENT_SIDES[events], **row})
+            rows.append({"events": EVENT_SIDES[side.events], "hints": HINT_SIDES[side.hints], **row})
     progress.close()
+    if args.hints:
+        _compare_with_hints_off(rows)
     extra = [] if not args.events else [announced_block_bytes(args.requests, args.prompt_tokens, args.block_size)]
     emit(report(rows, args, extra), args, plot=lambda path: _plot(path, rows))
     return 0
 
 
+def _compare_with_hints_off(rows: list[dict[str, Any]]) -> None:
+    """Each row's ``vs_off``: its connector median over that of the same step kind and events with hints off."""
+    off = {(r["events"], r["step_kind"]): r["connector"].median for r in rows if r["hints"] == HINT_SIDES[None]}
+    for r in rows:
+        base = off.get((r["events"], r["step_kind"]))
+        r["vs_off"] = r["connector"].median / base if base else None
+
+
 EVENT_SIDES = {None: "not asked", False: "asked, off", True: "published"}
 """``--events``' sides: what the engine does with the tiers' events each step."""
+HINT_SIDES = {None: "off", False: "on, none", True: "on, half"}
+"""``--hints``' sides: retention hints off, on with no request hinted, on with every other request hinted."""
 
 
 def announced_block_bytes(requests: int, prompt_tokens: int, block_size: int) -> str:
@@ -268,21 +340,30 @@ def _expected_steps(args: argparse.Namespace, decode_steps: int) -> int:
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace, extra: list[str] | None = None) -> Report:
+    hints = getattr(args, "hints", False)
     table = format_table(
-        ("events", "steps", "kind", "connector us/step", "min", "max", "whole step us", "share",
-         "top calls (mean us)"),
-        [(r["events"], r["steps"], r["step_kind"], r["connector"].median, r["connector"].min, r["connector"].max,
-          r["step"].median, f"{r['share']:.0%}", _top(r["mean_us_by_call"])) for r in rows])
+        ("events", *(("hints",) if hints else ()), "steps", "kind", "connector us/step", "min", "max",
+         *(("vs off",) if hints else ()), "whole step us", "share", "top calls (mean us)"),
+        [(r["events"], *((r["hints"],) if hints else ()), r["steps"], r["step_kind"], r["connector"].median,
+          r["connector"].min, r["connector"].max, *((_ratio(r["vs_off"]),) if hints else ()), r["step"].median,
+          f"{r['share']:.0%}", _top(r["mean_us_by_call"])) for r in rows])
     decode = next((r for r in rows if r["step_kind"] == "decode"), None)
     verdict = "" if decode is None else (
         f"decode target < {TARGET_US:.0f} us/step: {'met' if decode['connector'].median < TARGET_US else 'missed'}"
         f" ({decode['connector'].median:.0f} us)")
     notes = (f"{args.requests} requests, {args.prompt_tokens}-token distinct prompts (no hits), block size "
              f"{args.block_size}; medians over steps; {args.warmup} decode steps of warm-up left out", verdict,
+             *(("hints: off = max_retain_s 0 (no retention book or wrapper); on, none = the default config, no "
+                "request hinted; on, half = every other request hinted (retain_s 600); vs off = connector median "
+                "/ hints off's, sides stepped in turn",) if hints else ()),
              *(extra or ()))
-    settings = {k: getattr(args, k) for k in ("runs", "warmup", "requests", "prompt_tokens", "block_size",
-                                              "events")}
+    settings = {k: getattr(args, k, False) for k in ("runs", "warmup", "requests", "prompt_tokens", "block_size",
+                                                     "events", "hints")}
     return Report("overhead", rows, table, notes, settings)
+
+
+def _ratio(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}x"
 
 
 def _top(calls: dict[str, float], n: int = 3) -> str:
@@ -290,7 +371,8 @@ def _top(calls: dict[str, float], n: int = 3) -> str:
 
 
 def _plot(path: str, rows: list[dict[str, Any]]) -> None:
-    bar_plot(path, "connector time per engine step", [f"{r['step_kind']} ({r['events']})" for r in rows],
+    labels = [f"{r['step_kind']} ({r['events']}, hints {r['hints']})" for r in rows]
+    bar_plot(path, "connector time per engine step", labels,
              {"connector": [r["connector"].median for r in rows], "whole step": [r["step"].median for r in rows]},
              "us/step")
 
