@@ -140,8 +140,8 @@ class RequestState:
     """Tokens the request had when first seen: its prompt."""
     retain_s: float | None = None
     """How long the request's blocks are to be kept (its retention hint, capped); None: no hint."""
-    held: bool = False
-    """Its prompt's blocks were held (at its first lookup)."""
+    held_at: float | None = None
+    """When its prompt's blocks were held (at its first lookup; the retention book's clock); None: not yet."""
     _framed_extra: bytes | None = None
     _keys: list[list[OffloadKey]] = field(default_factory=list)
 

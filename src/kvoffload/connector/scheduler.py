@@ -135,10 +135,10 @@ class ConnectorScheduler:
         """
         state = self._state(request)
         self._usage_moved = True  # a lookup may reserve host room for a promotion
-        if state.retain_s is not None and not state.held and self.retention is not None and not state.ambiguous:
+        if state.retain_s is not None and state.held_at is None and self.retention is not None \
+                and not state.ambiguous:
             # Before the lookup: a block an earlier turn left is then kept from this turn on, a new one as stored.
-            state.held = True
-            self.retention.hold(state, state.prompt_tokens // self.offload_tokens, range(self.num_groups))
+            self.retention.hold_prompt(state, state.prompt_tokens // self.offload_tokens, range(self.num_groups))
         return self._loads.lookup(request, state, num_computed_tokens)
 
     def may_hit(self, request: EngineRequest) -> bool:
@@ -221,8 +221,9 @@ class ConnectorScheduler:
         if (state := self._requests.pop(req_id, None)) is not None:
             if state.retain_s is not None and self.retention is not None and not state.ambiguous:
                 # The pause the hint covers starts now: every block of the request, its output's too.
-                self.retention.hold(state, len(state.request.all_token_ids) // self.offload_tokens,
-                                    range(self.num_groups))
+                self.retention.hold_finished(state, state.prompt_tokens // self.offload_tokens,
+                                             len(state.request.all_token_ids) // self.offload_tokens,
+                                             range(self.num_groups))
             self._jobs.fence(state)
             self._generation += 1
             if self._trace is not None:

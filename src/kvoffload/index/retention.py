@@ -63,7 +63,7 @@ class RetainTier(Protocol):
     """The tier's name in figures ("host", "disk", ...)."""
 
     def retain(self, keys: Sequence[OffloadKey]) -> None:
-        """The book has new deadlines for ``keys``: resident ones become (or stay) retained."""
+        """The book has new deadlines for ``keys``: those resident here become (or stay) retained."""
         ...
 
     def retained(self) -> int:
@@ -262,22 +262,14 @@ class RetainPolicy(Policy):
         """The book has new deadlines for ``keys``: those resident here become (or stay) retained."""
         if self._cap == 0:
             return  # nothing is ever retained
-        # ``_hold`` inlined (a finished request's keys all come here again, each already retained).
-        inner, held, heap, deadlines, clock, cap = self._inner, self._held, self._heap, self.book.deadlines, \
-            self.book.clock, self._cap
+        inner, held, deadlines, now = self._inner, self._held, self.book.deadlines, self.book.clock()
         for key in keys:
             was = held.get(key)
             if was is None and key not in inner:
                 continue  # not resident here
             deadline = deadlines.get(key)
-            if deadline is None or deadline == was or deadline <= clock():
-                continue
-            if was is None:
-                inner.remove(key)
-            held[key] = deadline
-            heapq.heappush(heap, (deadline, key))
-            if len(held) > cap:
-                self._demote()
+            if deadline is not None and deadline != was and deadline > now:
+                self._place(key, deadline, was is None)
 
     def retained(self) -> int:
         self._expire()
@@ -293,17 +285,22 @@ class RetainPolicy(Policy):
         deadline = book.deadlines.get(key)  # book.deadline inlined: it runs for every hinted key stored
         if deadline is None or deadline <= book.clock() or self._cap == 0:
             return False
-        held = self._held
-        if held.get(key) == deadline:
-            return True
-        if key not in held:
+        was = self._held.get(key)
+        if was != deadline:
+            self._place(key, deadline, was is None)
+        return key in self._held
+
+    def _place(self, key: OffloadKey, deadline: float, from_inner: bool) -> None:
+        """``key`` is retained until ``deadline`` (taken from the inner policy if ``from_inner``); past the cap, a
+        retained key becomes ordinary."""
+        if from_inner:
             self._inner.remove(key)
+        held = self._held
         held[key] = deadline
         heapq.heappush(self._heap, (deadline, key))
         heapq.heappush(self._demote_heap, (-self.book.spans.get(key, 0.0), deadline, key))
         if len(held) > self._cap:
             self._demote()
-        return key in held
 
     def _demote(self) -> None:
         """The cap is passed: the key with the longest hint (of those, the oldest deadline) becomes ordinary.
