@@ -39,7 +39,7 @@ SESSION_HINT = {"kvoffload": {"retain_s": 600}}
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("sessions")
-    extra = {"host_bytes": HOST_BLOCKS * BLOCK_BYTES, "max_retain_s": MAX_RETAIN_S}
+    extra: dict[str, object] = {"host_bytes": HOST_BLOCKS * BLOCK_BYTES, "max_retain_s": MAX_RETAIN_S}
     settings = ServerSettings(model_dir, BLOCK_SIZE, DEVICE_BLOCKS, MAX_MODEL_LEN, "bfloat16", extra)
     with Server(settings, tmp / "server.log") as running:
         yield running
