@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +24,7 @@ from typing import Any
 
 import pytest
 from tests.e2e.conftest import BLOCK_SIZE, DEVICE_BLOCKS, MAX_MODEL_LEN
-from tests.e2e.test_tenants import BLOCK_BYTES, HOST_BLOCKS, assert_same_completion, series
+from tests.e2e.test_tenants import BLOCK_BYTES, HOST_BLOCKS, ROOT, assert_same_completion, read_line, series
 
 from kvoffload.tools.bench.serve_server import Server, ServerSettings
 
@@ -34,6 +36,11 @@ FLOOD_TOKENS = 7 * BLOCK_SIZE
 FLOODS = 6  # 42 new blocks: the host tier over twice, the device cache (15 blocks) many times
 MAX_RETAIN_S = 900
 SESSION_HINT = {"kvoffload": {"retain_s": 600}}
+POOL_BLOCKS = 24
+"""The node pool's slots. The other engine (an in-process ``vllm.LLM``) stops stepping when a prompt is answered,
+so that prompt's stores are still in flight, their slots no victims, when the next prompt of the flood reserves its
+own: the pool must hold the 6 retained blocks and two prompts of the flood (14 blocks), or the sweep, finding no
+other victim, takes retained ones (as it should; with 16 slots it took 4 of the 6). 42 blocks still flood it."""
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +125,73 @@ def test_a_hint_above_max_retain_s_is_capped_and_counted(server: Server) -> None
     assert after["capped"] - before["capped"] == 1
     assert after["received"] - before["received"] == 1  # a capped hint is a received one too
     assert after["ignored"] == before["ignored"]
+
+
+# ---- the node pool: the hint given on one engine, the session resumed on the other ----------------------------------
+
+
+class Flooder:
+    """The other engine (``tier_engine``'s flood mode, in its own process) on the node pool the server uses."""
+
+    def __init__(self, engine: subprocess.Popen[str]) -> None:
+        assert engine.stdin is not None
+        self.engine, self.stdin = engine, engine.stdin
+
+    def turn(self, prompt: list[int], salt: str, hint: dict[str, Any] | None) -> list[int]:
+        """Serve one turn of a session (the hint passed as the OpenAI server passes it); its answer's tokens."""
+        spec = {"prompt": prompt, "salt": salt, **({"kv_transfer_params": hint} if hint is not None else {})}
+        self._send(json.dumps(spec))
+        token_ids: list[int] = json.loads(read_line(self.engine))["token_ids"]
+        return token_ids
+
+    def flood(self, seed: int) -> None:
+        self._send(str(seed))
+        assert read_line(self.engine) == "flooded\n"
+
+    def _send(self, line: str) -> None:
+        self.stdin.write(line + "\n")
+        self.stdin.flush()
+
+
+class PoolTurns:
+    """Turn 1 and the flood on the other engine, turn 2 through the server: the server's completion of turn 2, and
+    the tokens it loaded."""
+
+    def __init__(self, server: Server, other: Flooder, salt: str, hint: dict[str, Any] | None, seed: int) -> None:
+        rng = random.Random(7)  # the same tokens in every session: only the salt and the hint differ
+        prompt = [rng.randrange(10, 1000) for _ in range(PREFIX_TOKENS)]
+        answer = other.turn(prompt, salt, hint)
+        other.flood(seed)  # new blocks every time: each flood its own seed
+        question = [rng.randrange(10, 1000) for _ in range(QUESTION_TOKENS)]
+        before = series(server, "hit_tokens_total")
+        self.second = complete(server, prompt + answer + question, salt, hint)
+        self.second_loaded = series(server, "hit_tokens_total") - before
+
+
+def test_on_a_node_pool_a_session_hinted_on_one_engine_resumes_on_the_other_after_a_flood(
+        model_dir: Path, node_path: Path, tmp_path: Path) -> None:
+    extra: dict[str, object] = {"host_bytes": POOL_BLOCKS * BLOCK_BYTES, "host_scope": "node",
+                                "node_path": str(node_path), "max_retain_s": MAX_RETAIN_S}
+    spec = {"extra_config": extra, "rounds": [], "announce": True,
+            "flood": {"salt": "flood", "prompts": FLOODS, "tokens": FLOOD_TOKENS}}
+    with open(tmp_path / "other.log", "w") as log:
+        engine = subprocess.Popen([sys.executable, "-m", "tests.e2e.tier_engine", str(model_dir), json.dumps(spec)],
+                                  cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
+        try:
+            other = Flooder(engine)
+            settings = ServerSettings(model_dir, BLOCK_SIZE, DEVICE_BLOCKS, MAX_MODEL_LEN, "bfloat16", extra)
+            with Server(settings, tmp_path / "server.log") as running:  # starts beside the other engine
+                assert read_line(engine) == "serving\n"
+                control = PoolTurns(running, other, "control", None, seed=1)
+                assert control.second_loaded == 0  # the other engine's flood evicted turn 1's blocks from the pool
+                retained_hits = series(running, "retained_hit_blocks_total", tier="host")
+                session = PoolTurns(running, other, "session", SESSION_HINT, seed=2)
+                assert session.second_loaded >= PREFIX_TOKENS  # held in the pool by the other engine's hint
+                assert_same_completion(session.second, control.second)
+                # The pool's figures, every engine's blocks counted: the server's turn 2 used the retained blocks.
+                assert series(running, "retained_hit_blocks_total", tier="host") - retained_hits >= (
+                    PREFIX_TOKENS // BLOCK_SIZE)
+        finally:
+            engine.stdin.close()  # type: ignore[union-attr]
+            engine.wait(timeout=120)
+    assert engine.returncode == 0
