@@ -9,6 +9,11 @@ hint above ``max_retain_s`` do not fail their requests and are counted as ignore
 One server serves every test here (a server costs tens of seconds to start on two cores). The control and the
 hinted session run the same tokens under different ``cache_salt``s: the salt makes their blocks distinct, so the
 control's turn 2, computed, is what the hinted turn 2, loaded, must match.
+
+The same on a node pool with two engines: turn 1 and the flood run on another engine (``tier_engine``'s flood
+mode, in its own process, the hint in ``extra_args`` as the OpenAI server passes it), turn 2 through the server;
+the deadline lives in the pool's shared index, so the other engine's hint keeps the blocks through its own flood.
+This test starts its own server and engine (last in the module, while the first server idles).
 """
 
 from __future__ import annotations
