@@ -13,7 +13,10 @@ other is done); with ``"hold_before": [i, ...]`` it prints ``round i`` before ro
 ``round_counters`` the same after each round. With ``"flood": {"salt": S, "prompts": N, "tokens": T}`` it serves
 no rounds: it prints ``serving`` once up, then for each line on its stdin (its text the seed) serves N new prompts
 of T random tokens with the cache salt S, printing ``flooded`` after each, until its stdin closes
-(test_tenants.py's flooding tenant).
+(test_tenants.py's flooding tenant); a line that is a JSON object ``{"prompt": [...], "salt": S,
+"kv_transfer_params": {...}}`` (the last optional) is one turn of a session instead: it serves that prompt (8 greedy
+tokens, ``kv_transfer_params`` passed as vLLM's OpenAI server passes it) and prints ``{"token_ids": [...]}``
+(test_sessions.py's other engine).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 
 import vllm
 from tests.e2e.conftest import close, generate, make_llm, metric, prompts
+from vllm.inputs import TokensPrompt
 
 
 def main(model_dir: str, request: str) -> None:
@@ -65,12 +69,24 @@ def flood(llm: vllm.LLM, spec: dict[str, Any], result_fd: int) -> None:
     """Serve a round of new salted prompts for each line read (its text their seed), until stdin closes."""
     params = vllm.SamplingParams(temperature=0.0, max_tokens=1)
     for line in sys.stdin:
+        if line.startswith("{"):
+            turn(llm, json.loads(line), result_fd)
+            continue
         rng = random.Random(int(line))
         for _ in range(spec["prompts"]):
-            prompt = {"prompt_token_ids": [rng.randrange(10, 1000) for _ in range(spec["tokens"])],
-                      "cache_salt": spec["salt"]}
-            llm.generate([prompt], params, use_tqdm=False)  # type: ignore[list-item]
+            prompt = TokensPrompt(prompt_token_ids=[rng.randrange(10, 1000) for _ in range(spec["tokens"])],
+                                  cache_salt=spec["salt"])
+            llm.generate([prompt], params, use_tqdm=False)
         os.write(result_fd, b"flooded\n")
+
+
+def turn(llm: vllm.LLM, spec: dict[str, Any], result_fd: int) -> None:
+    """Serve one turn of a session; its hint, if any, rides in ``extra_args`` as the OpenAI server puts it."""
+    extra = {"kv_transfer_params": spec["kv_transfer_params"]} if "kv_transfer_params" in spec else None
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=8, extra_args=extra)
+    prompt = TokensPrompt(prompt_token_ids=spec["prompt"], cache_salt=spec["salt"])
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    os.write(result_fd, (json.dumps({"token_ids": list(out.outputs[0].token_ids)}) + "\n").encode())
 
 
 def counters(llm: vllm.LLM) -> dict[str, float]:
