@@ -1,28 +1,29 @@
 """Retention hints (docs/sessions.md): a request may ask that its blocks stay for a while, and every tier keeps
 them after its other blocks until then.
 
-``RetentionBook`` holds the deadlines the scheduler was given: a key's deadline is when the hint that named it last
-runs out (``hold``: the prompt's keys when a hinted request is looked up, its new keys when they are stored). Every
-tier that honours hints wraps its policy in a ``RetainPolicy`` on the book (``retain_policy``; with tenants on, one
-per tenant, inside the tenant's share: index/tenants.py) or, like the node pool, keeps deadlines of its own, and
-registers with the book as a ``RetainTier``.
+``RetentionBook`` holds the deadlines the scheduler was given: a key's deadline is when the latest hint that named
+it runs out (``hold``: a hinted request's prompt keys at its first lookup, its keys again when it finishes:
+connector/retention.py). Every tier that honours hints wraps its policy in a ``RetainPolicy`` on the book
+(index/tier_policies.py; with tenants on, one per tenant, inside the tenant's share) or, like the node pool, keeps
+deadlines of its own, and registers with the book as a ``RetainTier``.
 
 ``RetainPolicy``'s rule: a resident key whose deadline has not passed is *retained*: the inner policy does not see
 it, so every unretained key of the tier (of the tenant, with tenants on) goes first, in the inner policy's order;
 retained keys then go oldest deadline first. A tier's retained keys are capped (``share`` of what the policy is
 sized for): one over the cap makes the key with the longest hint ordinary (of equal hints, the oldest deadline's:
-``_demote`` says why). A key whose deadline passes joins the
-inner policy as if stored then (its use before the pause is not remembered: the hint stood for it). With no
-deadline given, every call goes straight to the inner policy: the order is the inner policy's, key for key.
+``_demote`` says why). A key whose deadline passes joins the inner policy as if stored then (its use before the
+pause is not remembered: the hint stood for it). With no deadline given, every call goes straight to the inner
+policy: the order is the inner policy's, key for key.
 
 Deadlines are seconds on ``time.monotonic`` (CLOCK_MONOTONIC, the same for every process of a machine: the node
 pool keeps them in its shared index); replay passes the trace's clock.
 
 Costs: with nothing retained, one attribute test per call on top of the inner policy's. With keys retained, a dict
 lookup per key in C for a batch of keys none of which is held (``insert_all``, ``touch_all``: the rest go to the
-inner policy in one call), a heap push per retained key; ``victims`` asks the inner policy as if nothing were
-retained, and takes from retained keys only when it cannot give the run (then O(retained keys)). Bounds: the
-book's deadlines are capped at ``MAX_DEADLINES`` (the oldest go first), each tier's retained keys by its cap.
+inner policy in one call), two heap pushes per retained key (deadline order, demotion order); ``victims`` asks
+the inner policy as if nothing were retained, and takes from retained keys only when it cannot give the run (then
+O(retained keys)). Bounds: the book's deadlines are capped at ``MAX_DEADLINES`` (the oldest go first), each
+tier's retained keys by its cap.
 """
 
 from __future__ import annotations
@@ -344,10 +345,4 @@ def retention_book_of(policy: Policy | None) -> RetentionBook | None:
     return first.book if isinstance(first, RetainPolicy) else None
 
 
-def retain_policy(inner: Policy, book: RetentionBook | None, size: int, tier: str | None = None) -> Policy:
-    """``inner`` wrapped to honour hints on ``book`` (``inner`` itself with hints off: ``book`` None)."""
-    return inner if book is None else RetainPolicy(inner, book, size, tier)
-
-
-__all__ = ["MAX_DEADLINES", "RetainCounts", "RetainPolicy", "RetainTier", "RetentionBook", "retain_policy",
-           "retention_book_of"]
+__all__ = ["MAX_DEADLINES", "RetainCounts", "RetainPolicy", "RetainTier", "RetentionBook", "retention_book_of"]
