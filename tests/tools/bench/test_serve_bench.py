@@ -159,7 +159,10 @@ def test_a_small_run_serves_both_sides_with_hits_and_leaves_nothing_behind(tmp_p
     names = {series.partition("{")[0] for series in fresh}
     assert {"vllm:kvoffload_hit_tokens_total", "vllm:kvoffload_failed_load_tokens_total",
             "vllm:kvoffload_transfer_failed_jobs_total", "vllm:kvoffload_host_used_bytes"} <= names
-    assert len(fresh) == 8 + 4 * 2 + 1 and not any(fresh.values())  # tokens and store counts, per direction, host
+    # Tokens and store counts, per direction, host; and with hints on (the default) three hint outcomes and the
+    # host's four retention series (retained bytes, hit, demoted and evicted blocks).
+    assert len(fresh) == 8 + 4 * 2 + 1 + 3 + 4 and not any(fresh.values())
+    assert {"vllm:kvoffload_retention_hints_total", "vllm:kvoffload_retained_bytes"} <= names
     # kvoffload's lines in the server's log read like vLLM's own: level, time, logger name.
     log = (tmp_path / "kvoffload.log").read_text()
     assert re.search(r"\(\S+ pid=\d+\) INFO \d\d-\d\d [\d:]+ \[kvoffload\.integrations\.vllm\.connector:\d+\] "
