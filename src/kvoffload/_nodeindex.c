@@ -380,16 +380,12 @@ static void cap_retained(Seg *s, uint64_t cap, uint64_t now) {
     PyMem_Free(held);
 }
 
-/* Retained slots now (resident, deadline not passed), read without the lock: a figure. */
+/* Retained slots, read without the lock: the header's count of resident slots with a deadline (one that passed
+ * counts until a sweep or a store meets it), bounded by the pool. O(1): the scheduler reads it with its step's
+ * figures, and a scan of every slot there would cost a large pool milliseconds a step. */
 static uint64_t count_retained(Seg *s) {
-    uint64_t now = now_ms(), count = 0;
-    if (!__atomic_load_n(&s->h->retained, __ATOMIC_RELAXED)) return 0;
-    for (uint64_t i = 0; i < s->n; i++) {
-        const Slot *sl = &s->slots[i];
-        uint64_t d = __atomic_load_n(&sl->deadline, __ATOMIC_RELAXED);
-        count += d > now && holds_key(sl);
-    }
-    return count;
+    uint64_t count = __atomic_load_n(&s->h->retained, __ATOMIC_RELAXED);
+    return count < s->n ? count : s->n; /* a damaged count is a wrong figure, never a wrong bound */
 }
 
 /* Map a buffer; 0 with an exception set (Damaged) when it is not, or no longer, a segment this module made. */
@@ -1244,7 +1240,7 @@ static uint64_t deadline_at(const Py_buffer *deadlines, Py_ssize_t i) {
 }
 
 static int check_deadlines(const Py_buffer *deadlines, const Py_buffer *keys) {
-    if (deadlines->obj && deadlines->len && deadlines->len / 8 * KEY != keys->len) {
+    if (deadlines->obj && deadlines->len && (deadlines->len % 8 || deadlines->len / 8 * KEY != keys->len)) {
         PyErr_Format(PyExc_ValueError, "%zd deadline bytes for %zd keys", deadlines->len, keys->len / KEY);
         return 0;
     }

@@ -13,9 +13,9 @@ from kvoffload.index.base import IntegrityError
 from kvoffload.index.policies import LRUPolicy
 from kvoffload.index.policies.base import CanEvict, Policy, any_key
 from kvoffload.index.policies.registry import make_policy
-from kvoffload.index.retention import RetainPolicy, RetentionBook, retention_book_of
+from kvoffload.index.retention import RetainPolicy, RetentionBook
 from kvoffload.index.tenants import TenantBook
-from kvoffload.index.tier_policies import tier_policy
+from kvoffload.index.tier_policies import retention_book_of, tier_policy
 from kvoffload.keys import OffloadKey, offload_key
 from kvoffload.testing.policy_conformance import POLICY_CHECKS
 

@@ -32,8 +32,9 @@ from kvoffload.connector.stores import StoreAdmitter, StoreScan
 from kvoffload.connector.tenants import make_tenants
 from kvoffload.index.admission import make_admission
 from kvoffload.index.base import NO_STORE_COUNTS, BlockIndex, OffloadEvent, TierUsage
-from kvoffload.index.retention import RetentionBook, retention_book_of
+from kvoffload.index.retention import RetentionBook
 from kvoffload.index.tenants import TenantBook, TenantPolicy
+from kvoffload.index.tier_policies import retention_book_of
 from kvoffload.keys import Namespace
 from kvoffload.layout import KVCacheLayout
 from kvoffload.tiers.sizing import host_slot_bytes, offload_factor

@@ -56,6 +56,11 @@ class RetainCounts:
     demoted: int = 0
     evicted: int = 0
 
+    def add(self, other: RetainCounts) -> None:
+        self.hits += other.hits
+        self.demoted += other.demoted
+        self.evicted += other.evicted
+
 
 class RetainTier(Protocol):
     """A tier keeping retained keys on a ``RetentionBook``."""
@@ -335,14 +340,4 @@ class RetainPolicy(Policy):
             heapq.heapify(self._demote_heap)
 
 
-def retention_book_of(policy: Policy | None) -> RetentionBook | None:
-    """The book a tier's policy honours hints on (the tier's own wrapper, or its first tenant's), if any: for an
-    index built elsewhere (tests, tools)."""
-    if isinstance(policy, RetainPolicy):
-        return policy.book
-    inners = getattr(policy, "inners", None)
-    first = inners()[0] if inners is not None else None
-    return first.book if isinstance(first, RetainPolicy) else None
-
-
-__all__ = ["MAX_DEADLINES", "RetainCounts", "RetainPolicy", "RetainTier", "RetentionBook", "retention_book_of"]
+__all__ = ["MAX_DEADLINES", "RetainCounts", "RetainPolicy", "RetainTier", "RetentionBook"]

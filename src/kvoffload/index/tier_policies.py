@@ -57,13 +57,19 @@ class TenantsRetention:
     def counts(self) -> RetainCounts:
         total = RetainCounts()
         for inner in self._retaining():
-            c = inner.counts()
-            total.hits, total.demoted, total.evicted = total.hits + c.hits, total.demoted + c.demoted, \
-                total.evicted + c.evicted
+            total.add(inner.counts())
         return total
 
     def _retaining(self) -> list[RetainPolicy]:
         return [inner for inner in self._policy.inners() if isinstance(inner, RetainPolicy)]
 
 
-__all__ = ["TenantsRetention", "tier_policy"]
+def retention_book_of(policy: Policy | None) -> RetentionBook | None:
+    """The book a tier's policy honours hints on (its own wrapper, or its tenants' wrappers), if any: for an index
+    built elsewhere (tests, tools)."""
+    if isinstance(policy, TenantPolicy):
+        policy = policy.inners()[0]
+    return policy.book if isinstance(policy, RetainPolicy) else None
+
+
+__all__ = ["TenantsRetention", "retention_book_of", "tier_policy"]
